@@ -1,0 +1,5 @@
+"""``python -m trio_llm ...`` is the ``trio-llm`` command."""
+
+from trio_llm.cli import main
+
+main()

@@ -1,0 +1,59 @@
+"""The ASGI application: OpenAI-compatible routes plus /health."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from trio_llm.api.errors import APIError, install_error_handlers
+from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
+from trio_llm.api.serving import OpenAIServing
+
+
+def build_app(serving: OpenAIServing, is_serving: Callable[[], bool]) -> FastAPI:
+    """Build the app around a ready engine.
+
+    Args:
+        serving: the completion handlers (engine, tokenizer, model names).
+        is_serving: False once the server is stopping; /health then answers 503.
+    """
+    app = FastAPI(title="trio_llm", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    engine = serving.engine
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_alive and is_serving():
+            return Response(status_code=200)
+        reason = str(engine.error) if engine.error else "the server is shutting down"
+        return APIError(503, reason, type="service_unavailable_error").response()
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "trio_llm",
+                "root": engine.info.model_dir,
+                "parent": None,
+                "max_model_len": engine.info.max_model_len,
+            }
+            for name in serving.model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request.receive)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request.receive)
+
+    return app

@@ -1,0 +1,80 @@
+"""Running a handler's work only while its client is still connected.
+
+Under hypercorn a client that hangs up is reported as an ASGI ``http.disconnect`` message
+(hypercorn reads the socket while the app runs and also turns a failed write into a
+disconnect). The work runs in a nursery next to a task that waits for that message and
+cancels the work, so the request's ``open_request`` block exits and aborts it in the
+engine. Nothing here relies on the app noticing a failed write itself, though a write
+error would cancel the work the same way, by propagating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return once the ASGI server reports that the client disconnected."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_while_connected(receive: Receive, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Run ``work()``; cancel it and return None if the client disconnects first."""
+    result: list[T] = []
+
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            await wait_for_disconnect(receive)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        result.append(await work())
+        nursery.cancel_scope.cancel()
+    return result[0] if result else None
+
+
+Emit = Callable[[str], Awaitable[None]]
+
+
+class EventStreamResponse(Response):
+    """A ``text/event-stream`` response whose events come from ``produce(emit)``.
+
+    ``emit(data)`` sends one ``data: <data>`` event. If the client disconnects, ``produce``
+    is cancelled (and whatever it holds open is closed by its own ``async with`` blocks).
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]]) -> None:
+        # Not Response.__init__: it would declare a Content-Length for an empty body.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._produce = produce
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+
+        async def emit(data: str) -> None:
+            body = f"data: {data}\n\n".encode()
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
+        async def produce() -> bool:
+            await self._produce(emit)
+            return True
+
+        if await run_while_connected(receive, produce):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

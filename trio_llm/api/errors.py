@@ -1,0 +1,102 @@
+"""OpenAI-style error responses: ``{"error": {"message", "type", "param", "code"}}``.
+
+The shape and the ``type`` values follow the OpenAI API reference (``invalid_request_error``
+for 4xx caused by the request, ``server_error`` for 5xx).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    """An error to answer with ``status`` and an OpenAI-style body.
+
+    Args:
+        status: HTTP status code.
+        message: what went wrong, for a human.
+        type: ``invalid_request_error``, ``not_found_error``, ``server_error``, ...
+        param: the request field at fault, if one is.
+        code: a short machine-readable code (e.g. ``model_not_found``), if any.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        """The JSON response."""
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """``{"error": {...}}`` as the OpenAI API returns it."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param=param)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return message, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the app produces use the OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return APIError(500, message, type="server_error").response()

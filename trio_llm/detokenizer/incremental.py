@@ -1,0 +1,87 @@
+"""Token ids in, text deltas out, one request at a time.
+
+Decoding each new token on its own is wrong in two ways: a character whose UTF-8 bytes
+span several byte-level tokens decodes to U+FFFD until its last byte arrives, and
+SentencePiece-style decoders drop the leading space of the first token they see. So we
+keep a small window of tokens: ``prefix_offset .. read_offset`` is text already emitted
+(used only as context), ``read_offset ..`` is new. Each step decodes the window with and
+without the new tokens and emits the difference, unless that difference ends in an
+incomplete character (U+FFFD), in which case it is held back until more tokens arrive or
+the request finishes. The window starts with the last few prompt tokens, so the first
+output token keeps its leading space.
+
+The concatenated deltas equal the text of the output tokens as the tokenizer decodes them
+in the context of the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+#: Prompt tokens used as decoding context for the first output tokens.
+PROMPT_CONTEXT_TOKENS = 5
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text deltas.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer`` (the fast backend of a HF tokenizer).
+        prompt_token_ids: the request's prompt; its tail is decoding context.
+        skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._tokens: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._num_context = len(context)
+        self.text = ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Output tokens received so far."""
+        return self._tokens[self._num_context :]
+
+    def add_tokens(self, token_ids: Sequence[int], *, finished: bool = False) -> str:
+        """Append output tokens and return the text that became certain.
+
+        Args:
+            token_ids: new output tokens, oldest first (may be empty).
+            finished: no more tokens will come; held-back text is released as is.
+
+        Returns:
+            The new text (possibly empty). Also appended to ``self.text``.
+        """
+        delta = []
+        for token in token_ids:
+            self._tokens.append(token)
+            delta.append(self._advance(force=False))
+        if finished and self._read_offset < len(self._tokens):
+            delta.append(self._advance(force=True))
+        text = "".join(delta)
+        self.text += text
+        return text
+
+    def _advance(self, *, force: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix = decode(self._tokens[self._prefix_offset : self._read_offset], self._skip)
+        full = decode(self._tokens[self._prefix_offset :], self._skip)
+        if len(full) > len(prefix) and (force or not full.endswith(REPLACEMENT_CHAR)):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._tokens)
+            return full[len(prefix) :]
+        return ""

@@ -1,0 +1,215 @@
+"""EngineCore: scheduler + model runner + sampler behind a synchronous, I/O-free `step()`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from trio_llm.engine.attention import ATTENTION_NAME, KVCache
+from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.model_runner import ModelRunner
+from trio_llm.engine.request import Request
+from trio_llm.engine.sampler import Sampler
+from trio_llm.engine.scheduler import Scheduler
+from trio_llm.messages import (
+    AddRequest,
+    EngineReady,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    StepStats,
+)
+
+
+class EngineConfigError(Exception):
+    """The engine configuration cannot work with this model (e.g. KV cache too small)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine derived from the model and its configuration."""
+
+    model_dir: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    dtype: str
+
+
+class EngineCore:
+    """Continuous-batching inference over one model; every method is synchronous.
+
+    ``step()`` does no I/O: the caller (the engine loop) feeds requests in with
+    `add_request` / `abort` between steps and ships what `step` returns.
+
+    Args:
+        model: causal LM loaded with ``attn_implementation=ATTENTION_NAME``.
+        config: engine configuration (cache size, scheduler limits, seed).
+        model_dir: where the model came from (reported to the server).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        mconf = model.config
+        max_model_len = config.model.max_model_len or mconf.max_position_embeddings
+        if max_model_len > mconf.max_position_embeddings:
+            raise EngineConfigError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings {mconf.max_position_embeddings}"
+            )
+        num_kv_heads = mconf.num_key_value_heads
+        head_dim = (
+            getattr(mconf, "head_dim", None) or mconf.hidden_size // mconf.num_attention_heads
+        )
+        dtype = next(model.parameters()).dtype
+        block_size = config.cache.block_size
+        num_layers = mconf.num_hidden_layers
+        num_blocks = config.cache.num_kv_blocks
+        if num_blocks is None:
+            memory = config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            per_block = KVCache.bytes_per_block(
+                num_layers, block_size, num_kv_heads, head_dim, dtype
+            )
+            num_blocks = memory // per_block
+        if num_blocks * block_size < max_model_len:
+            raise EngineConfigError(
+                f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of "
+                f"{block_size}), fewer than max_model_len={max_model_len}; give more "
+                "--kv-cache-memory / --num-kv-blocks or a smaller --max-model-len"
+            )
+
+        eos = mconf.eos_token_id
+        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos_ids = {*_as_list(eos), *_as_list(generation_eos)}
+        self.info = ModelInfo(
+            model_dir=model_dir,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            eos_token_ids=frozenset(eos_ids),
+            vocab_size=mconf.vocab_size,
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        self.kv_cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, max_model_len, self.info.eos_token_ids
+        )
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.sampler = Sampler(config.model.seed)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        """Resolve and load the model named in ``config``, then build the core.
+
+        Raises:
+            trio_llm.model_loader.ModelNotFoundError: nothing loadable at ``config.model``.
+            EngineConfigError: the cache or context settings do not fit the model.
+        """
+        from trio_llm.model_loader import load_model, resolve_model_dir
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_dir = resolve_model_dir(config.model.model, config.cache_dir())
+        model = load_model(model_dir, config.model.dtype, ATTENTION_NAME)
+        return cls(model, config, str(model_dir))
+
+    def ready_message(self, pid: int) -> EngineReady:
+        """The `EngineReady` message describing this core."""
+        info = self.info
+        return EngineReady(
+            model_dir=info.model_dir,
+            max_model_len=info.max_model_len,
+            num_kv_blocks=info.num_kv_blocks,
+            block_size=info.block_size,
+            eos_token_ids=sorted(info.eos_token_ids),
+            vocab_size=info.vocab_size,
+            dtype=info.dtype,
+            pid=pid,
+        )
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, message: AddRequest) -> RequestOutput | None:
+        """Queue a request; returns a finished-with-error output if it is rejected."""
+        error = self._check(message)
+        if error is not None:
+            return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
+        self.scheduler.add(Request(message.request_id, message.prompt_token_ids, message.params))
+        return None
+
+    def _check(self, message: AddRequest) -> str | None:
+        prompt = message.prompt_token_ids
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.info.max_model_len:
+            return (
+                f"the prompt has {len(prompt)} tokens; max_model_len is "
+                f"{self.info.max_model_len} and one token must remain for the output"
+            )
+        if min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
+            return f"prompt token ids must be in [0, {self.info.vocab_size})"
+        try:
+            message.params.validate()
+        except ValueError as exc:
+            return str(exc)
+        if message.request_id in self.scheduler:
+            return f"duplicate request id {message.request_id!r}"
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests and free their KV blocks; unknown ids are ignored."""
+        self.scheduler.abort(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.num_unfinished > 0
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> StepOutputs:
+        """Schedule, run the model once, sample, and report new tokens and finished requests."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if not batch.is_empty():
+            requests, logits = self.runner.execute(batch)
+            tokens = self.sampler(logits, requests)
+            sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+            self.scheduler.update(batch, sampled)
+            outputs = [
+                RequestOutput(r.request_id, [t], r.finish_reason)
+                for r, t in zip(requests, tokens, strict=True)
+            ]
+        stats = StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_scheduled_reqs=len(batch.requests),
+            num_scheduled_tokens=batch.num_tokens,
+            num_prefill_tokens=sum(n for _, n in batch.requests if n > 1),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_preemptions=batch.num_preemptions,
+            step_seconds=time.perf_counter() - start,
+        )
+        return StepOutputs(outputs, stats)
+
+    def warm_up(self) -> None:
+        """Run a short prefill and a few decode steps through the whole stack, then free them."""
+        prompt_len = min(2 * self.info.block_size + 3, self.info.max_model_len - 4)
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        self.scheduler.add(Request("__warmup__", [0] * max(prompt_len, 1), params))
+        while self.has_unfinished_requests():
+            self.step()
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return list(value)

@@ -1,0 +1,146 @@
+"""The engine-core process's only I/O: read requests, run steps in a worker thread, send outputs.
+
+Trio runs in the child too. One task reads messages from the server as they arrive (also
+while a step computes), another applies them between steps and runs `EngineCore.step` in a
+worker thread, so the event loop stays responsive. Aborts that arrive during a step take
+effect right after it; the server drops any output for a request it already aborted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import traceback
+
+import cloudpickle
+import trio
+
+from trio_llm import ipc
+from trio_llm.config import EngineConfig
+from trio_llm.engine.core import EngineCore
+from trio_llm.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    Shutdown,
+    StepOutputs,
+    StepStats,
+    ToEngine,
+)
+
+
+async def run_engine_core(stream: trio.abc.Stream) -> int:
+    """Serve one API server over ``stream`` until it says `Shutdown` or closes; exit status.
+
+    The first frame is the pickled `EngineConfig`. The model is then loaded and warmed up
+    (in a worker thread) before `EngineReady` is sent. Any failure is reported with
+    `EngineFailed` before returning 1.
+    """
+    channel = ipc.engine_channel(stream)
+    try:
+        return await _run(channel)
+    except BaseException as exc:
+        if _server_gone(exc):
+            return 1  # the server closed the channel; nobody to tell
+        raise
+
+
+def _server_gone(exc: BaseException) -> bool:
+    """True if ``exc`` (or every leaf of an exception group) says the channel is closed."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_server_gone(e) for e in exc.exceptions)
+    return isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError)
+
+
+async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
+    frame = await channel.framed.receive_frame()
+    if frame is None:
+        return 0
+    config: EngineConfig = cloudpickle.loads(frame)
+    try:
+        core = await trio.to_thread.run_sync(_build_core, config)
+    except Exception as exc:
+        await _report_failure(channel, f"engine start-up failed: {exc}")
+        return 1
+    await channel.send(core.ready_message(os.getpid()))
+    try:
+        await _serve(core, channel)
+    except Exception as exc:
+        if _server_gone(exc):
+            raise
+        traceback.print_exc()
+        await _report_failure(channel, f"engine step failed: {type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+def _build_core(config: EngineConfig) -> EngineCore:
+    core = EngineCore.from_config(config)
+    core.warm_up()
+    return core
+
+
+async def _report_failure(channel: ipc.MessageChannel, message: str) -> None:
+    print(f"trio-llm engine: {message}", flush=True, file=sys.stderr)
+    try:
+        await channel.send(EngineFailed(message))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+async def _serve(core: EngineCore, channel: ipc.MessageChannel[ToEngine]) -> None:
+    inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_read_messages, channel, inbox_send)
+        while True:
+            if not core.has_unfinished_requests():
+                try:
+                    message = await inbox.receive()
+                except trio.EndOfChannel:
+                    break
+                if not await _apply(core, channel, message):
+                    break
+            if not await _apply_pending(core, channel, inbox):
+                break
+            if core.has_unfinished_requests():
+                outputs = await trio.to_thread.run_sync(core.step)
+                if outputs.outputs:
+                    await channel.send(outputs)
+        nursery.cancel_scope.cancel()
+
+
+async def _read_messages(
+    channel: ipc.MessageChannel[ToEngine], inbox: trio.MemorySendChannel[ToEngine]
+) -> None:
+    async with inbox:
+        while (message := await channel.receive()) is not None:
+            await inbox.send(message)
+
+
+async def _apply_pending(
+    core: EngineCore, channel: ipc.MessageChannel, inbox: trio.MemoryReceiveChannel[ToEngine]
+) -> bool:
+    """Apply every message already received; False once it is time to exit."""
+    while True:
+        try:
+            message = inbox.receive_nowait()
+        except trio.WouldBlock:
+            return True
+        except trio.EndOfChannel:
+            return False
+        if not await _apply(core, channel, message):
+            return False
+
+
+async def _apply(core: EngineCore, channel: ipc.MessageChannel, message: ToEngine) -> bool:
+    if isinstance(message, AddRequest):
+        rejected = core.add_request(message)
+        if rejected is not None:
+            stats = StepStats(0, 0, 0, 0, 0, 0, 0, 0.0)
+            await channel.send(StepOutputs([rejected], stats))
+    elif isinstance(message, AbortRequests):
+        core.abort(message.request_ids)
+    elif isinstance(message, Shutdown):
+        return False
+    return True

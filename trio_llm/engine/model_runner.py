@@ -1,0 +1,118 @@
+"""Turns a scheduled batch into one forward pass of the transformers model.
+
+All scheduled tokens of all requests are packed into a single sequence (batch size 1,
+no padding): single-token requests (decode) first, then prefill chunks. Positions are
+given explicitly; keys and values go to the paged cache through `paged_attention`.
+Logits are computed only at the last packed token of each request whose sequence is then
+fully computed (the ones that sample a token this step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trio_llm.engine.attention import KVCache, PagedAttentionMetadata, PrefillSpan
+from trio_llm.engine.block_manager import cdiv
+from trio_llm.engine.request import Request
+from trio_llm.engine.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    """Runs a causal LM loaded with ``attn_implementation=ATTENTION_NAME`` over a `KVCache`.
+
+    Args:
+        model: a transformers causal LM (e.g. ``LlamaForCausalLM``) on the CPU.
+        kv_cache: the paged cache this runner writes to.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
+        """Run one forward pass over the batch.
+
+        Returns:
+            The requests that sample this step and their next-token logits, float32
+            ``[len(requests), vocab_size]`` (row ``i`` belongs to request ``i``).
+        """
+        bs = self.block_size
+        decodes = [request for request, n in batch.requests if n == 1]
+        chunks = [(request, n) for request, n in batch.requests if n > 1]
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        for request in decodes:
+            pos = request.num_computed_tokens
+            input_ids.append(request.token_ids[pos])
+            positions.append(pos)
+            slots.append(request.block_table[pos // bs] * bs + pos % bs)
+            if pos + 1 == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(request)
+
+        decode_blocks = decode_mask = None
+        if decodes:
+            max_blocks = max(cdiv(r.num_computed_tokens + 1, bs) for r in decodes)
+            table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+            for row, request in enumerate(decodes):
+                blocks = request.block_table[:max_blocks]
+                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            decode_blocks = table.view(-1)
+            lengths = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
+            key_pos = torch.arange(max_blocks * bs)
+            decode_mask = torch.zeros(len(decodes), 1, 1, max_blocks * bs)
+            decode_mask.masked_fill_(
+                (key_pos[None, :] >= lengths[:, None])[:, None, None], -torch.inf
+            )
+
+        spans = []
+        chunk_slots = []
+        for request, num_new in chunks:
+            start = request.num_computed_tokens
+            end = start + num_new
+            table = torch.tensor(request.block_table, dtype=torch.long)
+            context = torch.arange(end)
+            context_slots = table[context // bs] * bs + context % bs
+            chunk_slots.append(context_slots[start:])
+            spans.append(
+                PrefillSpan(
+                    start=len(input_ids),
+                    num_new=num_new,
+                    context_len=end,
+                    slots=context_slots if start > 0 else None,
+                )
+            )
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            if end == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(request)
+
+        slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long), *chunk_slots])
+        metadata = PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=slot_mapping,
+            num_decode=len(decodes),
+            decode_blocks=decode_blocks,
+            decode_mask=decode_mask,
+            prefills=spans,
+            workspace=self._workspace,
+        )
+        # At least one row of logits keeps shapes simple when every chunk is mid-prompt.
+        keep = sample_rows or [len(input_ids) - 1]
+        output = self.model(
+            input_ids=torch.tensor([input_ids]),
+            position_ids=torch.tensor([positions]),
+            logits_to_keep=torch.tensor(keep),
+            use_cache=False,
+            paged=metadata,
+        )
+        logits = output.logits[0].float()
+        return sample_requests, logits[: len(sample_requests)]

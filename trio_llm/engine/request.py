@@ -1,0 +1,76 @@
+"""The engine's view of one request: its tokens, progress and KV blocks."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from trio_llm.messages import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """A request inside the engine core.
+
+    Attributes:
+        token_ids: prompt followed by every sampled token (the sequence the model sees).
+        num_prompt_tokens: length of the prompt part of ``token_ids``.
+        num_computed_tokens: how many leading tokens have their keys/values in the KV cache.
+            Reset to 0 on preemption (the request is recomputed later).
+        block_table: KV block ids holding tokens ``[i * block_size, (i + 1) * block_size)``.
+        generator: per-request RNG when ``params.seed`` is set (CPU), else None.
+    """
+
+    __slots__ = (
+        "block_table",
+        "finish_reason",
+        "generator",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "params",
+        "request_id",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens sampled so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose keys/values are not yet in the KV cache."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

