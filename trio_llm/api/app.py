@@ -8,6 +8,7 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from trio_llm.api import metrics
 from trio_llm.api.errors import APIError, install_error_handlers
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
 from trio_llm.api.serving import OpenAIServing
@@ -31,6 +32,12 @@ def build_app(serving: OpenAIServing, is_serving: Callable[[], bool]) -> FastAPI
             return Response(status_code=200)
         reason = str(engine.error) if engine.error else "the server is shutting down"
         return APIError(503, reason, type="service_unavailable_error").response()
+
+    registry = metrics.make_registry(engine, serving.model_names[0])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -13,7 +13,7 @@ from trio_llm.engine.block_manager import BlockManager
 from trio_llm.engine.model_runner import ModelRunner
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
-from trio_llm.engine.scheduler import Scheduler
+from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
 from trio_llm.messages import (
     AddRequest,
     EngineReady,
@@ -186,17 +186,22 @@ class EngineCore:
                 RequestOutput(r.request_id, [t], r.finish_reason)
                 for r, t in zip(requests, tokens, strict=True)
             ]
-        stats = StepStats(
+        stats = self.stats(batch, time.perf_counter() - start)
+        return StepOutputs(outputs, stats)
+
+    def stats(self, batch: ScheduledBatch | None = None, step_seconds: float = 0.0) -> StepStats:
+        """Scheduler and cache state now, with the counts of ``batch`` if a step just ran."""
+        requests = batch.requests if batch is not None else []
+        return StepStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_scheduled_reqs=len(batch.requests),
-            num_scheduled_tokens=batch.num_tokens,
-            num_prefill_tokens=sum(n for _, n in batch.requests if n > 1),
+            num_scheduled_reqs=len(requests),
+            num_scheduled_tokens=sum(n for _, n in requests),
+            num_prefill_tokens=sum(n for _, n in requests if n > 1),
             num_free_blocks=self.block_manager.num_free_blocks,
-            num_preemptions=batch.num_preemptions,
-            step_seconds=time.perf_counter() - start,
+            num_preemptions=batch.num_preemptions if batch is not None else 0,
+            step_seconds=step_seconds,
         )
-        return StepOutputs(outputs, stats)
 
     def warm_up(self) -> None:
         """Run a short prefill and a few decode steps through the whole stack, then free them."""

@@ -25,7 +25,6 @@ from trio_llm.messages import (
     EngineFailed,
     Shutdown,
     StepOutputs,
-    StepStats,
     ToEngine,
 )
 
@@ -93,8 +92,13 @@ async def _serve(core: EngineCore, channel: ipc.MessageChannel[ToEngine]) -> Non
     inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_read_messages, channel, inbox_send)
+        reported_idle = True
         while True:
             if not core.has_unfinished_requests():
+                if not reported_idle:
+                    # Aborts can empty the engine without a step; say so (frees show up).
+                    await channel.send(StepOutputs([], core.stats()))
+                    reported_idle = True
                 try:
                     message = await inbox.receive()
                 except trio.EndOfChannel:
@@ -104,9 +108,8 @@ async def _serve(core: EngineCore, channel: ipc.MessageChannel[ToEngine]) -> Non
             if not await _apply_pending(core, channel, inbox):
                 break
             if core.has_unfinished_requests():
-                outputs = await trio.to_thread.run_sync(core.step)
-                if outputs.outputs:
-                    await channel.send(outputs)
+                await channel.send(await trio.to_thread.run_sync(core.step))
+                reported_idle = False
         nursery.cancel_scope.cancel()
 
 
@@ -137,8 +140,7 @@ async def _apply(core: EngineCore, channel: ipc.MessageChannel, message: ToEngin
     if isinstance(message, AddRequest):
         rejected = core.add_request(message)
         if rejected is not None:
-            stats = StepStats(0, 0, 0, 0, 0, 0, 0, 0.0)
-            await channel.send(StepOutputs([rejected], stats))
+            await channel.send(StepOutputs([rejected], core.stats()))
     elif isinstance(message, AbortRequests):
         core.abort(message.request_ids)
     elif isinstance(message, Shutdown):

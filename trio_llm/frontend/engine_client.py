@@ -12,7 +12,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
@@ -111,7 +111,6 @@ class EngineStats:
     num_multi_request_steps: int = 0
     num_preemptions: int = 0
     last: StepStats | None = None
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 class EngineClient:
@@ -249,8 +248,8 @@ class EngineClient:
 
     # ------------------------------------------------------------ lifetime
 
-    async def stop(self, timeout: float) -> None:
-        """Fail open requests, tell the engine to exit, and give it ``timeout`` seconds.
+    async def stop(self, grace_period: float) -> None:
+        """Fail open requests, tell the engine to exit, and give it ``grace_period`` seconds.
 
         After the deadline the process runner stops waiting and escalates (SIGTERM, then
         SIGKILL). Idempotent.
@@ -266,4 +265,4 @@ class EngineClient:
                     await self._channel.send(Shutdown())
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-        self.stop_scope.deadline = min(self.stop_scope.deadline, trio.current_time() + timeout)
+        self.stop_scope.deadline = min(self.stop_scope.deadline, trio.current_time() + grace_period)
