@@ -68,7 +68,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    # The top-level field; deeper parts name union members ("str", "list[int]"), not fields.
+    param = loc[0] if loc else None
     message = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None

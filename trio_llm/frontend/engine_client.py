@@ -218,6 +218,7 @@ class EngineClient:
     def _deliver(self, message: StepOutputs) -> None:
         stats = self.stats
         step = message.stats
+        stats.last = step
         if step.num_scheduled_reqs:
             stats.num_steps += 1
             stats.max_num_scheduled_reqs = max(
@@ -225,7 +226,6 @@ class EngineClient:
             )
             stats.num_multi_request_steps += step.num_scheduled_reqs > 1
             stats.num_preemptions += step.num_preemptions
-            stats.last = step
         for output in message.outputs:
             box = self._mailboxes.get(output.request_id)
             if box is None:

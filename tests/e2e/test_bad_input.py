@@ -1,0 +1,126 @@
+"""Bad requests get OpenAI-style 4xx errors and disturb nothing else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.e2e.conftest import MODEL
+
+CHAT = [{"role": "user", "content": "hi"}]
+LONG_PROMPT = "word " * 9000  # about 9,000 tokens, past the 8,192-token context
+
+CASES: list[tuple[str, str, Any, int, str | None]] = [
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("prompt too long", "/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "max_tokens past context",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 9000},
+        400,
+        "max_tokens",
+    ),
+    (
+        "negative temperature",
+        "/v1/completions",
+        {"prompt": "hi", "temperature": -0.5},
+        400,
+        "temperature",
+    ),
+    ("top_p zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "/v1/chat/completions", {"messages": CHAT, "top_p": 1.5}, 400, "top_p"),
+    ("prompt wrong type", "/v1/completions", {"prompt": 12}, 400, "prompt"),
+    (
+        "max_tokens wrong type",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": "many"},
+        400,
+        "max_tokens",
+    ),
+    ("stream wrong type", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("token id out of range", "/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
+    ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "x"}]},
+        400,
+        None,
+    ),
+    (
+        "chat max_tokens 0",
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
+    ("unsupported n", "/v1/completions", {"prompt": "hi", "n": 3}, 400, "n"),
+    ("unsupported stop", "/v1/completions", {"prompt": "hi", "stop": ["\n"]}, 400, "stop"),
+    ("missing prompt", "/v1/completions", {}, 400, "prompt"),
+    ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_input_gets_an_openai_error(
+    base_url: str, path: str, body: dict, status: int, param: str | None
+) -> None:
+    response = httpx.post(f"{base_url}{path}", json={"model": MODEL, **body}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize("payload", [b"{not json", b"[1, 2]", b"", b"\xff\xfe"])
+def test_malformed_bodies_get_400(base_url: str, payload: bytes) -> None:
+    response = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        content=payload,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_route_is_an_openai_404(base_url: str) -> None:
+    response = httpx.get(f"{base_url}/v1/nothing-here", timeout=30)
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
+async def test_bad_requests_do_not_disturb_a_request_in_flight(base_url: str) -> None:
+    good = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        alone = (await client.post("/v1/completions", json=good)).json()["choices"][0]["text"]
+        results: dict[str, Any] = {}
+
+        async def run_good() -> None:
+            results["good"] = (await client.post("/v1/completions", json=good)).json()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_good)
+            for _, path, body, status, _ in CASES:
+                response = await client.post(path, json={"model": MODEL, **body})
+                assert response.status_code == status
+        assert results["good"]["choices"][0]["text"] == alone
+        assert (await client.get("/health")).status_code == 200

@@ -1,0 +1,146 @@
+"""Continuous-batching policy: budgets, chunked prefill, joining, finishing, preemption."""
+
+from __future__ import annotations
+
+from trio_llm.config import SchedulerConfig
+from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.request import Request, RequestStatus
+from trio_llm.engine.scheduler import Scheduler
+from trio_llm.messages import SamplingParams
+
+EOS = 2
+
+
+def _scheduler(
+    *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        BlockManager(num_blocks, block_size),
+        max_model_len=1000,
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 100, **params: object) -> Request:
+    return Request(
+        rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **params)
+    )
+
+
+def _step(scheduler: Scheduler, token: int = 7) -> tuple[list[tuple[str, int]], list[Request]]:
+    """Schedule, pretend the model ran, sample ``token`` for every completed sequence."""
+    batch = scheduler.schedule()
+    sampled = {
+        r.request_id: token for r, n in batch.requests if r.num_computed_tokens + n == r.num_tokens
+    }
+    finished = scheduler.update(batch, sampled)
+    return [(r.request_id, n) for r, n in batch.requests], finished
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget() -> None:
+    scheduler = _scheduler(budget=10)
+    scheduler.add(_request("a", 25))
+    assert _step(scheduler)[0] == [("a", 10)]
+    assert _step(scheduler)[0] == [("a", 10)]
+    assert _step(scheduler)[0] == [("a", 5)]  # last chunk samples the first token
+    assert _step(scheduler)[0] == [("a", 1)]  # decode
+    assert scheduler.running[0].num_output_tokens == 2
+
+
+def test_decodes_come_first_and_new_requests_fill_the_rest_of_the_budget() -> None:
+    scheduler = _scheduler(budget=8)
+    scheduler.add(_request("a", 3))
+    assert _step(scheduler)[0] == [("a", 3)]
+    scheduler.add(_request("b", 20))
+    scheduler.add(_request("c", 2))
+    # a decodes (1 token), b takes the remaining 7 as its first chunk; c waits for budget.
+    assert _step(scheduler)[0] == [("a", 1), ("b", 7)]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_a_request_joins_the_running_batch_at_the_next_step() -> None:
+    scheduler = _scheduler()
+    scheduler.add(_request("a", 4))
+    scheduler.add(_request("b", 4))
+    _step(scheduler)
+    _step(scheduler)
+    scheduler.add(_request("c", 4))
+    scheduled, _ = _step(scheduler)
+    assert scheduled == [("a", 1), ("b", 1), ("c", 4)]
+
+
+def test_max_num_seqs_caps_the_running_batch() -> None:
+    scheduler = _scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add(_request(name, 2))
+    scheduled, _ = _step(scheduler)
+    assert [rid for rid, _ in scheduled] == ["a", "b"]
+    assert len(scheduler.running) == 2
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_finished_requests_leave_at_once_and_free_their_blocks() -> None:
+    scheduler = _scheduler(num_blocks=8)
+    scheduler.add(_request("eos", 3))
+    scheduler.add(_request("len", 3, max_tokens=2))
+    scheduler.add(_request("stop", 3, stop_token_ids=(9,)))
+    free_before = scheduler.block_manager.num_free_blocks
+
+    batch = scheduler.schedule()
+    finished = scheduler.update(batch, {"eos": EOS, "len": 5, "stop": 9})
+    assert {r.request_id: r.finish_reason for r in finished} == {"eos": "stop", "stop": "stop"}
+    assert [r.request_id for r in scheduler.running] == ["len"]
+
+    _, finished = _step(scheduler, token=5)
+    assert [(r.request_id, r.finish_reason) for r in finished] == [("len", "length")]
+    assert scheduler.running == []
+    assert scheduler.block_manager.num_free_blocks == free_before
+    assert scheduler.num_unfinished == 0
+
+
+def test_ignore_eos_keeps_generating() -> None:
+    scheduler = _scheduler()
+    scheduler.add(_request("a", 2, max_tokens=3, ignore_eos=True))
+    finished = []
+    for _ in range(3):
+        finished += _step(scheduler, token=EOS)[1]
+    assert [(r.request_id, r.finish_reason, r.num_output_tokens) for r in finished] == [
+        ("a", "length", 3)
+    ]
+
+
+def test_the_newest_request_is_preempted_when_blocks_run_out_and_recomputed_later() -> None:
+    # 4 blocks of 2 tokens: two requests of 3 prompt tokens take 2 blocks each.
+    scheduler = _scheduler(num_blocks=4, block_size=2)
+    scheduler.add(_request("old", 3))
+    scheduler.add(_request("new", 3))
+    _step(scheduler)  # both prefilled: 4 tokens in the sequence each, 3 computed
+    _step(scheduler)  # both decode their 4th token: still 2 blocks each
+    assert scheduler.block_manager.num_free_blocks == 0
+
+    batch = scheduler.schedule()  # "old" needs a 3rd block for its 5th token
+    assert batch.num_preemptions == 1
+    assert [(r.request_id, n) for r, n in batch.requests] == [("old", 1)]
+    new = scheduler.waiting[0]
+    assert new.request_id == "new"
+    assert new.status is RequestStatus.WAITING
+    assert new.num_computed_tokens == 0 and new.block_table == []
+    assert new.num_output_tokens == 2  # its outputs are kept and recomputed
+    scheduler.update(batch, {"old": 7})
+
+    scheduler.abort(["old"])
+    scheduled, _ = _step(scheduler)
+    assert scheduled == [("new", 5)]  # prompt + both outputs recomputed in one chunk
+
+
+def test_abort_removes_waiting_and_running_requests_and_frees_blocks() -> None:
+    scheduler = _scheduler(num_blocks=8, max_num_seqs=1)
+    scheduler.add(_request("run", 3))
+    scheduler.add(_request("wait", 3))
+    _step(scheduler)
+    aborted = scheduler.abort(["run", "wait", "unknown"])
+    assert sorted(r.request_id for r in aborted) == ["run", "wait"]
+    assert scheduler.running == [] and not scheduler.waiting
+    assert scheduler.block_manager.num_free_blocks == 8
+    assert scheduler.schedule().is_empty()

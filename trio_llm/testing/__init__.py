@@ -1,0 +1,1 @@
+"""Helpers shipped for tests and benchmarks (tiny models, process inspection)."""

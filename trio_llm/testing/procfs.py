@@ -1,0 +1,79 @@
+"""Process inspection through /proc (Linux), for tests that prove nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may contain spaces.
+    return text[text.rindex(")") + 2 :].split()
+
+
+def is_running(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid``, or None if it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields is not None else None
+
+
+def descendants(pid: int) -> set[int]:
+    """Every living process whose ancestry leads to ``pid`` (not ``pid`` itself)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            ppid = parent_pid(int(entry))
+            if ppid is not None and is_running(int(entry)):
+                children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def command_line(pid: int) -> str:
+    """The process's argv joined by spaces ('' if it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def engine_children(pid: int | None = None) -> set[int]:
+    """Living engine-core processes descended from ``pid`` (default: this process)."""
+    root = os.getpid() if pid is None else pid
+    return {p for p in descendants(root) if "trio_llm.engine" in command_line(p)}
+
+
+async def wait_for_exit(pid: int) -> None:
+    """Return once process ``pid`` (any process, not only a child) has exited.
+
+    Uses a pidfd, which becomes readable when the process terminates (Linux >= 5.3).
+    """
+    import trio
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if is_running(pid):
+            await trio.lowlevel.wait_readable(fd)
+    finally:
+        trio.lowlevel.notify_closing(fd)
+        os.close(fd)
