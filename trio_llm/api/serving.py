@@ -70,7 +70,9 @@ class OpenAIServing:
         model_names: names accepted in the ``model`` field; the first is the default.
     """
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_names: tuple[str, ...]):
+    def __init__(
+        self, engine: EngineClient, tokenizer: Tokenizer, model_names: tuple[str, ...]
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_names = model_names

@@ -41,7 +41,9 @@ class Request:
         "token_ids",
     )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         self.request_id = request_id
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)

@@ -1,11 +1,22 @@
-"""The API server's tokenizer: prompts and chat messages to token ids."""
+"""The API server's tokenizer: prompts and chat messages to token ids.
+
+Loaded from a local model folder with the fast ``tokenizers`` library alone (the
+``tokenizer.json`` written by Hugging Face), plus the chat template from
+``chat_template.jinja`` or ``tokenizer_config.json``. The API process therefore never
+imports torch or transformers, which keeps it small and quick to start.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as FastTokenizer
+
+from trio_llm.frontend.chat_template import TemplateError, render_chat
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class ChatTemplateError(ValueError):
@@ -13,43 +24,71 @@ class ChatTemplateError(ValueError):
 
 
 class Tokenizer:
-    """Wraps a Hugging Face tokenizer loaded from a local model folder.
+    """A model's tokenizer and chat template.
 
     Attributes:
-        backend: the fast ``tokenizers.Tokenizer`` (used by the detokenizer).
+        backend: the fast ``tokenizers.Tokenizer`` (also used by the detokenizer).
+        chat_template: Jinja source of the chat template, or None if the model has none.
+        special_tokens: ``bos_token``, ``eos_token``, ... as strings, for the template.
     """
 
-    def __init__(self, hf_tokenizer: Any) -> None:
-        self._hf = hf_tokenizer
-        self.backend: FastTokenizer = hf_tokenizer.backend_tokenizer
+    def __init__(
+        self,
+        backend: FastTokenizer,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens or {}
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Tokenizer:
-        """Load the tokenizer (and chat template) saved in ``model_dir``; no network."""
-        from transformers import AutoTokenizer
+        """Load ``tokenizer.json`` and the chat template from ``model_dir``.
 
-        return cls(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
+        Raises:
+            FileNotFoundError: the folder has no ``tokenizer.json``.
+        """
+        folder = Path(model_dir)
+        backend = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+        config: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").is_file():
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        template = None
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        elif isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):  # named templates
+            named = {t.get("name"): t.get("template") for t in config["chat_template"]}
+            template = named.get("default")
+        special = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            value = config.get(key)
+            if isinstance(value, dict):  # {"content": "<s>", ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        return cls(backend, template, special)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (the tokenizer's BOS added when it adds one by default)."""
-        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of ``text`` (with the tokenizer's own special tokens, e.g. BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` in one go."""
-        return self.backend.decode(token_ids, skip_special_tokens)
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Render chat messages with the model's template plus the assistant prompt; ids.
+        """Render chat messages plus the assistant prompt with the model's template; ids.
 
         Raises:
             ChatTemplateError: the model has no chat template or rendering failed.
         """
-        if not getattr(self._hf, "chat_template", None):
+        if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            text = self._hf.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # jinja errors, template-raised exceptions
-            raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
-        return self._hf.encode(text, add_special_tokens=False)
+            text = render_chat(self.chat_template, messages, special_tokens=self.special_tokens)
+        except TemplateError as exc:
+            raise ChatTemplateError(str(exc)) from exc
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,80 @@
+"""Rendering a model's Jinja chat template without importing transformers or torch.
+
+The environment matches what Hugging Face chat templates are written against (see the
+transformers documentation on chat templating): a sandboxed, immutable Jinja environment
+with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
+filter, and the globals ``raise_exception`` and ``strftime_now``. The template sees
+``messages``, ``add_generation_prompt`` and the tokenizer's special tokens
+(``bos_token``, ``eos_token``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(ValueError):
+    """The template raised an error (``raise_exception``) or could not be rendered."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+
+@lru_cache(maxsize=8)
+def compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template once (cached by source text).
+
+    Raises:
+        TemplateError: the template is not valid Jinja.
+    """
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"invalid chat template: {exc}") from exc
+
+
+def render_chat(
+    source: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    special_tokens: dict[str, str] | None = None,
+) -> str:
+    """Render ``messages`` (dicts with ``role`` and ``content``) to the prompt text.
+
+    Raises:
+        TemplateError: the template rejected the conversation or failed to render.
+    """
+    template = compile_template(source)
+    try:
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **(special_tokens or {}),
+        )
+    except TemplateError:
+        raise
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"cannot apply the chat template: {exc}") from exc
