@@ -119,7 +119,7 @@ async def test_sixteen_streams_are_batched_and_interleave(base_url: str) -> None
 
 
 async def test_a_new_request_starts_while_others_are_mid_decode(base_url: str) -> None:
-    events: list[str] = []
+    timeline: list[str] = []
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         long_started = trio.Semaphore(0)
 
@@ -135,7 +135,7 @@ async def test_a_new_request_starts_while_others_are_mid_decode(base_url: str) -
             async with open_events(client, "/v1/completions", body) as events:
                 async for event in events:
                     if event == DONE:
-                        events.append(f"long{i} done")
+                        timeline.append(f"long{i} done")
                     elif delta_text(event):
                         seen += 1
                         if seen == 4:
@@ -146,7 +146,7 @@ async def test_a_new_request_starts_while_others_are_mid_decode(base_url: str) -
                 nursery.start_soon(long_stream, i)
             for _ in range(4):
                 await long_started.acquire()
-            events.append("late sent")
+            timeline.append("late sent")
             body = {
                 "model": MODEL,
                 "prompt": "Hi",
@@ -156,8 +156,8 @@ async def test_a_new_request_starts_while_others_are_mid_decode(base_url: str) -
             }
             async with open_events(client, "/v1/completions", body) as events:
                 async for event in events:
-                    if event != DONE and delta_text(event) and "late first token" not in events:
-                        events.append("late first token")
+                    if event != DONE and delta_text(event) and "late first token" not in timeline:
+                        timeline.append("late first token")
 
-    late = events.index("late first token")
-    assert all(events.index(f"long{i} done") > late for i in range(4)), events
+    late = timeline.index("late first token")
+    assert all(timeline.index(f"long{i} done") > late for i in range(4)), timeline

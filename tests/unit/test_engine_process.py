@@ -16,6 +16,11 @@ from trio_llm.messages import SamplingParams
 from trio_llm.testing.procfs import engine_children, is_running, parent_pid
 
 
+def _our_engines() -> set[int]:
+    """Engine processes started by this test process itself (not by a server it runs)."""
+    return {pid for pid in engine_children() if parent_pid(pid) == os.getpid()}
+
+
 def _config(model_dir: Path) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=str(model_dir), max_model_len=256),
@@ -51,7 +56,7 @@ async def test_start_generate_and_stop(tiny_model_dir: Path) -> None:
         assert len(first) == 7 and first == second and len(third) == 7
         await engine.stop(grace_period=5.0)
     assert not is_running(pid)
-    assert engine_children() == set()
+    assert _our_engines() == set()
 
 
 async def test_killing_the_child_fails_requests_and_the_supervising_task(
@@ -75,14 +80,14 @@ async def test_killing_the_child_fails_requests_and_the_supervising_task(
     assert len(errors) == 1
     assert raised.group_contains(EngineDeadError)
     assert "SIGKILL" in str(raised.value.exceptions[0])
-    assert engine_children() == set()
+    assert _our_engines() == set()
 
 
 async def test_cancelling_the_start_reaps_the_child(tiny_model_dir: Path) -> None:
     with trio.move_on_after(0):
         async with trio.open_nursery() as nursery:
             await nursery.start(run_engine_process, _config(tiny_model_dir))
-    assert engine_children() == set()
+    assert _our_engines() == set()
 
 
 async def test_an_unloadable_model_is_a_startup_error(tmp_path: Path) -> None:
@@ -90,4 +95,4 @@ async def test_an_unloadable_model_is_a_startup_error(tmp_path: Path) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(run_engine_process, _config(tmp_path / "missing"))
     assert raised.group_contains(EngineStartupError, match="never downloads models")
-    assert engine_children() == set()
+    assert _our_engines() == set()

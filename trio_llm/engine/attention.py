@@ -5,8 +5,9 @@ length ``T`` (batch dimension 1) and passes a `PagedAttentionMetadata` as the ke
 argument ``paged``; transformers forwards it to `paged_attention` in every layer. There,
 the layer's new keys and values are written into the cache at ``slot_mapping``, then:
 
-- requests with one new token (decode) are attended in one batched call: their blocks
-  are gathered into a reused workspace ``[B, L_max, H_kv, D]`` and masked past each
+- requests with one new token (decode) are attended in batched calls of a few requests
+  each: their blocks are gathered into a small reused workspace ``[b, L_max, H_kv, D]``
+  (small enough to stay in the CPU cache until attention reads it) and masked past each
   request's length;
 - requests with several new tokens (prefill chunks) are attended one by one, causally,
   over their whole context (straight from the new keys when there is no earlier context).
@@ -24,6 +25,9 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 
 ATTENTION_NAME = "trio_llm_paged"
+
+#: Bytes of gathered keys and values per decode chunk (sized to stay in the L2/L3 cache).
+GATHER_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class KVCache:
@@ -161,18 +165,30 @@ def paged_attention(
     num_decode = paged.num_decode
     if num_decode:
         block_size = paged.kv_cache.block_size
-        ws = paged.workspace
-        keys = _gather_blocks(k_cache, paged.decode_blocks, block_size, "k", ws)
-        values = _gather_blocks(v_cache, paged.decode_blocks, block_size, "v", ws)
-        keys = keys.view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = values.view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)
+        blocks = paged.decode_blocks.view(num_decode, -1)
+        context = blocks.shape[1] * block_size
         # Grouped-query attention without repeating keys: the `group` query heads that
         # share a KV head become `group` query rows of that head.
         q_decode = q[:num_decode].reshape(num_decode, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(
-            q_decode, keys, values, attn_mask=paged.decode_mask, scale=scaling
-        )
-        out[:num_decode] = o.reshape(num_decode, num_heads, head_dim)
+        # Gather a few requests at a time so their keys and values are still in the CPU
+        # cache when attention reads them (one pass over DRAM instead of three).
+        row_bytes = 2 * context * num_kv_heads * head_dim * k_cache.element_size()
+        chunk = max(1, GATHER_CHUNK_BYTES // row_bytes)
+        for start in range(0, num_decode, chunk):
+            end = min(num_decode, start + chunk)
+            ids = blocks[start:end].reshape(-1)
+            keys = _gather_blocks(k_cache, ids, block_size, "k", paged.workspace)
+            values = _gather_blocks(v_cache, ids, block_size, "v", paged.workspace)
+            keys = keys.view(end - start, context, num_kv_heads, head_dim).transpose(1, 2)
+            values = values.view(end - start, context, num_kv_heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q_decode[start:end],
+                keys,
+                values,
+                attn_mask=paged.decode_mask[start:end],
+                scale=scaling,
+            )
+            out[start:end] = o.reshape(end - start, num_heads, head_dim)
 
     for span in paged.prefills:
         end = span.start + span.num_new

@@ -27,9 +27,15 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
         self.model = model
+        self.decoder = model.get_decoder()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self._workspace: dict[str, torch.Tensor] = {}
+        head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+            raise ValueError("the model's output projection must be a Linear without bias")
+        # [vocab, hidden]; tied to the input embeddings for SmolLM2.
+        self.lm_head_weight = head.weight
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
@@ -105,14 +111,16 @@ class ModelRunner:
             prefills=spans,
             workspace=self._workspace,
         )
-        # At least one row of logits keeps shapes simple when every chunk is mid-prompt.
-        keep = sample_rows or [len(input_ids) - 1]
-        output = self.model(
+        hidden = self.decoder(
             input_ids=torch.tensor([input_ids]),
             position_ids=torch.tensor([positions]),
-            logits_to_keep=torch.tensor(keep),
             use_cache=False,
             paged=metadata,
-        )
-        logits = output.logits[0].float()
-        return sample_requests, logits[: len(sample_requests)]
+        ).last_hidden_state[0]
+        if not sample_rows:
+            return [], hidden.new_empty(0, self.lm_head_weight.shape[0])
+        rows = hidden[torch.tensor(sample_rows)]
+        # logits^T = W @ h^T: with torch's BLAS this orientation runs about twice as fast
+        # as h @ W^T for a few rows against the 49k-row vocabulary matrix.
+        logits = torch.mm(self.lm_head_weight, rows.t()).t().contiguous()
+        return sample_requests, logits.float()

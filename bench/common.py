@@ -1,0 +1,82 @@
+"""Shared benchmark pieces: sonnet prompts of a target token length, percentiles, tables."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT.parent) not in sys.path:
+    sys.path.insert(0, str(ROOT.parent))
+
+from trio_llm.frontend.tokenizer import Tokenizer  # noqa: E402
+
+SONNETS = ROOT / "data" / "sonnet.txt"
+
+
+def sonnet_prompts(
+    tokenizer: Tokenizer, num_prompts: int, prompt_len: int, seed: int = 0
+) -> list[list[int]]:
+    """``num_prompts`` token-id prompts of exactly ``prompt_len`` tokens each.
+
+    Each prompt is a run of consecutive sonnet lines starting at a random line, cut to
+    ``prompt_len`` tokens (the text wraps around the file). Token ids, not text, so every
+    system sees exactly the same prompt length.
+    """
+    lines = [line for line in SONNETS.read_text().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        start = rng.randrange(len(lines))
+        ids: list[int] = []
+        i = start
+        while len(ids) < prompt_len:
+            ids += tokenizer.encode(lines[i % len(lines)] + "\n", add_special_tokens=False)
+            i += 1
+        prompts.append(ids[:prompt_len])
+    return prompts
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """mean, median and p99 of ``values`` (seconds stay seconds)."""
+    return {
+        "mean": statistics.fmean(values) if values else 0.0,
+        "median": percentile(values, 50),
+        "p99": percentile(values, 99),
+    }
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """A plain aligned text table."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return "" if value is None else str(value)
+
+
+def write_json(path: str | None, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` (no-op when None)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2))
