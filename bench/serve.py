@@ -22,14 +22,14 @@ from dataclasses import asdict, dataclass, field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import httpx  # noqa: E402
-import trio  # noqa: E402
-from common import print_table, sonnet_prompts, summary, write_json  # noqa: E402
+import httpx
+import trio
+from common import print_table, sonnet_prompts, summary, write_json
 
-from trio_llm.config import DEFAULT_MODEL, default_cache_dir  # noqa: E402
-from trio_llm.frontend.tokenizer import Tokenizer  # noqa: E402
-from trio_llm.model_loader import resolve_model_dir  # noqa: E402
-from trio_llm.testing.sse import DONE, delta_text, open_events  # noqa: E402
+from trio_llm.config import DEFAULT_MODEL, default_cache_dir
+from trio_llm.frontend.tokenizer import Tokenizer
+from trio_llm.model_loader import resolve_model_dir
+from trio_llm.testing.sse import DONE, delta_text, open_events
 
 
 @dataclass
@@ -42,9 +42,7 @@ class RequestResult:
     error: str = ""
 
 
-async def one_request(
-    client: httpx.AsyncClient, body: dict, result: RequestResult
-) -> None:
+async def one_request(client: httpx.AsyncClient, body: dict, result: RequestResult) -> None:
     start = time.perf_counter()
     last = start
     chunks = 0
@@ -138,7 +136,9 @@ def load_prompts(args: argparse.Namespace) -> list:
 
 def report(result: dict) -> None:
     row = {
-        **{k: result[k] for k in ("system", "completed", "errors", "req_per_s", "output_tok_per_s")},
+        **{
+            k: result[k] for k in ("system", "completed", "errors", "req_per_s", "output_tok_per_s")
+        },
         "ttft_med_s": result["ttft_s"]["median"],
         "ttft_p99_s": result["ttft_s"]["p99"],
         "itl_med_s": result["itl_s"]["median"],

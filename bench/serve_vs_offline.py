@@ -17,12 +17,13 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import serve  # noqa: E402
-import throughput  # noqa: E402
-import trio  # noqa: E402
-from common import print_table, write_json  # noqa: E402
+import roofline
+import serve
+import throughput
+import trio
+from common import print_table, write_json
 
-from trio_llm.testing.server_process import ServerProcess  # noqa: E402
+from trio_llm.testing.server_process import ServerProcess
 
 
 def main() -> None:
@@ -48,22 +49,43 @@ def main() -> None:
         prompts = serve.load_prompts(args)
         online = trio.run(serve.run, args, prompts)
     offline = throughput.run(args)
+    gflops = roofline.gemm_gflops()
+    prompt_tokens = offline["prompt_tokens"]
+    ceiling = roofline.tokens_per_second(gflops, prompt_tokens, offline["output_tokens"])
+    output_share = offline["output_tokens"] / (prompt_tokens + offline["output_tokens"])
 
-    columns = ["system", "requests", "elapsed_s", "req_per_s", "output_tok_per_s", "total_tok_per_s"]
     online_row = {**online, "requests": online["completed"]}
-    print(f"\nworkload: {args.num_prompts} requests x {args.input_len} prompt tokens -> "
-          f"{args.output_len} output tokens, all sent at once; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs")
-    print_table([online_row, offline], columns)
+    print(
+        f"\nworkload: {args.num_prompts} requests x {args.input_len} prompt tokens -> "
+        f"{args.output_len} output tokens, all sent at once; {platform.machine()}, "
+        f"{os.cpu_count()} CPUs"
+    )
+    print_table([online_row, offline], throughput.COLUMNS)
     ratio = online["output_tok_per_s"] / offline["output_tok_per_s"]
     print(f"server / offline output throughput: {ratio:.3f}")
     print(
-        f"server TTFT median {online['ttft_s']['median']:.2f} s, p99 {online['ttft_s']['p99']:.2f} s; "
-        f"ITL median {online['itl_s']['median'] * 1000:.0f} ms, p99 {online['itl_s']['p99'] * 1000:.0f} ms"
+        f"roofline (fp32 GEMM {gflops:.0f} GFLOP/s measured now): {ceiling:.0f} total tok/s = "
+        f"{ceiling * output_share:.0f} output tok/s; offline reaches "
+        f"{offline['total_tok_per_s'] / ceiling:.0%} of it"
+    )
+    ttft, itl = online["ttft_s"], online["itl_s"]
+    print(
+        f"server TTFT median {ttft['median']:.2f} s, p99 {ttft['p99']:.2f} s; "
+        f"ITL median {itl['median'] * 1000:.0f} ms, p99 {itl['p99'] * 1000:.0f} ms"
     )
     if online["errors"]:
         print(f"server errors: {online['errors']} (first: {online['first_error']})")
-    write_json(args.json, {"server": online, "offline": offline, "ratio": ratio, "args": vars(args)})
+    write_json(
+        args.json,
+        {
+            "server": online,
+            "offline": offline,
+            "ratio": ratio,
+            "gemm_gflops": gflops,
+            "roofline_total_tok_per_s": ceiling,
+            "args": vars(args),
+        },
+    )
 
 
 if __name__ == "__main__":

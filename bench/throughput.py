@@ -14,18 +14,20 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from common import print_table, sonnet_prompts, write_json  # noqa: E402
+from common import print_table, sonnet_prompts, write_json
 
-from trio_llm.config import (  # noqa: E402
+from trio_llm.config import (
     DEFAULT_MODEL,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
-from trio_llm.engine.core import EngineCore  # noqa: E402
-from trio_llm.frontend.tokenizer import Tokenizer  # noqa: E402
-from trio_llm.messages import AddRequest, SamplingParams  # noqa: E402
+from trio_llm.engine.core import EngineCore
+from trio_llm.frontend.tokenizer import Tokenizer
+from trio_llm.messages import AddRequest, SamplingParams
+
+COLUMNS = ["system", "requests", "elapsed_s", "req_per_s", "output_tok_per_s", "total_tok_per_s"]
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -87,7 +89,10 @@ def main() -> None:
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     result = run(args)
-    print_table([result], ["system", "requests", "elapsed_s", "req_per_s", "output_tok_per_s", "total_tok_per_s"])
+    print_table(
+        [result],
+        ["system", "requests", "elapsed_s", "req_per_s", "output_tok_per_s", "total_tok_per_s"],
+    )
     write_json(args.json, result)
 
 
