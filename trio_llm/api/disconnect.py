@@ -29,8 +29,12 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 async def run_while_connected(receive: Receive, work: Callable[[], Awaitable[T]]) -> T | None:
-    """Run ``work()``; cancel it and return None if the client disconnects first."""
+    """Run ``work()``; cancel it and return None if the client disconnects first.
+
+    An exception from ``work`` propagates as itself (not wrapped in an exception group).
+    """
     result: list[T] = []
+    error: list[Exception] = []
 
     async with trio.open_nursery() as nursery:
 
@@ -39,8 +43,13 @@ async def run_while_connected(receive: Receive, work: Callable[[], Awaitable[T]]
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
-        result.append(await work())
+        try:
+            result.append(await work())
+        except Exception as exc:  # Cancelled is a BaseException and passes through
+            error.append(exc)
         nursery.cancel_scope.cancel()
+    if error:
+        raise error[0]
     return result[0] if result else None
 
 

@@ -40,7 +40,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -89,7 +89,7 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
 
     prompt: StrictStr | list[TokenId]
@@ -121,7 +121,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)

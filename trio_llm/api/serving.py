@@ -20,7 +20,7 @@ from starlette.types import Receive
 
 from trio_llm.api.disconnect import Emit, EventStreamResponse, run_while_connected
 from trio_llm.api.errors import APIError, bad_request, error_body
-from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.detokenizer import IncrementalDetokenizer
 from trio_llm.frontend.engine_client import (
     EngineClient,
@@ -122,7 +122,7 @@ class OpenAIServing:
             )
 
     def _prepare(
-        self, request: _GenerationRequest, prompt_ids: list[int], requested: int | None, param: str
+        self, request: GenerationRequest, prompt_ids: list[int], requested: int | None, param: str
     ) -> SamplingParams:
         request.check_supported()
         if request.stop_token_ids:
@@ -168,7 +168,7 @@ class OpenAIServing:
         self,
         kind: _Kind,
         model: str,
-        request: _GenerationRequest,
+        request: GenerationRequest,
         prompt_ids: list[int],
         params: SamplingParams,
         receive: Receive,
