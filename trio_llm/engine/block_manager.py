@@ -63,5 +63,9 @@ class BlockManager:
 
     def slot(self, request: Request, position: int) -> int:
         """Flat KV cache slot of token ``position`` of ``request``."""
-        block = request.block_table[position // self.block_size]
-        return block * self.block_size + position % self.block_size
+        return slot_of(request.block_table, position, self.block_size)
+
+
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """Flat KV cache slot of token ``position`` in a sequence with ``block_table``."""
+    return block_table[position // block_size] * block_size + position % block_size

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from trio_llm.engine.attention import KVCache, PagedAttentionMetadata, PrefillSpan
-from trio_llm.engine.block_manager import cdiv
+from trio_llm.engine.block_manager import cdiv, slot_of
 from trio_llm.engine.request import Request
 from trio_llm.engine.scheduler import ScheduledBatch
 
@@ -58,7 +58,7 @@ class ModelRunner:
             pos = request.num_computed_tokens
             input_ids.append(request.token_ids[pos])
             positions.append(pos)
-            slots.append(request.block_table[pos // bs] * bs + pos % bs)
+            slots.append(slot_of(request.block_table, pos, bs))
             if pos + 1 == request.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(request)

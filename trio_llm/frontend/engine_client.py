@@ -107,7 +107,6 @@ class EngineStats:
     """Counters kept from the engine's per-step stats (read by tests, benchmarks, metrics)."""
 
     num_steps: int = 0
-    max_num_scheduled_reqs: int = 0
     num_multi_request_steps: int = 0
     num_preemptions: int = 0
     last: StepStats | None = None
@@ -221,9 +220,6 @@ class EngineClient:
         stats.last = step
         if step.num_scheduled_reqs:
             stats.num_steps += 1
-            stats.max_num_scheduled_reqs = max(
-                stats.max_num_scheduled_reqs, step.num_scheduled_reqs
-            )
             stats.num_multi_request_steps += step.num_scheduled_reqs > 1
             stats.num_preemptions += step.num_preemptions
         for output in message.outputs:

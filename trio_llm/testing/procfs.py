@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import trio
+
 
 def _stat_fields(pid: int) -> list[str] | None:
     try:
@@ -65,8 +67,6 @@ async def wait_for_exit(pid: int) -> None:
 
     Uses a pidfd, which becomes readable when the process terminates (Linux >= 5.3).
     """
-    import trio
-
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
