@@ -29,6 +29,17 @@ def parse_bytes(text: str) -> int:
     return int(number * 1024 ** " kmgt".index(unit or " "))
 
 
+def parse_port(text: str) -> int:
+    """A TCP port number, 0 to 65535 (0 picks a free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port (0-65535): {text!r}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
@@ -42,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", nargs="+", default=None, help="name(s) clients use in `model`"
     )
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--port", type=parse_port, default=8000, help="0 picks a free port")
     serve.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = float32 on CPU")
     serve.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     serve.add_argument(
@@ -116,8 +127,16 @@ def main(argv: list[str] | None = None) -> None:
     import trio
 
     from trio_llm.frontend.engine_client import EngineDeadError
-    from trio_llm.supervisor import serve
+    from trio_llm.model_loader import ModelNotFoundError, locate_model
+    from trio_llm.supervisor import check_bindable, serve
 
+    try:
+        # Fail in a second, not after the model has loaded.
+        locate_model(config.engine.model.model)
+        check_bindable(config.host, config.port)
+    except (ModelNotFoundError, OSError) as exc:
+        print(f"trio-llm: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     try:
         lifecycle = trio.run(serve, config)
     except BaseExceptionGroup as group:

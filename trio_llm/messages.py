@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import msgspec
 
+#: Temperatures below this sample greedily: dividing logits by less overflows float32.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to pick each output token and when to stop (a subset of vLLM's SamplingParams).
 
     Attributes:
         max_tokens: most output tokens to generate (>= 1).
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature; 0 (or below 1e-5) means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         seed: per-request random seed; with a seed the output does not depend on what
@@ -50,8 +53,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature below `GREEDY_TEMPERATURE`)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 # ---------------------------------------------------------------- server -> engine

@@ -58,24 +58,36 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str, cache_dir: Path) -> Path:
-    """Return a local Hugging Face folder for ``model``, converting a GGUF file if needed.
+def locate_model(model: str) -> Path:
+    """The file or folder ``model`` names, without loading or converting anything.
+
+    Cheap enough for the API process to check ``--model`` before starting the engine.
 
     Raises:
         ModelNotFoundError: ``model`` is neither the default, a ``.gguf`` file nor a folder
             with a ``config.json``.
     """
     if model == DEFAULT_MODEL:
-        return convert_gguf(default_gguf_path(), cache_dir)
+        return default_gguf_path()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir)
+        return path
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ModelNotFoundError(
         f"model {model!r} is not a local folder with config.json, a .gguf file, or "
         f"{DEFAULT_MODEL!r}; trio-llm never downloads models"
     )
+
+
+def resolve_model_dir(model: str, cache_dir: Path) -> Path:
+    """Return a local Hugging Face folder for ``model``, converting a GGUF file if needed.
+
+    Raises:
+        ModelNotFoundError: as `locate_model`.
+    """
+    path = locate_model(model)
+    return convert_gguf(path, cache_dir) if path.suffix == ".gguf" else path
 
 
 def _cache_key(gguf: Path) -> str:

@@ -11,6 +11,7 @@ A second signal cancels everything at once; the child is still reaped.
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -94,6 +95,23 @@ async def serve(
     return lifecycle
 
 
+def check_bindable(host: str, port: int) -> None:
+    """Bind and release ``host:port`` as hypercorn will (SO_REUSEADDR); port 0 always works.
+
+    Raises:
+        OSError: the address is in use or not local, with the address in the message.
+    """
+    if port == 0:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
 def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     hconfig = hypercorn.config.Config()
     host = f"[{config.host}]" if ":" in config.host else config.host
@@ -117,7 +135,6 @@ async def _supervise_engine(
     except EngineStartupError:
         raise
     except EngineDeadError as exc:
-        _log(f"engine core died: {exc}")
         lifecycle.request_stop(f"engine core died: {exc}", exit_code=1)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -11,6 +12,14 @@ import trio
 from tests.e2e.conftest import MODEL
 
 CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _json(body: dict) -> dict:
+    """Request arguments for ``body`` as Python's json writes it: escaped lone surrogates
+    and ``Infinity`` included (httpx's own encoder refuses both)."""
+    return {"content": json.dumps(body), "headers": {"content-type": "application/json"}}
+
+
 LONG_PROMPT = "word " * 9000  # about 9,000 tokens, past the 8,192-token context
 
 CASES: list[tuple[str, str, Any, int, str | None]] = [
@@ -62,6 +71,45 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("unsupported n", "/v1/completions", {"prompt": "hi", "n": 3}, 400, "n"),
     ("unsupported stop", "/v1/completions", {"prompt": "hi", "stop": ["\n"]}, 400, "stop"),
     ("missing prompt", "/v1/completions", {}, 400, "prompt"),
+    ("seed past 64 bits", "/v1/completions", {"prompt": "hi", "seed": 10**23}, 400, "seed"),
+    ("top_k past 32 bits", "/v1/completions", {"prompt": "hi", "top_k": 10**23}, 400, "top_k"),
+    (
+        "stream seed past 64 bits",
+        "/v1/completions",
+        {"prompt": "hi", "seed": 10**23, "stream": True},
+        400,
+        "seed",
+    ),
+    (
+        "infinite temperature",
+        "/v1/completions",
+        {"prompt": "hi", "temperature": float("inf")},
+        400,
+        "temperature",
+    ),
+    ("lone surrogate", "/v1/completions", {"prompt": "hi \ud800 there"}, 400, "prompt"),
+    (
+        "lone surrogate in chat",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "\ud800"}]},
+        400,
+        "messages",
+    ),
+    ("huge prompt", "/v1/completions", {"prompt": "hello world " * 1_000_000}, 400, "prompt"),
+    (
+        "unsupported penalty",
+        "/v1/completions",
+        {"prompt": "hi", "repetition_penalty": 1.2},
+        400,
+        "repetition_penalty",
+    ),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
 ]
 
@@ -74,7 +122,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
 def test_bad_input_gets_an_openai_error(
     base_url: str, path: str, body: dict, status: int, param: str | None
 ) -> None:
-    response = httpx.post(f"{base_url}{path}", json={"model": MODEL, **body}, timeout=30)
+    response = httpx.post(f"{base_url}{path}", **_json({"model": MODEL, **body}), timeout=30)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -120,7 +168,7 @@ async def test_bad_requests_do_not_disturb_a_request_in_flight(base_url: str) ->
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_good)
             for _, path, body, status, _ in CASES:
-                response = await client.post(path, json={"model": MODEL, **body})
+                response = await client.post(path, **_json({"model": MODEL, **body}))
                 assert response.status_code == status
         assert results["good"]["choices"][0]["text"] == alone
         assert (await client.get("/health")).status_code == 200

@@ -25,9 +25,14 @@ def test_greedy_rows_take_the_argmax() -> None:
     assert Sampler()(logits, _requests(5, temperature=0.0)) == logits.argmax(-1).tolist()
 
 
-def test_top_k_1_and_tiny_top_p_reduce_to_greedy() -> None:
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
-    requests = _requests(2, temperature=1.0, top_k=1) + _requests(2, temperature=1.0, top_p=1e-6)
+def test_top_k_1_and_tiny_top_p_or_temperature_reduce_to_greedy() -> None:
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1)) * 5
+    requests = (
+        _requests(2, temperature=1.0, top_k=1)
+        + _requests(2, temperature=1.0, top_p=1e-6)
+        + _requests(2, top_p=1e-300)  # below float32's resolution
+        + _requests(2, temperature=1e-40)  # dividing by it would overflow
+    )
     assert Sampler()(logits, requests) == logits.argmax(-1).tolist()
 
 

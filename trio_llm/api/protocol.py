@@ -15,7 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from trio_llm.api.errors import bad_request
 from trio_llm.messages import SamplingParams
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
+#: Largest integer accepted where the engine takes a 64-bit or 32-bit value.
+INT32_MAX = 2**31 - 1
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
 #: OpenAI fields implemented later; accepted only at these neutral values.
@@ -30,7 +34,22 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
     "response_format": (None, {"type": "text"}),
+    # vLLM's extensions
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "repetition_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "prompt_logprobs": (None, 0),
+    "truncate_prompt_tokens": (None,),
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
 }
 
 
@@ -46,10 +65,10 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
-    seed: StrictInt | None = None
+    temperature: FiniteFloat | None = Field(default=None, ge=0)
+    top_p: FiniteFloat | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -65,6 +84,10 @@ class GenerationRequest(BaseModel):
         """
         if self.n != 1:
             raise bad_request("only n=1 is supported", "n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         extra = self.model_extra or {}
         for name, value in extra.items():
             neutral = _NEUTRAL_VALUES.get(name)
@@ -93,7 +116,7 @@ class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
 
     prompt: StrictStr | list[TokenId]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    max_tokens: StrictInt | None = Field(default=16, ge=1, le=INT32_MAX)
 
 
 class TextContentPart(BaseModel):
@@ -125,5 +148,5 @@ class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import trio
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
@@ -29,11 +32,14 @@ from trio_llm.frontend.engine_client import (
     EngineShutdownError,
     RequestRejectedError,
 )
-from trio_llm.frontend.tokenizer import ChatTemplateError, Tokenizer
+from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 from trio_llm.messages import SamplingParams
 
 #: HTTP status for a request whose client disconnected (nginx's convention; never seen).
 CLIENT_CLOSED_REQUEST = 499
+
+#: Texts shorter than this (characters) are tokenized on the event loop (well under 1 ms).
+INLINE_ENCODE_CHARS = 8192
 
 
 def engine_error(exc: EngineError) -> APIError:
@@ -135,13 +141,11 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest, receive: Receive) -> Response:
         """Handle ``POST /v1/completions``."""
         model = self.resolve_model(request.model)
+        if not request.prompt:
+            raise bad_request("the prompt is empty", "prompt")
         if isinstance(request.prompt, str):
-            if not request.prompt:
-                raise bad_request("the prompt is empty", "prompt")
-            prompt_ids = self.tokenizer.encode(request.prompt)
+            prompt_ids = await self._encode(request.prompt, "prompt", special_tokens=True)
         else:
-            if not request.prompt:
-                raise bad_request("the prompt is empty", "prompt")
             self._check_token_ids(request.prompt, "prompt")
             prompt_ids = list(request.prompt)
         if not prompt_ids:
@@ -154,13 +158,31 @@ class OpenAIServing:
         model = self.resolve_model(request.model)
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
-            prompt_ids = self.tokenizer.apply_chat_template(messages)
+            text = self.tokenizer.render_chat(messages)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
+        prompt_ids = await self._encode(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         params = self._prepare(request, prompt_ids, requested, param)
         return await self._respond(CHAT, model, request, prompt_ids, params, receive)
+
+    async def _encode(self, text: str, param: str, *, special_tokens: bool) -> list[int]:
+        """Tokenize without stalling other requests; 400 for text that cannot fit or encode."""
+        if self.tokenizer.surely_longer_than(text, self.max_model_len):
+            raise bad_request(
+                f"the {param} has {len(text)} characters, far more than this model's context "
+                f"of {self.max_model_len} tokens",
+                param,
+            )
+        encode = partial(self.tokenizer.encode, text, add_special_tokens=special_tokens)
+        try:
+            if len(text) < INLINE_ENCODE_CHARS:
+                return encode()
+            # The tokenizer releases the GIL: other requests keep streaming meanwhile.
+            return await trio.to_thread.run_sync(encode)
+        except InvalidTextError as exc:
+            raise bad_request(str(exc), param) from exc
 
     # ------------------------------------------------------------ generation
 
@@ -284,6 +306,9 @@ class _Stream:
                 await emit(self._chunk([], usage))
         except EngineError as exc:
             error = engine_error(exc)
-            body = error_body(error.message, error.type, error.param, error.code)
-            await emit(json.dumps(body))
+            await emit(json.dumps(error_body(error.message, error.type, error.param, error.code)))
+        except Exception as exc:  # a bug: still end the stream properly, and say so
+            traceback.print_exc()
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            await emit(json.dumps(error_body(message, "server_error")))
         await emit("[DONE]")

@@ -73,5 +73,6 @@ def _apply_top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.T
     # always stays).
     mass_before = probs.cumsum(dim=-1) - probs
     remove |= mass_before >= torch.tensor(top_p)[:, None]
+    remove[:, 0] = False  # a top_p below float32's resolution must not remove everything
     sorted_logits = sorted_logits.masked_fill(remove, -torch.inf)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

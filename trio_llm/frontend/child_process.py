@@ -11,6 +11,7 @@ Trio thread (a vfork+exec, milliseconds) and its exit is awaited through a pidfd
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Sequence
 
@@ -59,9 +60,10 @@ class ChildProcess:
         return self._popen.returncode
 
     def terminate(self) -> None:
-        """Send SIGTERM unless the child was already reaped."""
+        """Send SIGTERM (and SIGCONT, so a stopped child acts on it) unless already reaped."""
         if self._popen.poll() is None:
             self._popen.terminate()
+            self._popen.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """Send SIGKILL unless the child was already reaped."""

@@ -6,7 +6,8 @@
 pair, sends the pickled `EngineConfig`, and calls ``task_status.started(client)`` only
 after the child answered `EngineReady` (model loaded, warm-up step done). It then routes
 the child's outputs until the IPC stream ends. Its ``finally`` always reaps the child:
-close the socket (the child exits at end-of-file), wait, SIGTERM, wait, SIGKILL.
+close the socket (the child exits at end-of-file), wait, SIGTERM, wait, SIGKILL; the
+waiting is skipped when the child cannot be expected to leave on its own.
 """
 
 from __future__ import annotations
@@ -82,12 +83,16 @@ async def run_engine_process(
 
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent_sock))
     channel = ipc.server_channel(stream)
-    client = None
+    # Patience with the child only when its channel ended by itself (it is exiting). After
+    # a cancellation (a second signal), a missed stop deadline or a failed start, escalate
+    # at once: a child that is loading, stuck or stopped will not leave on its own.
+    patient = False
     try:
         client = await _start(channel, process, config)
         task_status.started(client)
         with client.stop_scope:
             await client.route_outputs()
+        patient = not client.stop_scope.cancelled_caught
         if not client.stopping:
             with trio.move_on_after(grace_period):
                 await process.wait()
@@ -100,8 +105,7 @@ async def run_engine_process(
     finally:
         with trio.CancelScope(shield=True):
             await stream.aclose()
-            # Before EngineReady the child is busy loading and does not read its socket.
-            await _reap(process, grace_period if client is not None else 0.0)
+            await _reap(process, grace_period if patient else 0.0)
 
 
 async def _start(
@@ -122,14 +126,18 @@ async def _start(
     )
 
 
+#: Seconds between SIGTERM and SIGKILL.
+KILL_AFTER = 2.0
+
+
 async def _reap(process: ChildProcess, grace_period: float) -> None:
-    """Wait for the child to exit, escalating to SIGTERM and then SIGKILL."""
+    """Wait ``grace_period`` for the child to exit, then SIGTERM, then SIGKILL; reap it."""
     if grace_period > 0:
         with trio.move_on_after(grace_period):
             await process.wait()
     if process.returncode is None:
         process.terminate()
-        with trio.move_on_after(max(grace_period, 1.0)):
+        with trio.move_on_after(KILL_AFTER):
             await process.wait()
     if process.returncode is None:
         process.kill()

@@ -23,6 +23,10 @@ class ChatTemplateError(ValueError):
     """The messages could not be rendered with the model's chat template."""
 
 
+class InvalidTextError(ValueError):
+    """The text cannot be tokenized (e.g. it holds a lone UTF-16 surrogate)."""
+
+
 class Tokenizer:
     """A model's tokenizer and chat template.
 
@@ -41,6 +45,12 @@ class Tokenizer:
         self.backend = backend
         self.chat_template = chat_template
         self.special_tokens = special_tokens or {}
+        # No token covers more characters than its vocabulary string has (byte-level
+        # strings have one character per byte), so a text of more than
+        # max_token_chars * n characters has more than n tokens.
+        self.max_token_chars = max(
+            (len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1
+        )
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Tokenizer:
@@ -72,8 +82,23 @@ class Tokenizer:
         return cls(backend, template, special)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (with the tokenizer's own special tokens, e.g. BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text`` (with the tokenizer's own special tokens, e.g. BOS).
+
+        Releases the GIL while the Rust tokenizer works (``encode_batch`` does, ``encode``
+        does not), so a long text can be encoded in a worker thread without stopping the
+        event loop.
+
+        Raises:
+            InvalidTextError: ``text`` is not encodable (lone surrogates, for example).
+        """
+        try:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except Exception as exc:  # the Rust binding raises TypeError / ValueError
+            raise InvalidTextError(f"the text cannot be tokenized: {exc}") from exc
+
+    def surely_longer_than(self, text: str, num_tokens: int) -> bool:
+        """True when ``text`` certainly has more than ``num_tokens`` tokens (no encoding)."""
+        return len(text) > num_tokens * self.max_token_chars
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` in one go."""
@@ -84,11 +109,19 @@ class Tokenizer:
 
         Raises:
             ChatTemplateError: the model has no chat template or rendering failed.
+            InvalidTextError: the rendered text cannot be tokenized.
+        """
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for ``messages`` (see `apply_chat_template`).
+
+        Raises:
+            ChatTemplateError: the model has no chat template or rendering failed.
         """
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            text = render_chat(self.chat_template, messages, special_tokens=self.special_tokens)
+            return render_chat(self.chat_template, messages, special_tokens=self.special_tokens)
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
-        return self.encode(text, add_special_tokens=False)
