@@ -18,43 +18,112 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How to pick each output token and when to stop (a subset of vLLM's SamplingParams).
+    """How the engine picks each output token and when it stops (a subset of vLLM's).
+
+    Logits are processed in this order (as vLLM does): ``logit_bias`` is added, EOS and
+    ``stop_token_ids`` are masked while fewer than ``min_tokens`` were generated, then the
+    repetition, frequency and presence penalties, then temperature, then the ``min_p``,
+    ``top_k`` and ``top_p`` truncations. The token is drawn from the softmax of the result,
+    and reported logprobs are the log-softmax of that same result.
+
+    Stop strings, ``n`` and detokenization options live in the API server, not here.
 
     Attributes:
-        max_tokens: most output tokens to generate (>= 1).
+        max_tokens: most output tokens to generate. 0 computes the prompt (and its
+            logprobs) and finishes with "length" without sampling.
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many tokens.
         temperature: softmax temperature; 0 (or below 1e-5) means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times the top one's; 0
+            disables it.
+        presence_penalty: subtracted once from the logit of every token already in the
+            output (OpenAI's definition), in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per occurrence in the
+            output, in [-2, 2].
+        repetition_penalty: tokens in the prompt or output have positive logits divided
+            and negative logits multiplied by it (CTRL paper); 1 disables it.
+        logit_bias: ``(token_id, bias)`` pairs added to the logits; biases in [-100, 100].
         seed: per-request random seed; with a seed the output does not depend on what
             else is in the batch.
         stop_token_ids: token ids that end generation (finish_reason "stop"), in addition
             to the model's EOS ids.
         ignore_eos: keep generating past EOS (benchmarks use it for a fixed output length).
+        logprobs: report the sampled token's logprob plus this many most likely
+            alternatives per output token; None reports nothing.
+        prompt_logprobs: report each prompt token's logprob (from the second one on) plus
+            this many alternatives; None reports nothing.
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field that is out of range.
+
+        Args:
+            vocab_size: when given, token ids in ``logit_bias`` and ``stop_token_ids`` and
+                the logprob counts are checked against it.
+        """
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be non-negative")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be non-negative")
+        if self.max_tokens and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        if not self.temperature >= 0:
             raise ValueError("temperature must be non-negative")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < -1:
             raise ValueError("top_k must be -1 (disabled), 0 (disabled) or positive")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2**31:
+            raise ValueError("repetition_penalty must be positive")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be non-negative")
+        if vocab_size is None:
+            return
+        ids = [token for token, _ in self.logit_bias] + list(self.stop_token_ids)
+        if any(not 0 <= token < vocab_size for token in ids):
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name} must not exceed the vocabulary size {vocab_size}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature below `GREEDY_TEMPERATURE`)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the three penalties changes the logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
 
 # ---------------------------------------------------------------- server -> engine
@@ -106,21 +175,48 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     pid: int
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities at one position of a sequence (natural log, float32 precision).
+
+    Attributes:
+        token_id: the token at this position (sampled, or the prompt's).
+        logprob: its log-probability; ``-inf`` when the processed distribution excludes it.
+        rank: 1 + the number of tokens with a strictly higher logprob.
+        top_token_ids: the most likely tokens, best first (as many as were asked for).
+        top_logprobs: their log-probabilities, same order.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 class RequestOutput(msgspec.Struct, array_like=True):
     """What one step produced for one request.
 
     Attributes:
         request_id: the id given in `AddRequest`.
-        new_token_ids: tokens sampled this step (usually one; empty on an error).
+        new_token_ids: tokens sampled this step (usually one; empty on an error, in the
+            middle of a prefill, or for ``max_tokens=0``).
         finish_reason: None while running; "stop" (EOS or a stop token), "length"
             (max_tokens or the context is full) or "abort" (error or abort).
         error: why the engine rejected the request (only with finish_reason "abort").
+        logprobs: one entry per new token when ``SamplingParams.logprobs`` is set.
+        prompt_logprobs: entries for prompt positions computed this step (position 1 on;
+            position 0 has no logprob) when ``SamplingParams.prompt_logprobs`` is set.
+        queue_seconds: on the request's first output only: seconds from its arrival in
+            the engine to its first scheduling (monotonic clock of the engine process).
     """
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    queue_seconds: float | None = None
 
 
 class StepStats(msgspec.Struct, array_like=True):

@@ -122,8 +122,12 @@ def test_abort_frees_blocks_and_drops_the_request() -> None:
         ([], _greedy(), "empty"),
         (list(range(128)), _greedy(), "max_model_len"),
         ([1, 512], _greedy(), r"\[0, 512\)"),
-        ([1], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1], SamplingParams(max_tokens=-1), "max_tokens"),
+        ([1], SamplingParams(max_tokens=2, min_tokens=3), "min_tokens"),
         ([1], SamplingParams(top_p=0.0), "top_p"),
+        ([1], SamplingParams(logit_bias=((512, 1.0),)), r"\[0, 512\)"),
+        ([1], SamplingParams(stop_token_ids=(-1,)), r"\[0, 512\)"),
+        ([1], SamplingParams(presence_penalty=3.0), "presence_penalty"),
     ],
 )
 def test_invalid_requests_are_rejected_without_disturbing_others(
@@ -164,3 +168,81 @@ def test_a_cache_smaller_than_the_context_is_a_config_error() -> None:
     )
     with pytest.raises(EngineConfigError, match="max_model_len"):
         EngineCore(model, config, "tiny")
+
+
+def _collect(core: EngineCore) -> dict[str, list]:
+    """Every output of every step, per request id, until the core is idle."""
+    outputs: dict[str, list] = {}
+    while core.has_unfinished_requests():
+        for output in core.step().outputs:
+            outputs.setdefault(output.request_id, []).append(output)
+    return outputs
+
+
+def test_logprobs_match_a_full_forward_pass() -> None:
+    """Prompt logprobs (across chunked prefill) and output logprobs, against plain torch."""
+    prompt = PROMPTS[2]  # 37 tokens: three chunks at a 16-token budget
+    core = _core()
+    params = SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=3
+    )
+    core.add_request(AddRequest("r", prompt, params))
+    outputs = _collect(core)["r"]
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    prompt_entries = [e for o in outputs for e in o.prompt_logprobs or []]
+    output_entries = [e for o in outputs for e in o.logprobs or []]
+
+    model = build_tiny_model(seed=0)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    reference = logits.log_softmax(-1)
+    sequence = prompt + tokens
+    # Position 0 has no logprob; every later prompt position exactly once, in order.
+    assert [e.token_id for e in prompt_entries] == prompt[1:]
+    assert [e.token_id for e in output_entries] == tokens
+    for position, entry in enumerate(prompt_entries + output_entries, start=1):
+        row = reference[position - 1]
+        assert entry.token_id == sequence[position]
+        assert abs(entry.logprob - float(row[entry.token_id])) < 1e-3
+        assert entry.rank == int((row > row[entry.token_id]).sum()) + 1
+        top = row.topk(len(entry.top_token_ids))
+        assert entry.top_token_ids == top.indices.tolist()
+    assert all(len(e.top_token_ids) == 3 for e in prompt_entries)
+    assert all(len(e.top_token_ids) == 2 for e in output_entries)
+
+
+def test_max_tokens_zero_returns_only_prompt_logprobs() -> None:
+    core = _core()
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    core.add_request(AddRequest("r", PROMPTS[0], params))
+    outputs = _collect(core)["r"]
+    assert [t for o in outputs for t in o.new_token_ids] == []
+    assert outputs[-1].finish_reason == "length"
+    entries = [e for o in outputs for e in o.prompt_logprobs or []]
+    assert [e.token_id for e in entries] == PROMPTS[0][1:]
+    assert core.block_manager.num_free_blocks == 256
+
+
+def test_prompt_logprobs_survive_preemption_without_repeats() -> None:
+    core = _core(num_kv_blocks=32, block_size=4, budget=16)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(AddRequest(f"r{i}", prompt, params))
+    outputs = _collect(core)
+    for i, prompt in enumerate(PROMPTS):
+        entries = [e for o in outputs[f"r{i}"] for e in o.prompt_logprobs or []]
+        assert [e.token_id for e in entries] == prompt[1:]
+
+
+def test_queue_time_is_reported_once_per_request() -> None:
+    core = _core(max_num_seqs=1)
+    core.add_request(AddRequest("a", PROMPTS[0], _greedy(3)))
+    core.add_request(AddRequest("b", PROMPTS[1], _greedy(3)))
+    outputs = _collect(core)
+    for request_id in ("a", "b"):
+        reported = [o.queue_seconds for o in outputs[request_id] if o.queue_seconds is not None]
+        assert len(reported) == 1
+        assert reported[0] >= 0
+    # b waited for the whole of a (max_num_seqs=1).
+    assert outputs["b"][0].queue_seconds > outputs["a"][0].queue_seconds

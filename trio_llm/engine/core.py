@@ -10,7 +10,8 @@ import torch
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from trio_llm.engine.attention import ATTENTION_NAME, KVCache
 from trio_llm.engine.block_manager import BlockManager
-from trio_llm.engine.model_runner import ModelRunner
+from trio_llm.engine.logprobs import gather_logprobs
+from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, PromptHidden
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
@@ -21,6 +22,7 @@ from trio_llm.messages import (
     SamplingParams,
     StepOutputs,
     StepStats,
+    TokenLogprobs,
 )
 
 
@@ -101,7 +103,7 @@ class EngineCore:
             config.scheduler, self.block_manager, max_model_len, self.info.eos_token_ids
         )
         self.runner = ModelRunner(model, self.kv_cache)
-        self.sampler = Sampler(config.model.seed)
+        self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -155,7 +157,7 @@ class EngineCore:
         if min(prompt) < 0 or max(prompt) >= self.info.vocab_size:
             return f"prompt token ids must be in [0, {self.info.vocab_size})"
         try:
-            message.params.validate()
+            message.params.validate(self.info.vocab_size)
         except ValueError as exc:
             return str(exc)
         if message.request_id in self.scheduler:
@@ -178,16 +180,51 @@ class EngineCore:
         batch = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not batch.is_empty():
-            requests, logits = self.runner.execute(batch)
-            tokens = self.sampler(logits, requests)
-            sampled = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
-            self.scheduler.update(batch, sampled)
-            outputs = [
-                RequestOutput(r.request_id, [t], r.finish_reason)
-                for r, t in zip(requests, tokens, strict=True)
-            ]
+            result = self.runner.execute(batch)
+            sampled = self.sampler(result.logits, result.requests)
+            prompt_logprobs = {
+                id(item.request): self._prompt_logprobs(item) for item in result.prompt_hidden
+            }
+            tokens = dict(zip(result.requests, sampled.token_ids, strict=True))
+            logprobs = dict(zip(result.requests, sampled.logprobs, strict=True))
+            self.scheduler.update(batch, {r.request_id: t for r, t in tokens.items()})
+            for request, _ in batch.requests:
+                token = tokens.get(request)
+                entries = prompt_logprobs.get(id(request))
+                if token is None and entries is None:
+                    continue
+                new_tokens = [token] if token is not None and request.params.max_tokens else []
+                entry = logprobs.get(request)
+                output = RequestOutput(
+                    request.request_id,
+                    new_tokens,
+                    request.finish_reason,
+                    logprobs=[entry] if entry is not None and new_tokens else None,
+                    prompt_logprobs=entries,
+                )
+                if not request.queue_time_reported:
+                    request.queue_time_reported = True
+                    output.queue_seconds = request.queue_seconds
+                outputs.append(output)
         stats = self.stats(batch, time.perf_counter() - start)
         return StepOutputs(outputs, stats)
+
+    def _prompt_logprobs(self, item: PromptHidden) -> list[TokenLogprobs]:
+        """Logprobs of prompt tokens ``first_target ..`` from the hidden states before them.
+
+        These are the model's own distribution (no sampling parameters applied).
+        """
+        request = item.request
+        k = request.params.prompt_logprobs or 0
+        entries: list[TokenLogprobs] = []
+        for row in range(0, item.hidden.shape[0], PROMPT_LOGITS_ROWS):
+            hidden = item.hidden[row : row + PROMPT_LOGITS_ROWS]
+            first = item.first_target + row
+            targets = torch.tensor(request.token_ids[first : first + hidden.shape[0]])
+            logprobs = self.runner.compute_logits(hidden).log_softmax(dim=-1)
+            entries += gather_logprobs(logprobs, targets, [k] * hidden.shape[0])
+        request.next_prompt_logprob = item.first_target + len(entries)
+        return entries
 
     def stats(self, batch: ScheduledBatch | None = None, step_seconds: float = 0.0) -> StepStats:
         """Scheduler and cache state now, with the counts of ``batch`` if a step just ran."""

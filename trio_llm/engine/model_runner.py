@@ -9,12 +9,50 @@ fully computed (the ones that sample a token this step).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from trio_llm.engine.attention import KVCache, PagedAttentionMetadata, PrefillSpan
 from trio_llm.engine.block_manager import cdiv, slot_of
 from trio_llm.engine.request import Request
 from trio_llm.engine.scheduler import ScheduledBatch
+
+#: Rows of prompt hidden states turned into logits at once for prompt logprobs: bounds the
+#: temporary ``[rows, vocab]`` float32 matrix (256 x 49,152 x 4 bytes = 48 MiB).
+PROMPT_LOGITS_ROWS = 256
+
+
+@dataclass
+class PromptHidden:
+    """Hidden states of prompt positions whose logprobs a request asked for.
+
+    Attributes:
+        request: the request.
+        first_target: the prompt position predicted by row 0 (row ``i`` predicts prompt
+            token ``first_target + i`` from the positions before it).
+        hidden: ``[rows, hidden_size]`` final hidden states (model dtype).
+    """
+
+    request: Request
+    first_target: int
+    hidden: torch.Tensor
+
+
+@dataclass
+class ModelOutput:
+    """What one forward pass produced.
+
+    Attributes:
+        requests: the requests that sample a token this step.
+        logits: float32 ``[len(requests), vocab_size]``, row ``i`` for ``requests[i]``.
+        prompt_hidden: hidden states for prompt logprobs, one entry per request that
+            computed such positions this step.
+    """
+
+    requests: list[Request]
+    logits: torch.Tensor
+    prompt_hidden: list[PromptHidden] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -38,12 +76,12 @@ class ModelRunner:
         self.lm_head_weight = head.weight
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one forward pass over the batch.
 
         Returns:
-            The requests that sample this step and their next-token logits, float32
-            ``[len(requests), vocab_size]`` (row ``i`` belongs to request ``i``).
+            The requests that sample this step with their next-token logits, and the
+            hidden states of prompt positions whose logprobs were asked for.
         """
         bs = self.block_size
         decodes = [request for request, n in batch.requests if n == 1]
@@ -54,8 +92,11 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # request, target, row, count
         for request in decodes:
             pos = request.num_computed_tokens
+            if request.wants_prompt_logprobs and request.next_prompt_logprob == pos + 1:
+                prompt_rows.append((request, pos + 1, len(input_ids), 1))  # a 1-token chunk
             input_ids.append(request.token_ids[pos])
             positions.append(pos)
             slots.append(slot_of(request.block_table, pos, bs))
@@ -83,6 +124,13 @@ class ModelRunner:
         for request, num_new in chunks:
             start = request.num_computed_tokens
             end = start + num_new
+            if request.wants_prompt_logprobs:
+                # Position p's hidden state predicts token p + 1.
+                first = max(start + 1, request.next_prompt_logprob)
+                last = min(end + 1, request.num_prompt_tokens)
+                if first < last:
+                    row = len(input_ids) + first - 1 - start
+                    prompt_rows.append((request, first, row, last - first))
             table = torch.tensor(request.block_table, dtype=torch.long)
             context = torch.arange(end)
             context_slots = table[context // bs] * bs + context % bs
@@ -117,10 +165,19 @@ class ModelRunner:
             use_cache=False,
             paged=metadata,
         ).last_hidden_state[0]
+        prompt_hidden = [
+            PromptHidden(request, first, hidden[row : row + count].clone())
+            for request, first, row, count in prompt_rows
+        ]
         if not sample_rows:
-            return [], hidden.new_empty(0, self.lm_head_weight.shape[0])
-        rows = hidden[torch.tensor(sample_rows)]
+            empty = hidden.new_empty(0, self.lm_head_weight.shape[0], dtype=torch.float32)
+            return ModelOutput([], empty, prompt_hidden)
+        logits = self.compute_logits(hidden[torch.tensor(sample_rows)])
+        return ModelOutput(sample_requests, logits, prompt_hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of final hidden states ``[rows, hidden_size]``."""
         # logits^T = W @ h^T: with torch's BLAS this orientation runs about twice as fast
         # as h @ W^T for a few rows against the 49k-row vocabulary matrix.
-        logits = torch.mm(self.lm_head_weight, rows.t()).t().contiguous()
-        return sample_requests, logits.float()
+        return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous().float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 import torch
 
@@ -27,15 +28,25 @@ class Request:
             Reset to 0 on preemption (the request is recomputed later).
         block_table: KV block ids holding tokens ``[i * block_size, (i + 1) * block_size)``.
         generator: per-request RNG when ``params.seed`` is set (CPU), else None.
+        arrival_time: ``time.monotonic()`` when the engine received the request (seconds).
+        queue_seconds: seconds from arrival to the first scheduling; None until then.
+        queue_time_reported: whether an output already carried ``queue_seconds``.
+        next_prompt_logprob: the next prompt position whose logprob is to be reported
+            (positions ``1 .. num_prompt_tokens - 1``; kept across preemptions so no
+            position is reported twice).
     """
 
     __slots__ = (
+        "arrival_time",
         "block_table",
         "finish_reason",
         "generator",
+        "next_prompt_logprob",
         "num_computed_tokens",
         "num_prompt_tokens",
         "params",
+        "queue_seconds",
+        "queue_time_reported",
         "request_id",
         "status",
         "token_ids",
@@ -53,6 +64,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
+        self.arrival_time = time.monotonic()
+        self.queue_seconds: float | None = None
+        self.queue_time_reported = False
+        self.next_prompt_logprob = 1
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 
@@ -65,6 +80,14 @@ class Request:
     def num_output_tokens(self) -> int:
         """Tokens sampled so far."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt position's logprob is still to be reported."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.next_prompt_logprob < self.num_prompt_tokens
+        )
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -1,16 +1,44 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched next-token sampling with vLLM's logits processing, and the logprobs of the result.
 
-Sampling uses the exponential-race form of the categorical draw: with ``q ~ Exp(1)``
+Per row, in order: ``logit_bias`` is added; EOS and stop tokens are masked while
+``min_tokens`` is not reached; the repetition penalty (CTRL, Keskar et al. 2019: positive
+logits divided, negative multiplied, for tokens in the prompt or output) and OpenAI's
+frequency and presence penalties (``logit -= frequency * count + presence * (count > 0)``
+over output tokens) are applied. Greedy rows then take the argmax. Other rows are divided
+by their temperature and truncated by ``min_p``, ``top_k`` and ``top_p`` (tokens outside
+get ``-inf``) and drawn from the softmax.
+
+The draw is the exponential-race form of the categorical draw: with ``q ~ Exp(1)``
 independently per token, ``argmax(p / q)`` is distributed as ``p`` (Gumbel-max trick in
 another guise). Rows with a seed draw their ``q`` from their own generator, so their
 output does not depend on what else is in the batch; the rest share the engine's.
+
+Reported logprobs are the log-softmax of exactly the logits the token was drawn from (after
+all processing), so a token outside the truncated set has logprob ``-inf``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.request import Request
+from trio_llm.messages import TokenLogprobs
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled tokens of one step.
+
+    Attributes:
+        token_ids: one token per request, in the order given.
+        logprobs: per request, its `TokenLogprobs` if it asked for logprobs, else None.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
 
 
 class Sampler:
@@ -18,53 +46,102 @@ class Sampler:
 
     Args:
         seed: seed of the generator shared by requests without their own seed.
+        eos_token_ids: the model's EOS ids, masked while a request's ``min_tokens`` is
+            not reached (unless it set ``ignore_eos``).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = sorted(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample a token for each request.
 
         Args:
-            logits: float32 ``[N, vocab]``, row ``i`` for ``requests[i]``.
+            logits: float32 ``[N, vocab]``, row ``i`` for ``requests[i]``; modified in place.
 
         Returns:
-            ``N`` token ids.
+            ``N`` token ids and, where asked for, their logprobs.
         """
         if not requests:
-            return []
+            return SamplerOutput([], [])
+        self._process(logits, requests)
         greedy = [r.params.greedy for r in requests]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1)
+        else:
+            temperature = torch.tensor(
+                [1.0 if g else r.params.temperature for r, g in zip(requests, greedy, strict=True)]
+            )
+            logits.div_(temperature[:, None])
+            _truncate(logits, requests, greedy)
+            probs = logits.softmax(dim=-1)
+            q = torch.empty_like(probs)
+            q.exponential_(generator=self.generator)
+            for row, request in enumerate(requests):
+                if request.generator is not None:
+                    q[row].exponential_(generator=request.generator)
+            tokens = (probs / q).argmax(dim=-1)
+            greedy_rows = [row for row, g in enumerate(greedy) if g]
+            if greedy_rows:
+                rows = torch.tensor(greedy_rows)
+                tokens[rows] = logits[rows].argmax(dim=-1)
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        wanted = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
+        if wanted:
+            rows = torch.tensor(wanted)
+            entries = gather_logprobs(
+                logits[rows].log_softmax(dim=-1),
+                tokens[rows],
+                [requests[row].params.logprobs or 0 for row in wanted],
+            )
+            for row, entry in zip(wanted, entries, strict=True):
+                logprobs[row] = entry
+        return SamplerOutput(tokens.tolist(), logprobs)
 
-        temperature = torch.tensor(
-            [r.params.temperature if not g else 1.0 for r, g in zip(requests, greedy, strict=True)]
-        )
-        logits = logits / temperature[:, None]
-        logits = _apply_top_k_top_p(logits, requests)
-        probs = logits.softmax(dim=-1)
-
-        q = torch.empty_like(probs)
-        q.exponential_(generator=self.generator)
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Apply logit_bias, the min_tokens mask and the penalties in place."""
         for row, request in enumerate(requests):
-            if request.generator is not None:
-                q[row].exponential_(generator=request.generator)
-        sampled = (probs / q).argmax(dim=-1)
-        greedy_rows = [row for row, g in enumerate(greedy) if g]
-        if greedy_rows:
-            rows = torch.tensor(greedy_rows)
-            sampled[rows] = logits[rows].argmax(dim=-1)
-        return sampled.tolist()
+            params = request.params
+            if params.logit_bias:
+                ids = torch.tensor([token for token, _ in params.logit_bias])
+                bias = torch.tensor([value for _, value in params.logit_bias])
+                logits[row].index_add_(0, ids, bias)
+            if request.num_output_tokens < params.min_tokens:
+                masked = list(params.stop_token_ids)
+                if not params.ignore_eos:
+                    masked += self.eos_token_ids
+                if masked:
+                    logits[row, masked] = -torch.inf
+            if not params.has_penalties:
+                continue
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(request.token_ids).unique()
+                values = logits[row, seen]
+                penalty = params.repetition_penalty
+                logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+            if request.num_output_tokens and (params.frequency_penalty or params.presence_penalty):
+                output = torch.tensor(request.token_ids[request.num_prompt_tokens :])
+                ids, counts = output.unique(return_counts=True)
+                logits[row, ids] -= params.frequency_penalty * counts + params.presence_penalty
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p set to -inf (rows without either untouched)."""
+def _truncate(logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> None:
+    """Set logits outside each sampled row's min_p / top-k / top-p set to -inf, in place."""
     vocab = logits.shape[-1]
-    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in requests]
-    top_p = [r.params.top_p for r in requests]
+    top_k = [
+        vocab if g or r.params.top_k <= 0 else r.params.top_k
+        for r, g in zip(requests, greedy, strict=True)
+    ]
+    top_p = [1.0 if g else r.params.top_p for r, g in zip(requests, greedy, strict=True)]
+    min_p = [0.0 if g else r.params.min_p for r, g in zip(requests, greedy, strict=True)]
+    if any(p > 0 for p in min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p)[:, None]
+        logits.masked_fill_(probs < threshold, -torch.inf)
     if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits
+        return
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab)[None, :]
     remove = ranks >= torch.tensor(top_k)[:, None]
@@ -74,5 +151,4 @@ def _apply_top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.T
     mass_before = probs.cumsum(dim=-1) - probs
     remove |= mass_before >= torch.tensor(top_p)[:, None]
     remove[:, 0] = False  # a top_p below float32's resolution must not remove everything
-    sorted_logits = sorted_logits.masked_fill(remove, -torch.inf)
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    logits.scatter_(-1, order, sorted_logits.masked_fill(remove, -torch.inf))

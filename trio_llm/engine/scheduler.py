@@ -19,6 +19,7 @@ After the model ran, `Scheduler.update` records the sampled tokens and finishes 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -138,6 +139,8 @@ class Scheduler:
             if not self.block_manager.can_allocate(request, num_new):
                 break
             self.waiting.popleft()
+            if request.queue_seconds is None:
+                request.queue_seconds = time.monotonic() - request.arrival_time
             self.block_manager.allocate(request, num_new)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -167,7 +170,8 @@ class Scheduler:
         Args:
             batch: what `schedule` returned for this step.
             sampled: the new token of every request whose whole sequence is now computed,
-                by request id. Requests in the middle of a chunked prefill have none.
+                by request id. Requests in the middle of a chunked prefill have none. A
+                request with ``max_tokens=0`` finishes ("length") without its token.
         """
         finished = []
         for request, num_new in batch.requests:
@@ -175,8 +179,11 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.token_ids.append(token)
-            reason = self._finish_reason(request, token)
+            if request.params.max_tokens == 0:
+                reason = "length"  # only the prompt was wanted (its logprobs)
+            else:
+                request.token_ids.append(token)
+                reason = self._finish_reason(request, token)
             if reason is not None:
                 request.finish_reason = reason
                 request.status = RequestStatus.FINISHED
