@@ -7,7 +7,9 @@ import re
 import sys
 
 from trio_llm.config import (
+    API_KEY_ENV,
     CACHE_DIR_ENV,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MODEL,
     DTYPES,
     CacheConfig,
@@ -15,6 +17,7 @@ from trio_llm.config import (
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
+    default_api_key,
 )
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -38,6 +41,28 @@ def parse_port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port (0-65535): {text!r}")
     return port
+
+
+def parse_positive_int(text: str) -> int:
+    """An integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
+
+
+def parse_non_negative_int(text: str) -> int:
+    """An integer of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +107,56 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds to wait for handlers and the engine at shutdown",
     )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require `Authorization: Bearer KEY` on /v1 routes (default ${API_KEY_ENV})",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="CORS: origins allowed to call the API from a browser ('*' for any; default: "
+        "CORS off)",
+    )
+    serve.add_argument(
+        "--allowed-methods",
+        nargs="+",
+        default=list(ServerConfig.allowed_methods),
+        metavar="METHOD",
+        help="CORS: allowed methods (default '*')",
+    )
+    serve.add_argument(
+        "--allowed-headers",
+        nargs="+",
+        default=list(ServerConfig.allowed_headers),
+        metavar="HEADER",
+        help="CORS: allowed request headers (default '*')",
+    )
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metavar="BYTES",
+        help="larger request bodies get HTTP 413 (e.g. 8MiB, the default)",
+    )
+    serve.add_argument(
+        "--max-num-waiting-requests",
+        type=parse_positive_int,
+        default=None,
+        metavar="N",
+        help="refuse new requests while N are waiting for the engine (default: no limit)",
+    )
+    serve.add_argument(
+        "--max-logprobs",
+        type=parse_non_negative_int,
+        default=ServerConfig.max_logprobs,
+        metavar="N",
+        help="largest logprobs / top_logprobs a request may ask for",
+    )
     return parser
 
 
@@ -112,6 +187,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         served_model_names=tuple(args.served_model_name or ()),
         shutdown_timeout=args.shutdown_timeout,
+        api_key=args.api_key if args.api_key is not None else default_api_key(),
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_num_waiting_requests=args.max_num_waiting_requests,
+        max_logprobs=args.max_logprobs,
     )
 
 

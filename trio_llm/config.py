@@ -1,7 +1,8 @@
 """Frozen configuration objects.
 
 `trio_llm.cli` is the only place that reads argv; the environment is read here, in
-`default_cache_dir`, and nowhere else. Everything downstream receives these dataclasses.
+`default_cache_dir` (``$TRIO_LLM_CACHE_DIR``) and `default_api_key` (``$TRIO_LLM_API_KEY``),
+and nowhere else. Everything downstream receives these dataclasses.
 The engine configuration crosses into the engine-core child once, at start-up, pickled.
 """
 
@@ -17,6 +18,12 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: Environment variable that overrides the folder where converted models are cached.
 CACHE_DIR_ENV = "TRIO_LLM_CACHE_DIR"
 
+#: Environment variable holding the API key when --api-key is not given.
+API_KEY_ENV = "TRIO_LLM_API_KEY"
+
+#: Largest request body accepted by default (bytes).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
+
 #: KV cache size used when neither --num-kv-blocks nor --kv-cache-memory is given (bytes).
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
@@ -29,6 +36,11 @@ def default_cache_dir() -> Path:
     if env:
         return Path(env)
     return Path.home() / ".cache" / "trio_llm"
+
+
+def default_api_key() -> str | None:
+    """The API key from $TRIO_LLM_API_KEY, or None when it is unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
 
 
 @dataclass(frozen=True)
@@ -133,6 +145,18 @@ class ServerConfig:
         port: TCP port; 0 picks a free one (the bound address is printed).
         shutdown_timeout: seconds the engine child gets to exit after being told to stop
             before it is sent SIGTERM, then SIGKILL.
+        api_key: when set, every request to a path under ``/v1`` must carry
+            ``Authorization: Bearer <api_key>`` (401 otherwise); /health, /metrics,
+            /version, /tokenize and /detokenize stay open. Not shown in ``repr``.
+        allowed_origins: CORS origins allowed to call the API from a browser (``"*"`` for
+            any); empty turns CORS off.
+        allowed_methods: HTTP methods allowed in CORS requests (``"*"`` for any).
+        allowed_headers: request headers allowed in CORS requests (``"*"`` for any).
+        allow_credentials: whether CORS responses allow cookies and Authorization headers.
+        max_request_body_bytes: largest request body accepted (bytes); larger ones get 413.
+        max_num_waiting_requests: most requests waiting for the engine at once before new
+            ones are refused; ``None`` means no limit.
+        max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -140,6 +164,40 @@ class ServerConfig:
     port: int = 8000
     served_model_names: tuple[str, ...] = ()
     shutdown_timeout: float = 5.0
+    api_key: str | None = field(default=None, repr=False)
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_num_waiting_requests: int | None = None
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            if not self.api_key:
+                raise ValueError("api_key must not be empty (leave it unset to turn keys off)")
+            # It travels in an HTTP header: visible ASCII only, no spaces.
+            if not all(33 <= ord(char) <= 126 for char in self.api_key):
+                raise ValueError(
+                    "api_key may only hold visible ASCII characters (no spaces or control "
+                    "characters)"
+                )
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            if isinstance(values, str):
+                raise ValueError(f"{name} must be a tuple of strings, not one string")
+            if any(not isinstance(v, str) or not v.strip() for v in values):
+                raise ValueError(f"{name} must hold non-empty strings, got {values!r}")
+        for name in ("allowed_methods", "allowed_headers"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must not be empty (use '*' to allow any)")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be at least 1 byte")
+        if self.max_num_waiting_requests is not None and self.max_num_waiting_requests < 1:
+            raise ValueError("max_num_waiting_requests must be at least 1 (or None for no limit)")
+        if self.max_logprobs < 0:
+            raise ValueError("max_logprobs must not be negative")
 
     def model_names(self) -> tuple[str, ...]:
         """The served model names, defaulting to the ``--model`` string."""

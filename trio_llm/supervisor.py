@@ -75,8 +75,14 @@ async def serve(
                 f"{engine.info.num_kv_blocks} KV blocks of {engine.info.block_size} tokens)"
             )
             tokenizer = await trio.to_thread.run_sync(Tokenizer.load, engine.info.model_dir)
-            serving = OpenAIServing(engine, tokenizer, config.model_names())
-            app = build_app(serving, lambda: not lifecycle.stop_requested.is_set())
+            serving = OpenAIServing(
+                engine,
+                tokenizer,
+                config.model_names(),
+                max_logprobs=config.max_logprobs,
+                max_num_waiting_requests=config.max_num_waiting_requests,
+            )
+            app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
             async with trio.open_nursery() as http_nursery:
                 binds = await http_nursery.start(
                     partial(

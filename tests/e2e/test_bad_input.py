@@ -68,8 +68,89 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "max_tokens",
     ),
-    ("unsupported n", "/v1/completions", {"prompt": "hi", "n": 3}, 400, "n"),
-    ("unsupported stop", "/v1/completions", {"prompt": "hi", "stop": ["\n"]}, 400, "stop"),
+    ("n zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("n past the limit", "/v1/completions", {"prompt": "hi", "n": 10_000}, 400, "n"),
+    ("stop wrong type", "/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    (
+        "negative max_tokens",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": -1},
+        400,
+        "max_tokens",
+    ),
+    (
+        "logprobs past the limit",
+        "/v1/completions",
+        {"prompt": "hi", "logprobs": 25},
+        400,
+        "logprobs",
+    ),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"messages": CHAT, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "top_logprobs past the limit",
+        "/v1/chat/completions",
+        {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "logit_bias key not a number",
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"abc": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias key outside the vocabulary",
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"99999999": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias value not a number",
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"5": "x"}},
+        400,
+        "logit_bias",
+    ),
+    ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("best_of", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    (
+        "min_tokens above max_tokens",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+        400,
+        "min_tokens",
+    ),
+    (
+        "presence_penalty out of range",
+        "/v1/completions",
+        {"prompt": "hi", "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    (
+        "stop_token_ids outside the vocabulary",
+        "/v1/completions",
+        {"prompt": "hi", "stop_token_ids": [10**6]},
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "prompt too long, streamed",
+        "/v1/completions",
+        {"prompt": LONG_PROMPT, "stream": True},
+        400,
+        "prompt",
+    ),
+    ("empty prompt in a batch", "/v1/completions", {"prompt": ["hi", ""]}, 400, "prompt"),
     ("missing prompt", "/v1/completions", {}, 400, "prompt"),
     ("seed past 64 bits", "/v1/completions", {"prompt": "hi", "seed": 10**23}, 400, "seed"),
     ("top_k past 32 bits", "/v1/completions", {"prompt": "hi", "top_k": 10**23}, 400, "top_k"),
@@ -95,11 +176,12 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "messages",
     ),
-    ("huge prompt", "/v1/completions", {"prompt": "hello world " * 1_000_000}, 400, "prompt"),
+    ("huge prompt", "/v1/completions", {"prompt": "hello world " * 300_000}, 400, "prompt"),
+    ("body too large", "/v1/completions", {"prompt": "hello world " * 1_000_000}, 413, None),
     (
-        "unsupported penalty",
+        "repetition_penalty zero",
         "/v1/completions",
-        {"prompt": "hi", "repetition_penalty": 1.2},
+        {"prompt": "hi", "repetition_penalty": 0},
         400,
         "repetition_penalty",
     ),
@@ -130,6 +212,32 @@ def test_bad_input_gets_an_openai_error(
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     if param is not None:
         assert error["param"] == param
+
+
+def test_a_non_json_content_type_gets_400(base_url: str) -> None:
+    response = httpx.post(
+        f"{base_url}/v1/completions",
+        content=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+        headers={"content-type": "text/plain"},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": [0], "max_tokens": 2},  # token id 0 is a valid token
+        {"prompt": "hi", "max_tokens": 2, "some_future_field": {"x": 1}},  # unknown: ignored
+        {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": 1000}},  # clamped to 100
+    ],
+    ids=["token id 0", "unknown field", "logit_bias clamped"],
+)
+def test_edge_inputs_that_are_valid_get_answers(base_url: str, body: dict) -> None:
+    response = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
 
 
 @pytest.mark.parametrize("payload", [b"{not json", b"[1, 2]", b"", b"\xff\xfe"])

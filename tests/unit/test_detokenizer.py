@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+from tokenizers import Tokenizer
 
 from trio_llm.detokenizer import IncrementalDetokenizer
 from trio_llm.detokenizer.incremental import PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR
-
-SONNETS = Path(__file__).parents[2] / "bench" / "data" / "sonnet.txt"
 
 OUTPUTS = [
     " Paris is the capital of France.",
@@ -38,34 +34,6 @@ def _expected(tokenizer: Tokenizer, prompt: list[int], output: list[int]) -> str
     whole = tokenizer.decode(context + output, skip_special_tokens=True)
     assert whole.startswith(before)
     return whole[len(before) :]
-
-
-@pytest.fixture(scope="module")
-def byte_level(smol_tokenizer) -> Tokenizer:
-    return smol_tokenizer.backend
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_style() -> Tokenizer:
-    """A Llama-2-style tokenizer: BPE over '▁'-joined text with byte fallback."""
-    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
-    tokenizer.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
-    trainer = trainers.BpeTrainer(
-        vocab_size=800, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens]
-    )
-    tokenizer.train_from_iterator(SONNETS.read_text().splitlines(), trainer)
-    return tokenizer
 
 
 @pytest.mark.parametrize("family", ["byte_level", "sentencepiece_style"])

@@ -10,19 +10,29 @@ from fastapi.responses import JSONResponse, Response
 
 from trio_llm.api import metrics
 from trio_llm.api.errors import APIError, install_error_handlers
+from trio_llm.api.middleware import install_middleware
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
 from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.tokenize_routes import tokenize_router
+from trio_llm.config import ServerConfig
 
 
-def build_app(serving: OpenAIServing, is_serving: Callable[[], bool]) -> FastAPI:
+def build_app(
+    serving: OpenAIServing,
+    is_serving: Callable[[], bool],
+    config: ServerConfig | None = None,
+) -> FastAPI:
     """Build the app around a ready engine.
 
     Args:
         serving: the completion handlers (engine, tokenizer, model names).
         is_serving: False once the server is stopping; /health then answers 503.
+        config: API key, CORS and body-size settings; None uses `ServerConfig`'s defaults.
     """
     app = FastAPI(title="trio_llm", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    install_middleware(app, config or ServerConfig())
+    app.include_router(tokenize_router(serving))
     engine = serving.engine
     created = int(time.time())
 

@@ -13,6 +13,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from trio_llm.frontend.engine_client import (
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    RequestRejectedError,
+)
+
+#: Seconds a client is told to wait (``Retry-After``) when the waiting line is full.
+RETRY_AFTER_SECONDS = 1
+
 
 class APIError(Exception):
     """An error to answer with ``status`` and an OpenAI-style body.
@@ -23,6 +34,7 @@ class APIError(Exception):
         type: ``invalid_request_error``, ``not_found_error``, ``server_error``, ...
         param: the request field at fault, if one is.
         code: a short machine-readable code (e.g. ``model_not_found``), if any.
+        headers: extra response headers (e.g. ``Retry-After`` on a 503).
     """
 
     def __init__(
@@ -33,8 +45,10 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.type = type
@@ -47,7 +61,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON response."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -60,6 +74,25 @@ def error_body(
 def bad_request(message: str, param: str | None = None) -> APIError:
     """A 400 ``invalid_request_error``."""
     return APIError(400, message, param=param)
+
+
+def engine_error(exc: EngineError) -> APIError:
+    """The HTTP error for an engine-side failure of one request."""
+    if isinstance(exc, RequestRejectedError):
+        return bad_request(str(exc))
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(
+            503,
+            str(exc),
+            type="service_unavailable_error",
+            code="too_many_waiting_requests",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+    if isinstance(exc, EngineShutdownError):
+        return APIError(503, str(exc), type="service_unavailable_error")
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, f"engine core died: {exc}", type="server_error")
+    return APIError(500, str(exc), type="server_error")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

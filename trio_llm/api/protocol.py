@@ -1,13 +1,16 @@
 """Request bodies of the OpenAI-compatible routes, validated by pydantic.
 
-Field names and defaults follow the OpenAI API reference; ``top_k``, ``ignore_eos`` and
-``stop_token_ids`` are vLLM's extensions. Fields that OpenAI defines but this server does
-not implement yet are accepted only at their neutral value, so a client never silently
-gets something other than what it asked for.
+Field names and defaults follow the OpenAI API reference; ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output`` and ``skip_special_tokens`` are vLLM's extensions. Fields
+that OpenAI or vLLM define but this server does not implement are accepted only at their
+neutral value, so a client never silently gets something other than what it asked for;
+unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -22,34 +25,41 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
-#: OpenAI fields implemented later; accepted only at these neutral values.
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+#: Most samples per prompt (``n``); more is refused with a 400.
+MAX_N = 128
+
+#: ``logit_bias`` values are clamped to this magnitude, as OpenAI documents.
+MAX_LOGIT_BIAS = 100.0
+
+#: OpenAI / vLLM fields this server does not implement; accepted only at these neutral
+#: values (a 400 otherwise), so a client never silently gets something it did not ask for.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "stop": (None, [], ""),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
+    "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, False, True),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
     # vLLM's extensions
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
-    "repetition_penalty": (None, 1, 1.0),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
-    "prompt_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "continue_final_message": (None, False),
 }
 
 
@@ -57,23 +67,36 @@ class StreamOptions(BaseModel):
     """``stream_options``: with ``include_usage`` a final chunk carries the token counts."""
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+Penalty = Annotated[FiniteFloat, Field(ge=-2, le=2)]
 
 
 class GenerationRequest(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     temperature: FiniteFloat | None = Field(default=None, ge=0)
     top_p: FiniteFloat | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: FiniteFloat | None = Field(default=None, ge=0, le=1)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: FiniteFloat | None = Field(default=None, gt=0, le=INT32_MAX)
+    logit_bias: dict[str, FiniteFloat] | None = None
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(default=0, ge=0, le=INT32_MAX)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: StrictBool = False
-    n: StrictInt = Field(default=1, ge=1)
     user: StrictStr | None = None
 
     def check_supported(self) -> None:
@@ -82,8 +105,6 @@ class GenerationRequest(BaseModel):
         Raises:
             APIError: naming the field.
         """
-        if self.n != 1:
-            raise bad_request("only n=1 is supported", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
@@ -92,18 +113,62 @@ class GenerationRequest(BaseModel):
         for name, value in extra.items():
             neutral = _NEUTRAL_VALUES.get(name)
             if neutral is not None and value not in neutral:
-                raise bad_request(f"`{name}` is not supported by this server yet", name)
+                raise bad_request(f"`{name}` is not supported by this server", name)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's `SamplingParams` for this request with ``max_tokens`` resolved."""
+    def parsed_logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token_id, bias)`` pairs, biases clamped to ±100.
+
+        Raises:
+            APIError: a key is not a token id of this vocabulary (400, param logit_bias).
+        """
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            token = int(key) if _TOKEN_ID_KEY.fullmatch(key) else -1
+            if not 0 <= token < vocab_size:
+                raise bad_request(
+                    f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                    "logit_bias",
+                )
+            pairs.append((token, max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, value))))
+        return tuple(pairs)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of non-empty strings."""
+        if self.stop is None:
+            return ()
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return tuple(s for s in stops if s)
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        vocab_size: int,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """The engine's `SamplingParams` for this request with ``max_tokens`` resolved.
+
+        Raises:
+            APIError: a bad ``logit_bias`` key.
+        """
         return SamplingParams(
             max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.parsed_logit_bias(vocab_size),
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @property
@@ -113,10 +178,17 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
+    """``POST /v1/completions``.
 
-    prompt: StrictStr | list[TokenId]
-    max_tokens: StrictInt | None = Field(default=16, ge=1, le=INT32_MAX)
+    ``prompt`` is a string, a list of strings (a batch), a list of token ids, or a list of
+    lists of token ids (a batch). ``max_tokens`` may be 0 only with ``echo``.
+    """
+
+    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    suffix: StrictStr | None = None
 
 
 class TextContentPart(BaseModel):
@@ -150,3 +222,5 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)

@@ -1,17 +1,16 @@
 """The OpenAI completion and chat-completion handlers: prompt -> engine -> text.
 
-Both routes share one path: validate and tokenize, then either collect the whole text
-(one JSON body) or stream chunks as server-sent events ending with ``data: [DONE]``. The
-response shapes follow the OpenAI API reference (``text_completion``, ``chat.completion``,
-``chat.completion.chunk``); an error during a stream is sent as a ``data: {"error": ...}``
-event followed by ``[DONE]``, as vLLM does.
+Both routes share one path: validate and tokenize into a `Plan` (one engine request per
+choice: every prompt of a batch times ``n``), reserve places in the waiting line, then
+either collect every choice (one JSON body) or stream chunks as server-sent events ending
+with ``data: [DONE]`` (see `trio_llm.api.streaming`). Everything that can be refused is
+refused before the first byte of the response, as a proper HTTP error. The response
+shapes follow the OpenAI API reference (``text_completion``, ``chat.completion``).
 """
 
 from __future__ import annotations
 
-import json
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -21,17 +20,14 @@ import trio
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from trio_llm.api.disconnect import Emit, EventStreamResponse, run_while_connected
-from trio_llm.api.errors import APIError, bad_request, error_body
+from trio_llm.api.choice import Choice, OutputOptions
+from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
+from trio_llm.api.errors import APIError, bad_request, engine_error
+from trio_llm.api.generation import CHAT, COMPLETION, Plan, run_choices, usage
+from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from trio_llm.detokenizer import IncrementalDetokenizer
-from trio_llm.frontend.engine_client import (
-    EngineClient,
-    EngineDeadError,
-    EngineError,
-    EngineShutdownError,
-    RequestRejectedError,
-)
+from trio_llm.api.streaming import Stream
+from trio_llm.frontend.engine_client import EngineClient, EngineError
 from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 from trio_llm.messages import SamplingParams
 
@@ -41,30 +37,21 @@ CLIENT_CLOSED_REQUEST = 499
 #: Texts shorter than this (characters) are tokenized on the event loop (well under 1 ms).
 INLINE_ENCODE_CHARS = 8192
 
+#: Most choices (prompts x n) in one request; each is an engine request.
+MAX_CHOICES = 1024
 
-def engine_error(exc: EngineError) -> APIError:
-    """The HTTP error for an engine-side failure of one request."""
-    if isinstance(exc, RequestRejectedError):
-        return bad_request(str(exc))
-    if isinstance(exc, EngineShutdownError):
-        return APIError(503, str(exc), type="service_unavailable_error")
-    if isinstance(exc, EngineDeadError):
-        return APIError(500, f"engine core died: {exc}", type="server_error")
-    return APIError(500, str(exc), type="server_error")
+
+def _child_seed(seed: int | None, index: int) -> int | None:
+    """Seed of the ``index``-th of ``n`` samples: ``seed + index``, wrapped to int64."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 @dataclass
-class _Kind:
-    """What differs between /v1/completions and /v1/chat/completions."""
-
-    id_prefix: str
-    object: str
-    chunk_object: str
-    chat: bool
-
-
-COMPLETION = _Kind("cmpl", "text_completion", "text_completion", chat=False)
-CHAT = _Kind("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+class _Prompt:
+    token_ids: list[int]
+    text: str | None = None  # as given, for echo; None for token-id prompts
 
 
 class OpenAIServing:
@@ -74,16 +61,29 @@ class OpenAIServing:
         engine: the running engine's client.
         tokenizer: the model's tokenizer (with chat template).
         model_names: names accepted in the ``model`` field; the first is the default.
+        max_logprobs: most alternatives a request may ask for per token (``logprobs`` /
+            ``top_logprobs``); more is a 400.
+        max_num_waiting_requests: engine requests allowed to wait for their first output;
+            past it new requests get a 503 with ``Retry-After`` at once. None: no limit.
     """
 
     def __init__(
-        self, engine: EngineClient, tokenizer: Tokenizer, model_names: tuple[str, ...]
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        model_names: tuple[str, ...],
+        *,
+        max_logprobs: int = 20,
+        max_num_waiting_requests: int | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_names = model_names
+        self.max_logprobs = max_logprobs
+        self.max_num_waiting_requests = max_num_waiting_requests
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
+        self.eos_token_ids = frozenset(engine.info.eos_token_ids)
 
     # ------------------------------------------------------------ validation
 
@@ -102,7 +102,10 @@ class OpenAIServing:
         return name
 
     def resolve_max_tokens(self, requested: int | None, num_prompt: int, param: str) -> int:
-        """Output budget within the context; 400 when prompt (+ requested output) won't fit."""
+        """Output budget within the context; 400 when prompt (+ requested output) won't fit.
+
+        ``requested`` None means the rest of the context.
+        """
         if num_prompt >= self.max_model_len:
             raise bad_request(
                 f"the prompt has {num_prompt} tokens, but this model's context is "
@@ -127,35 +130,131 @@ class OpenAIServing:
                 f"token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}", param
             )
 
-    def _prepare(
-        self, request: GenerationRequest, prompt_ids: list[int], requested: int | None, param: str
-    ) -> SamplingParams:
+    def _check_logprobs(self, value: int | None, param: str) -> None:
+        if value is not None and value > self.max_logprobs:
+            raise bad_request(
+                f"{param}={value} is more than this server's limit of {self.max_logprobs} "
+                "(--max-logprobs)",
+                param,
+            )
+
+    def _check_common(self, request: GenerationRequest) -> None:
         request.check_supported()
         if request.stop_token_ids:
             self._check_token_ids(request.stop_token_ids, "stop_token_ids")
-        max_tokens = self.resolve_max_tokens(requested, len(prompt_ids), param)
-        return request.sampling_params(max_tokens)
+
+    def _params(
+        self,
+        request: GenerationRequest,
+        max_tokens: int,
+        *,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> list[SamplingParams]:
+        """One `SamplingParams` per sample (``n``), seeds ``seed + i``."""
+        if max_tokens and request.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens={request.min_tokens} is more than the {max_tokens} output tokens "
+                "allowed",
+                "min_tokens",
+            )
+        base = request.sampling_params(
+            max_tokens, self.vocab_size, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
+        try:
+            base.validate(self.vocab_size)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        if request.n == 1:
+            return [base]
+        fields = {name: getattr(base, name) for name in base.__struct_fields__}
+        return [
+            SamplingParams(**{**fields, "seed": _child_seed(request.seed, i)})
+            for i in range(request.n)
+        ]
+
+    def _options(self, request: GenerationRequest) -> OutputOptions:
+        return OutputOptions(
+            stop=request.stop_strings,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+        )
 
     # ------------------------------------------------------------ routes
 
     async def completions(self, request: CompletionRequest, receive: Receive) -> Response:
         """Handle ``POST /v1/completions``."""
         model = self.resolve_model(request.model)
-        if not request.prompt:
+        self._check_common(request)
+        if request.suffix:
+            raise bad_request("`suffix` (insertion) is not supported by this model", "suffix")
+        self._check_logprobs(request.logprobs, "logprobs")
+        if request.max_tokens == 0 and not request.echo:
+            raise bad_request(
+                "max_tokens must be at least 1 (0 is only allowed with echo=true)", "max_tokens"
+            )
+        prompts = await self._completion_prompts(request)
+        if len(prompts) * request.n > MAX_CHOICES:
+            raise bad_request(
+                f"{len(prompts)} prompts x n={request.n} is more than {MAX_CHOICES} choices",
+                "n",
+            )
+        prompt_logprobs = request.logprobs if request.echo else None
+        plan = Plan(
+            COMPLETION,
+            model,
+            self._options(request),
+            echo=request.echo,
+            num_top_logprobs=request.logprobs,
+        )
+        for prompt in prompts:
+            max_tokens = self.resolve_max_tokens(
+                request.max_tokens, len(prompt.token_ids), "max_tokens"
+            )
+            params = self._params(
+                request, max_tokens, logprobs=request.logprobs, prompt_logprobs=prompt_logprobs
+            )
+            echo_text = prompt.text
+            if request.echo and echo_text is None:
+                echo_text = self.tokenizer.decode(
+                    prompt.token_ids, skip_special_tokens=request.skip_special_tokens
+                )
+            plan.add_prompt(prompt.token_ids, params, echo_text)
+        return await self._respond(plan, request, receive)
+
+    async def _completion_prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        prompt = request.prompt
+        if not prompt:
             raise bad_request("the prompt is empty", "prompt")
-        if isinstance(request.prompt, str):
-            prompt_ids = await self._encode(request.prompt, "prompt", special_tokens=True)
+        if isinstance(prompt, str):
+            items: list[str | list[int]] = [prompt]
+        elif isinstance(prompt[0], int):
+            items = [prompt]  # type: ignore[list-item]
         else:
-            self._check_token_ids(request.prompt, "prompt")
-            prompt_ids = list(request.prompt)
-        if not prompt_ids:
-            raise bad_request("the prompt has no tokens", "prompt")
-        params = self._prepare(request, prompt_ids, request.max_tokens, "max_tokens")
-        return await self._respond(COMPLETION, model, request, prompt_ids, params, receive)
+            items = list(prompt)  # type: ignore[arg-type]
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request("the prompt is empty", "prompt")
+                ids = await self._encode(item, "prompt", special_tokens=True)
+                if not ids:
+                    raise bad_request("the prompt has no tokens", "prompt")
+                prompts.append(_Prompt(ids, item))
+            else:
+                if not item:
+                    raise bad_request("the prompt is empty", "prompt")
+                self._check_token_ids(item, "prompt")
+                prompts.append(_Prompt(list(item)))
+        return prompts
 
     async def chat(self, request: ChatCompletionRequest, receive: Receive) -> Response:
         """Handle ``POST /v1/chat/completions``."""
         model = self.resolve_model(request.model)
+        self._check_common(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        self._check_logprobs(request.top_logprobs, "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
             text = self.tokenizer.render_chat(messages)
@@ -164,8 +263,11 @@ class OpenAIServing:
         prompt_ids = await self._encode(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        params = self._prepare(request, prompt_ids, requested, param)
-        return await self._respond(CHAT, model, request, prompt_ids, params, receive)
+        max_tokens = self.resolve_max_tokens(requested, len(prompt_ids), param)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        plan = Plan(CHAT, model, self._options(request), num_top_logprobs=logprobs)
+        plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
+        return await self._respond(plan, request, receive)
 
     async def _encode(self, text: str, param: str, *, special_tokens: bool) -> list[int]:
         """Tokenize without stalling other requests; 400 for text that cannot fit or encode."""
@@ -186,129 +288,71 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ generation
 
-    async def _respond(
-        self,
-        kind: _Kind,
-        model: str,
-        request: GenerationRequest,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        receive: Receive,
-    ) -> Response:
-        if not self.engine.is_alive:
-            raise engine_error(
-                self.engine.error or EngineShutdownError("the server is shutting down")
-            )
-        response_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
-        created = int(time.time())
+    async def _respond(self, plan: Plan, request: GenerationRequest, receive: Receive) -> Response:
+        try:
+            admission = self.engine.admit(len(plan.requests), self.max_num_waiting_requests)
+        except EngineError as exc:
+            raise engine_error(exc) from exc
+        plan.response_id = f"{plan.kind.id_prefix}-{uuid.uuid4().hex}"
+        plan.created = int(time.time())
+        choices = [
+            Choice(i, self.tokenizer, ids, params, plan.options, self.eos_token_ids)
+            for i, (ids, params) in enumerate(plan.requests)
+        ]
         if request.stream:
-            stream = _Stream(self, kind, response_id, created, model, prompt_ids, params)
+            stream = Stream(self.engine, self.tokenizer, plan, choices, admission)
             return EventStreamResponse(
                 lambda emit: stream.run(emit, include_usage=request.include_usage)
             )
 
-        async def collect() -> tuple[str, str, int]:
-            detokenizer = IncrementalDetokenizer(self.tokenizer.backend, prompt_ids)
-            finish_reason = "abort"
-            async with self.engine.open_request(prompt_ids, params) as tokens:
-                async for delta in tokens:
-                    finished = delta.finish_reason is not None
-                    detokenizer.add_tokens(delta.token_ids, finished=finished)
-                    if finished:
-                        finish_reason = delta.finish_reason
-            return detokenizer.text, finish_reason, len(detokenizer.output_token_ids)
+        async def collect() -> bool:
+            await run_choices(self.engine, plan, choices, admission, None)
+            return True
 
         try:
-            result = await run_while_connected(receive, collect)
+            done = await run_while_connected(receive, collect)
         except EngineError as exc:
             raise engine_error(exc) from exc
-        if result is None:
+        finally:
+            self.engine.release(admission)
+        if done is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        text, finish_reason, num_output = result
-        if kind.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         body = {
-            "id": response_id,
-            "object": kind.object,
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": _usage(len(prompt_ids), num_output),
+            "id": plan.response_id,
+            "object": plan.kind.object,
+            "created": plan.created,
+            "model": plan.model,
+            "choices": [self._final_choice(plan, choice) for choice in choices],
+            "usage": usage(plan, choices),
         }
         return JSONResponse(body)
 
-
-def _usage(num_prompt: int, num_output: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": num_prompt,
-        "completion_tokens": num_output,
-        "total_tokens": num_prompt + num_output,
-    }
-
-
-@dataclass
-class _Stream:
-    """One streamed response: every chunk carries the same ``id``, ``created`` and ``model``."""
-
-    serving: OpenAIServing
-    kind: _Kind
-    response_id: str
-    created: int
-    model: str
-    prompt_ids: list[int]
-    params: SamplingParams
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": self.response_id,
-            "object": self.kind.chunk_object,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
+    def _final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
+        entries = choice.all_logprobs
+        if plan.kind.chat:
+            logprobs = None
+            if plan.num_top_logprobs is not None:
+                logprobs = chat_logprobs(self.tokenizer, entries, plan.num_top_logprobs)
+            return {
+                "index": choice.index,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+        text = choice.text
+        completion_logprobs = None
+        prompt_ids = plan.requests[choice.index][0]
+        if plan.echo:
+            text = (plan.echo_texts[choice.index] or "") + text
+        if plan.num_top_logprobs is not None:
+            formatter = CompletionLogprobs(self.tokenizer)
+            prefix: list = [None, *choice.prompt_logprobs] if plan.echo else []
+            completion_logprobs = formatter.delta(prefix + entries, prompt_ids[0])
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": completion_logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
         }
-        if usage is not None:
-            body["usage"] = usage
-        return json.dumps(body, ensure_ascii=False)
-
-    def _choice(self, text: str | None, finish_reason: str | None, *, role: bool = False) -> dict:
-        if self.kind.chat:
-            delta: dict[str, str] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-
-    async def run(self, emit: Emit, *, include_usage: bool) -> None:
-        """Emit every chunk, then ``[DONE]``; an engine error becomes an error event."""
-        engine = self.serving.engine
-        detokenizer = IncrementalDetokenizer(self.serving.tokenizer.backend, self.prompt_ids)
-        try:
-            if self.kind.chat:
-                await emit(self._chunk([self._choice("", None, role=True)]))
-            async with engine.open_request(self.prompt_ids, self.params) as tokens:
-                async for delta in tokens:
-                    finished = delta.finish_reason is not None
-                    text = detokenizer.add_tokens(delta.token_ids, finished=finished)
-                    if text or finished:
-                        content = text if text or not self.kind.chat else None
-                        await emit(self._chunk([self._choice(content, delta.finish_reason)]))
-            if include_usage:
-                usage = _usage(len(self.prompt_ids), len(detokenizer.output_token_ids))
-                await emit(self._chunk([], usage))
-        except EngineError as exc:
-            error = engine_error(exc)
-            await emit(json.dumps(error_body(error.message, error.type, error.param, error.code)))
-        except Exception as exc:  # a bug: still end the stream properly, and say so
-            traceback.print_exc()
-            message = f"internal error: {type(exc).__name__}: {exc}"
-            await emit(json.dumps(error_body(message, "server_error")))
-        await emit("[DONE]")

@@ -4,15 +4,22 @@ One reader task (`EngineClient.route_outputs`) receives every `StepOutputs` mess
 hands each request's tokens to that request's mailbox; handlers consume them through
 `EngineClient.open_request`. A mailbox coalesces tokens, so a slow consumer never blocks
 the reader (and with it every other request); it holds at most the request's own output.
+
+Timing (time to first token, inter-token latency, end-to-end latency) is measured here,
+when outputs arrive, with this process's monotonic clock, and reported to an optional
+`RequestObserver` (the Prometheus metrics). The queue time is measured by the engine
+process with its own clock and shipped as a duration.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -27,6 +34,7 @@ from trio_llm.messages import (
     Shutdown,
     StepOutputs,
     StepStats,
+    TokenLogprobs,
 )
 
 
@@ -46,27 +54,90 @@ class RequestRejectedError(EngineError):
     """The engine refused this one request (the message says why); others are unaffected."""
 
 
+class EngineOverloadedError(EngineError):
+    """Too many requests are already waiting (``--max-num-waiting-requests``); retry later."""
+
+
 @dataclass
 class TokenDelta:
-    """Tokens of one request that arrived since the consumer last looked.
+    """Output of one request that arrived since the consumer last looked.
 
     Attributes:
         token_ids: new output token ids, oldest first (may be empty on the final delta).
         finish_reason: None while running, else "stop", "length" or "abort".
+        logprobs: one entry per new token when the request asked for logprobs, else None.
+        prompt_logprobs: new prompt-position entries when asked for, else None.
     """
 
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestRecord:
+    """Timing and counts of one engine request, for metrics (seconds, monotonic clock).
+
+    Attributes:
+        finish_reason: "stop", "length" or "abort" (abort: the engine or the client ended
+            it before it finished).
+        first_token_seconds: arrival -> first output token, None if there was none.
+        queue_seconds: arrival in the engine -> first scheduled (measured by the engine).
+    """
+
+    num_prompt_tokens: int
+    arrival: float
+    num_output_tokens: int = 0
+    first_token_seconds: float | None = None
+    last_token_time: float | None = None
+    queue_seconds: float | None = None
+    finish_reason: str | None = None
+    e2e_seconds: float = 0.0
+
+
+class RequestObserver(Protocol):
+    """Receives per-request timing as it happens (implemented by the metrics)."""
+
+    def on_first_token(self, record: RequestRecord) -> None:
+        """The first output token arrived (``record.first_token_seconds`` is set)."""
+
+    def on_tokens(self, interval: float, count: int) -> None:
+        """``count`` tokens arrived ``interval`` seconds after the previous one(s)."""
+
+    def on_finished(self, record: RequestRecord) -> None:
+        """The request ended (``finish_reason`` and ``e2e_seconds`` are set)."""
 
 
 class _Mailbox:
-    __slots__ = ("error", "finish_reason", "token_ids", "wakeup")
+    __slots__ = (
+        "error",
+        "finish_reason",
+        "logprobs",
+        "prompt_logprobs",
+        "record",
+        "started",
+        "token_ids",
+        "wakeup",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, record: RequestRecord) -> None:
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = None
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.finish_reason: str | None = None
         self.error: EngineError | None = None
         self.wakeup = trio.Event()
+        self.started = False
+        self.record = record
+
+
+@dataclass
+class Admission:
+    """Places reserved in the waiting line by `EngineClient.admit` (see there)."""
+
+    count: int
+    released: bool = field(default=False)
 
 
 class RequestStream:
@@ -81,6 +152,16 @@ class RequestStream:
         self.request_id = request_id
         self._mailbox = mailbox
         self.finished = False
+        self.finish_reason: str | None = None
+
+    def finish(self, reason: str) -> None:
+        """End the request early on the server's side (e.g. a stop string matched).
+
+        The engine request is aborted when the `open_requests` block exits, but it is
+        counted as finished with ``reason`` rather than as aborted.
+        """
+        self.finished = True
+        self.finish_reason = reason
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -95,10 +176,12 @@ class RequestStream:
         if box.error is not None:
             self.finished = True
             raise box.error
-        delta = TokenDelta(box.token_ids, box.finish_reason)
+        delta = TokenDelta(box.token_ids, box.finish_reason, box.logprobs, box.prompt_logprobs)
         box.token_ids = []
+        box.logprobs = box.prompt_logprobs = None
         if delta.finish_reason is not None:
             self.finished = True
+            self.finish_reason = delta.finish_reason
         return delta
 
 
@@ -128,8 +211,10 @@ class EngineClient:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-"
         self._error: EngineError | None = None
+        self._num_reserved = 0
         self.stopping = False
         self.stop_scope = trio.CancelScope()
+        self.observer: RequestObserver | None = None
 
     # ------------------------------------------------------------ state
 
@@ -148,35 +233,97 @@ class EngineClient:
         """Requests sent to the engine and not yet finished."""
         return len(self._mailboxes)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted or sent that have produced no output yet (queued or prefilling)."""
+        return self._num_reserved + sum(not box.started for box in self._mailboxes.values())
+
+    def admit(self, count: int, limit: int | None) -> Admission:
+        """Reserve ``count`` places among the waiting requests, or refuse at once.
+
+        Checking and reserving happen in one synchronous call, so concurrent handlers can
+        never overshoot ``limit`` together. Hand the result to `open_requests`, which
+        turns it into real requests; `release` it if the requests are never opened.
+
+        Raises:
+            EngineOverloadedError: ``limit`` is set and would be exceeded.
+            EngineError: the engine is dead or stopping.
+        """
+        self._check_open()
+        if limit is not None and self.num_waiting + count > limit:
+            raise EngineOverloadedError(
+                f"{self.num_waiting} requests are already waiting (limit {limit}); retry later"
+            )
+        self._num_reserved += count
+        return Admission(count)
+
+    def release(self, admission: Admission) -> None:
+        """Give back an `Admission` that was not (or no longer needs to be) used."""
+        if not admission.released:
+            admission.released = True
+            self._num_reserved -= admission.count
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self.stopping:
+            raise EngineShutdownError("the server is shutting down")
+
     # ------------------------------------------------------------ requests
 
     @asynccontextmanager
     async def open_request(
         self, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestStream]:
-        """Submit a request and yield its `RequestStream`.
+        """Submit one request and yield its `RequestStream` (see `open_requests`)."""
+        async with self.open_requests([(prompt_token_ids, params)]) as (stream,):
+            yield stream
 
-        Leaving the block before the stream finished (an exception, a cancellation, a
-        client that left) aborts the request in the engine, which frees its KV blocks.
+    @asynccontextmanager
+    async def open_requests(
+        self,
+        requests: Sequence[tuple[list[int], SamplingParams]],
+        admission: Admission | None = None,
+    ) -> AsyncIterator[list[RequestStream]]:
+        """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams.
+
+        Leaving the block before a stream finished (an exception, a cancellation, a
+        client that left, a stop string) aborts that request in the engine, which frees
+        its KV blocks; all of them go in one `AbortRequests` message.
+
+        Args:
+            admission: places reserved with `admit`; consumed here (released on exit).
 
         Raises:
             EngineError: the engine is dead or stopping (before anything is sent).
         """
-        if self._error is not None:
-            raise self._error
-        if self.stopping:
-            raise EngineShutdownError("the server is shutting down")
-        request_id = f"{self._prefix}{next(self._ids)}"
-        mailbox = _Mailbox()
-        self._mailboxes[request_id] = mailbox
-        stream = RequestStream(request_id, mailbox)
         try:
-            await self._send(AddRequest(request_id, prompt_token_ids, params))
-            yield stream
+            self._check_open()
+            now = time.monotonic()
+            streams = []
+            for prompt_token_ids, _ in requests:
+                request_id = f"{self._prefix}{next(self._ids)}"
+                mailbox = _Mailbox(RequestRecord(len(prompt_token_ids), now))
+                self._mailboxes[request_id] = mailbox
+                streams.append(RequestStream(request_id, mailbox))
         finally:
-            if self._mailboxes.pop(request_id, None) is not None and self._error is None:
+            if admission is not None:
+                self.release(admission)  # the mailboxes now count as waiting
+        try:
+            for stream, (prompt_token_ids, params) in zip(streams, requests, strict=True):
+                await self._send(AddRequest(stream.request_id, prompt_token_ids, params))
+            yield streams
+        finally:
+            unfinished = []
+            for stream in streams:
+                mailbox = self._mailboxes.pop(stream.request_id, None)
+                if mailbox is None:
+                    continue
+                unfinished.append(stream.request_id)
+                self._finished(mailbox, stream.finish_reason or "abort")
+            if unfinished and self._error is None:
                 with trio.CancelScope(shield=True):
-                    await self._send_quietly(AbortRequests([request_id]))
+                    await self._send_quietly(AbortRequests(unfinished))
 
     async def _send(self, message: AddRequest | AbortRequests | Shutdown) -> None:
         try:
@@ -222,17 +369,49 @@ class EngineClient:
             stats.num_steps += 1
             stats.num_multi_request_steps += step.num_scheduled_reqs > 1
             stats.num_preemptions += step.num_preemptions
+        now = time.monotonic()
         for output in message.outputs:
             box = self._mailboxes.get(output.request_id)
             if box is None:
                 continue  # aborted by us already
+            box.started = True
+            record = box.record
+            if output.queue_seconds is not None:
+                record.queue_seconds = output.queue_seconds
             if output.error is not None:
                 box.error = RequestRejectedError(output.error)
-            box.token_ids.extend(output.new_token_ids)
+            if output.new_token_ids:
+                self._count_tokens(record, len(output.new_token_ids), now)
+                box.token_ids.extend(output.new_token_ids)
+            if output.logprobs is not None:
+                box.logprobs = (box.logprobs or []) + output.logprobs
+            if output.prompt_logprobs is not None:
+                box.prompt_logprobs = (box.prompt_logprobs or []) + output.prompt_logprobs
             if output.finish_reason is not None:
                 box.finish_reason = output.finish_reason
                 del self._mailboxes[output.request_id]
+                self._finished(box, output.finish_reason)
             box.wakeup.set()
+
+    def _count_tokens(self, record: RequestRecord, count: int, now: float) -> None:
+        previous = record.last_token_time
+        record.num_output_tokens += count
+        record.last_token_time = now
+        if previous is None:
+            record.first_token_seconds = now - record.arrival
+            if self.observer is not None:
+                self.observer.on_first_token(record)
+            count -= 1  # the first token has no interval before it
+            previous = now
+        if count > 0 and self.observer is not None:
+            self.observer.on_tokens(now - previous, count)
+
+    def _finished(self, box: _Mailbox, reason: str) -> None:
+        record = box.record
+        record.finish_reason = reason
+        record.e2e_seconds = time.monotonic() - record.arrival
+        if self.observer is not None:
+            self.observer.on_finished(record)
 
     def fail_all(self, error: EngineError) -> None:
         """End every open request with ``error``; later requests are refused with it too."""
@@ -240,6 +419,7 @@ class EngineClient:
         for box in self._mailboxes.values():
             box.error = error
             box.wakeup.set()
+            self._finished(box, "abort")
         self._mailboxes.clear()
 
     # ------------------------------------------------------------ lifetime

@@ -9,6 +9,8 @@ imports torch or transformers, which keeps it small and quick to start.
 from __future__ import annotations
 
 import json
+import re
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,27 @@ from tokenizers import Tokenizer as FastTokenizer
 from trio_llm.frontend.chat_template import TemplateError, render_chat
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+#: SentencePiece byte-fallback tokens look like ``<0xE3>``.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@cache
+def byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of the byte-level BPE alphabet (GPT-2; Radford et al. 2019).
+
+    Byte-level vocabularies spell each byte as one printable character: bytes that are
+    printable Latin-1 characters stand for themselves, and the other 68 bytes (controls,
+    space, soft hyphen, ...) take the code points from 256 upward, in byte order.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in printable}
+    extra = 256
+    for b in range(256):
+        if b not in printable:
+            alphabet[chr(extra)] = b
+            extra += 1
+    return alphabet
 
 
 class ChatTemplateError(ValueError):
@@ -51,6 +74,9 @@ class Tokenizer:
         self.max_token_chars = max(
             (len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1
         )
+        self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
+        self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Tokenizer:
@@ -103,6 +129,39 @@ class Tokenizer:
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` in one go."""
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (special tokens included), as logprobs show it.
+
+        A token holding part of a multi-byte character decodes to U+FFFD here; use
+        `token_bytes` for the exact bytes.
+        """
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.backend.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The UTF-8 bytes one token contributes to the text (OpenAI's logprob ``bytes``).
+
+        Exact for byte-level BPE and SentencePiece byte-fallback tokens; otherwise the
+        UTF-8 encoding of `token_text`.
+        """
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self.backend.id_to_token(token_id) or ""
+        alphabet = byte_level_alphabet()
+        match = _BYTE_TOKEN.fullmatch(piece)
+        if self._byte_level and piece and all(ch in alphabet for ch in piece):
+            result = [alphabet[ch] for ch in piece]
+        elif match:
+            result = [int(match.group(1), 16)]
+        else:
+            result = list(self.token_text(token_id).encode("utf-8", "surrogatepass"))
+        self._token_bytes[token_id] = result
+        return result
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Render chat messages plus the assistant prompt with the model's template; ids.

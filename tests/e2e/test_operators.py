@@ -1,0 +1,345 @@
+"""Operator settings on a real server: API key, CORS and the request body limit.
+
+One extra server for the module, started with ``--api-key``, ``--allowed-origins`` and a
+64 KiB body limit. The last tests check the command line and `ServerConfig` alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL
+from trio_llm.cli import build_parser, config_from_args
+from trio_llm.config import API_KEY_ENV, ServerConfig
+from trio_llm.testing.server_process import ServerProcess
+
+API_KEY = "sk-operator-test-0123456789"
+ALLOWED_ORIGIN = "http://example.test"
+BODY_LIMIT = 64 * 1024
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+SMALL_REQUEST = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Iterator[str]:
+    """Base URL of a server with an API key, CORS for one origin and a 64 KiB body limit."""
+    log = tmp_path_factory.mktemp("guarded-server") / "server.log"
+    args = [
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "4",
+        "--api-key",
+        API_KEY,
+        "--allowed-origins",
+        ALLOWED_ORIGIN,
+        "--max-request-body-bytes",
+        "64KiB",
+    ]
+    process = ServerProcess(args, log_path=log)
+    with process:
+        yield process.url
+    assert process.process is not None
+    assert process.process.returncode == 0, process.log()
+
+
+@pytest.fixture
+def client(guarded: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=guarded, timeout=60) as http:
+        yield http
+
+
+def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == code
+    assert error["message"]
+    return error
+
+
+def _assert_still_serving(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", json=SMALL_REQUEST, headers=AUTH)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+# ------------------------------------------------------------------ API key
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer sk-wrong"},
+        {"authorization": f"Bearer {API_KEY}x"},
+        {"authorization": f"Bearer {API_KEY[:-1]}"},
+        {"authorization": f"Basic {API_KEY}"},
+        {"authorization": API_KEY},
+        {"x-api-key": API_KEY},
+    ],
+    ids=["none", "wrong", "longer", "shorter", "basic", "no-scheme", "other-header"],
+)
+def test_v1_routes_need_the_key(client: httpx.Client, headers: dict[str, str]) -> None:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+    ]:
+        body = SMALL_REQUEST if method == "POST" else None
+        response = client.request(method, path, json=body, headers=headers)
+        error = _assert_error(response, 401, "invalid_api_key")
+        assert error["param"] is None
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert API_KEY not in response.text
+
+
+def test_the_right_key_works_with_the_openai_client(guarded: str) -> None:
+    with openai.OpenAI(base_url=f"{guarded}/v1", api_key=API_KEY, max_retries=0) as client:
+        assert [m.id for m in client.models.list()] == [MODEL]
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content
+        assert reply.usage is not None and reply.usage.completion_tokens >= 1
+        stream = client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=4, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+
+def test_the_openai_client_reports_a_wrong_key(guarded: str) -> None:
+    with openai.OpenAI(base_url=f"{guarded}/v1", api_key="sk-wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError) as caught:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert caught.value.status_code == 401
+    assert caught.value.code == "invalid_api_key"
+
+
+def test_operational_routes_stay_open(client: httpx.Client) -> None:
+    assert client.get("/health").status_code == 200
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200
+    assert "# TYPE" in metrics.text
+    assert client.get("/version").status_code == 200
+    tokens = client.post("/tokenize", json={"prompt": "hi"})
+    assert tokens.status_code == 200
+    assert client.post("/detokenize", json={"tokens": tokens.json()["tokens"]}).json() == {
+        "prompt": "hi"
+    }
+
+
+# ------------------------------------------------------------------ CORS
+
+
+def _preflight(client: httpx.Client, origin: str) -> httpx.Response:
+    return client.options(
+        "/v1/chat/completions",
+        headers={
+            "origin": origin,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type",
+        },
+    )
+
+
+def test_cors_preflight_allows_the_configured_origin(client: httpx.Client) -> None:
+    response = _preflight(client, ALLOWED_ORIGIN)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    assert "POST" in response.headers["access-control-allow-methods"]
+    allowed_headers = response.headers["access-control-allow-headers"].lower()
+    assert "authorization" in allowed_headers and "content-type" in allowed_headers
+    # The actual request carries the header too, on success and on a 401 alike (so a
+    # browser page can read why it was refused).
+    ok = client.get("/v1/models", headers={"origin": ALLOWED_ORIGIN, **AUTH})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    refused = client.get("/v1/models", headers={"origin": ALLOWED_ORIGIN})
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+
+
+def test_cors_refuses_another_origin(client: httpx.Client) -> None:
+    response = _preflight(client, "http://elsewhere.test")
+    assert response.status_code == 400
+    assert "access-control-allow-origin" not in response.headers
+    actual = client.get("/v1/models", headers={"origin": "http://elsewhere.test", **AUTH})
+    assert actual.status_code == 200
+    assert "access-control-allow-origin" not in actual.headers
+
+
+# ------------------------------------------------------------------ body size
+
+
+def _oversized_body() -> bytes:
+    body = json.dumps({"model": MODEL, "prompt": "word " * BODY_LIMIT, "max_tokens": 1})
+    assert len(body) > BODY_LIMIT
+    return body.encode()
+
+
+def test_a_body_with_a_large_content_length_gets_413(client: httpx.Client) -> None:
+    response = client.post(
+        "/v1/completions",
+        content=_oversized_body(),
+        headers={"content-type": "application/json", **AUTH},
+    )
+    error = _assert_error(response, 413, "request_too_large")
+    assert str(BODY_LIMIT) in error["message"]
+    assert response.headers["connection"] == "close"
+    _assert_still_serving(client)
+
+
+def test_a_chunked_body_that_grows_too_large_gets_413(client: httpx.Client) -> None:
+    body = _oversized_body()
+    sent = 0
+
+    def chunks() -> Iterator[bytes]:
+        nonlocal sent
+        for start in range(0, len(body), 4096):
+            sent += len(body[start : start + 4096])
+            yield body[start : start + 4096]
+
+    request = client.build_request(
+        "POST",
+        "/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json", **AUTH},
+    )
+    assert "content-length" not in request.headers
+    assert request.headers["transfer-encoding"] == "chunked"
+    response = client.send(request)
+    error = _assert_error(response, 413, "request_too_large")
+    assert str(BODY_LIMIT) in error["message"]
+    _assert_still_serving(client)
+
+
+def test_bodies_within_the_limit_pass_chunked_or_not(client: httpx.Client) -> None:
+    body = json.dumps(SMALL_REQUEST).encode()
+    headers = {"content-type": "application/json", **AUTH}
+
+    def chunks() -> Iterator[bytes]:
+        yield from (body[i : i + 7] for i in range(0, len(body), 7))
+
+    response = client.post("/v1/completions", content=chunks(), headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    # Exactly at the limit, sent whole and chunked: refused by the context length (400),
+    # not by the size (413).
+    overhead = len(json.dumps({"model": MODEL, "prompt": "", "max_tokens": 1}))
+    prompt = ("a " * BODY_LIMIT)[: BODY_LIMIT - overhead]
+    at_limit = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    assert len(at_limit) == BODY_LIMIT
+    for content in (at_limit, iter([at_limit[:1000], at_limit[1000:]])):
+        response = client.post("/v1/completions", content=content, headers=headers)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt"
+
+
+# ------------------------------------------------------------------ command line
+
+
+def _parse(*argv: str) -> ServerConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_command_line_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    config = _parse()
+    assert config.api_key is None
+    assert config.allowed_origins == ()
+    assert config.allowed_methods == ("*",)
+    assert config.allowed_headers == ("*",)
+    assert config.allow_credentials is False
+    assert config.max_request_body_bytes == 8 * 1024**2
+    assert config.max_num_waiting_requests is None
+    assert config.max_logprobs == 20
+
+
+def test_command_line_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    config = _parse(
+        "--api-key",
+        "sk-flag",
+        "--allowed-origins",
+        "http://a.test",
+        "http://b.test",
+        "--allowed-methods",
+        "GET",
+        "POST",
+        "--allowed-headers",
+        "authorization",
+        "--allow-credentials",
+        "--max-request-body-bytes",
+        "1MiB",
+        "--max-num-waiting-requests",
+        "3",
+        "--max-logprobs",
+        "0",
+    )
+    assert config.api_key == "sk-flag"
+    assert config.allowed_origins == ("http://a.test", "http://b.test")
+    assert config.allowed_methods == ("GET", "POST")
+    assert config.allowed_headers == ("authorization",)
+    assert config.allow_credentials is True
+    assert config.max_request_body_bytes == 1024**2
+    assert config.max_num_waiting_requests == 3
+    assert config.max_logprobs == 0
+    assert "sk-flag" not in repr(config)
+
+
+def test_the_api_key_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    assert _parse().api_key == "sk-from-env"
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert _parse().api_key is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-num-waiting-requests", "0"],
+        ["--max-logprobs", "-1"],
+        ["--max-request-body-bytes", "lots"],
+        ["--max-request-body-bytes", "0"],
+        ["--api-key", ""],
+        ["--api-key", "two words"],
+    ],
+)
+def test_bad_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parser = build_parser()
+        try:
+            config_from_args(parser.parse_args(["serve", *argv]))
+        except ValueError as exc:
+            parser.error(str(exc))
+    assert caught.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_request_body_bytes", 0),
+        ("max_num_waiting_requests", 0),
+        ("max_logprobs", -1),
+        ("api_key", ""),
+        ("allowed_origins", "http://a.test"),
+        ("allowed_origins", ("",)),
+        ("allowed_methods", ()),
+    ],
+)
+def test_server_config_validates(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**{field: value})

@@ -1,0 +1,114 @@
+"""Running the choices of one API request against the engine.
+
+A `Plan` lists one engine request per choice (each prompt of a batch, ``n`` times, with
+choice index ``prompt_index * n + sample``, as vLLM numbers them). `run_choices` submits
+them all at once and drives each choice in its own task; leaving early for any reason
+(a client that left, an error, a cancellation) aborts every unfinished one in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from trio_llm.api.choice import Choice, ChoiceDelta, OutputOptions
+from trio_llm.frontend.engine_client import Admission, EngineClient, EngineError, RequestStream
+from trio_llm.messages import SamplingParams
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+
+COMPLETION = Kind("cmpl", "text_completion", "text_completion", chat=False)
+CHAT = Kind("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+
+
+@dataclass
+class Plan:
+    """Everything needed to answer one request, decided before anything is sent.
+
+    Attributes:
+        requests: ``(prompt_token_ids, params)`` per choice, in choice-index order.
+        prompt_lengths: token count of each distinct prompt (for usage).
+        echo_texts: per choice, the prompt text to prepend (completions ``echo``).
+        num_top_logprobs: alternatives per token when logprobs were asked for, else None.
+    """
+
+    kind: Kind
+    model: str
+    options: OutputOptions
+    echo: bool = False
+    num_top_logprobs: int | None = None
+    requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)
+    echo_texts: list[str | None] = field(default_factory=list)
+    response_id: str = ""
+    created: int = 0
+
+    def add_prompt(
+        self, token_ids: list[int], params: list[SamplingParams], echo_text: str | None
+    ) -> None:
+        """Add one prompt with one `SamplingParams` per sample."""
+        self.prompt_lengths.append(len(token_ids))
+        for sample in params:
+            self.requests.append((token_ids, sample))
+            self.echo_texts.append(echo_text)
+
+
+def usage(plan: Plan, choices: list[Choice]) -> dict[str, int]:
+    """OpenAI's ``usage``: each prompt counted once, every choice's output tokens."""
+    prompt = sum(plan.prompt_lengths)
+    completion = sum(choice.num_output_tokens for choice in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+OnDelta = Callable[[Choice, ChoiceDelta], Awaitable[None]]
+
+
+async def run_choices(
+    engine: EngineClient,
+    plan: Plan,
+    choices: list[Choice],
+    admission: Admission,
+    on_delta: OnDelta | None,
+) -> None:
+    """Generate every choice to its end, calling ``on_delta`` for each piece of output.
+
+    Raises:
+        EngineError: the first engine error of any choice (the others are then aborted).
+    """
+    errors: list[EngineError] = []
+    async with engine.open_requests(plan.requests, admission) as streams:
+        async with trio.open_nursery() as nursery:
+
+            async def drive(choice: Choice, stream: RequestStream) -> None:
+                try:
+                    async for delta in stream:
+                        piece = choice.process(delta)
+                        if piece is not None and on_delta is not None:
+                            await on_delta(choice, piece)
+                        if choice.finished:
+                            if not stream.finished:
+                                stream.finish(choice.finish_reason or "stop")
+                            return
+                except EngineError as exc:
+                    errors.append(exc)
+                    nursery.cancel_scope.cancel()
+
+            for choice, stream in zip(choices, streams, strict=True):
+                nursery.start_soon(drive, choice, stream)
+    if errors:
+        raise errors[0]

@@ -1,0 +1,101 @@
+"""Logprobs in the two OpenAI wire formats.
+
+Completions (legacy, ``logprobs: k``)::
+
+    {"tokens": [str], "token_logprobs": [float | null], "top_logprobs": [{str: float} | null],
+     "text_offset": [int]}
+
+``top_logprobs`` maps the ``k`` most likely tokens plus the chosen one to their logprobs;
+``null`` marks the first prompt token (echo), which has no logprob. ``text_offset`` is each
+token's character offset in the choice's text, counting token texts as vLLM does.
+
+Chat (``logprobs: true, top_logprobs: k``)::
+
+    {"content": [{"token": str, "logprob": float, "bytes": [int],
+                  "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+
+JSON has no infinity: a logprob of ``-inf`` (a token outside top-k/top-p) is sent as
+-9999.0, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trio_llm.frontend.tokenizer import Tokenizer
+from trio_llm.messages import TokenLogprobs
+
+#: What a ``-inf`` logprob is sent as.
+NEG_INF_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """``logprob`` with ``-inf`` (and NaN) replaced by `NEG_INF_LOGPROB`."""
+    return logprob if math.isfinite(logprob) else NEG_INF_LOGPROB
+
+
+class CompletionLogprobs:
+    """Accumulates a completion choice's logprobs; `delta` formats one chunk's worth.
+
+    Args:
+        tokenizer: for token texts.
+        text_offset: offset of the first token's text (0, or after an echoed prompt).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, text_offset: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.offset = text_offset
+
+    def delta(self, entries: list[TokenLogprobs | None], first_token_id: int = 0) -> dict:
+        """Format ``entries`` (None for a position without logprob, whose token is
+        ``first_token_id``) and advance the text offset."""
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        text_of = self.tokenizer.token_text
+        for entry in entries:
+            token_id = first_token_id if entry is None else entry.token_id
+            token = text_of(token_id)
+            out["tokens"].append(token)
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(finite(entry.logprob))
+            top = {
+                text_of(t): finite(lp)
+                for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+            }
+            top.setdefault(token, finite(entry.logprob))
+            out["top_logprobs"].append(top)
+        return out
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, entries: list[TokenLogprobs], num_top: int
+) -> dict[str, list[dict[str, Any]]]:
+    """``{"content": [...]}`` for chat, ``num_top`` alternatives per token."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": tokenizer.token_text(token_id),
+            "logprob": finite(logprob),
+            "bytes": tokenizer.token_bytes(token_id),
+        }
+
+    content = []
+    for entry in entries:
+        top = [
+            item(t, lp)
+            for t, lp in zip(
+                entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], strict=True
+            )
+        ]
+        content.append({**item(entry.token_id, entry.logprob), "top_logprobs": top})
+    return {"content": content}

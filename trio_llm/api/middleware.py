@@ -1,0 +1,205 @@
+"""Operator-facing ASGI middleware: API keys, request body limits and CORS.
+
+Each piece is plain ASGI (no ``BaseHTTPMiddleware``), so nothing here buffers a request or
+a streamed response: the body limit counts bytes as hypercorn hands them over, and the
+server-sent events of a streamed completion pass through untouched.
+
+Order, outermost first: CORS (so a browser can read the 401 and 413 answers too, and a
+preflight never needs a key), then the API key check (an unauthenticated client is refused
+before its body is read), then the body size limit, then the FastAPI app.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from trio_llm.api.errors import error_body
+from trio_llm.config import ServerConfig
+
+#: Paths under this prefix need the API key when one is configured (as in vLLM).
+PROTECTED_PREFIX = "/v1"
+
+
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    *,
+    code: str | None,
+    extra_headers: Iterable[tuple[bytes, bytes]] = (),
+) -> None:
+    """Send a complete JSON response with an OpenAI-style ``invalid_request_error`` body.
+
+    Args:
+        send: the ASGI send callable (the response must not have started).
+        status: HTTP status code.
+        message: the human-readable ``error.message``.
+        code: the machine-readable ``error.code``.
+        extra_headers: more response headers (lower-case names, latin-1 bytes).
+    """
+    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra_headers,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of the request header ``name`` (lower-case), or None."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value
+    return None
+
+
+class APIKeyMiddleware:
+    """Refuse requests to ``/v1...`` without ``Authorization: Bearer <api_key>`` (HTTP 401).
+
+    The key is compared in constant time. CORS preflight requests (``OPTIONS``) pass, as
+    browsers send them without credentials; every other path is left open.
+
+    Args:
+        app: the ASGI app to protect.
+        api_key: the key clients must present (visible ASCII).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    def authorized(self, scope: Scope) -> bool:
+        """Whether the request carries the right bearer token (the scheme is case-blind)."""
+        header = _header(scope, b"authorization")
+        if header is None:
+            return False
+        scheme, _, token = header.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(token.strip(), self._key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on, or answer 401 with an OpenAI-style body."""
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith(PROTECTED_PREFIX)
+            and scope["method"] != "OPTIONS"
+            and not self.authorized(scope)
+        ):
+            await send_error(
+                send,
+                401,
+                "the API key is missing or incorrect; send it as `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                extra_headers=[(b"www-authenticate", b"Bearer")],
+            )
+            return
+        await self.app(scope, receive, send)
+
+
+class RequestBodyTooLarge(Exception):
+    """Raised from ``receive`` when the request body grows past the limit."""
+
+
+class BodySizeLimitMiddleware:
+    """Answer 413 to requests whose body is larger than ``max_bytes``.
+
+    A ``Content-Length`` above the limit is refused before any of the body is read. A
+    chunked body (or any other) is counted as it arrives: once it passes the limit,
+    ``receive`` raises `RequestBodyTooLarge` inside the app and whatever response the app
+    then tries to send is replaced by the 413. Both responses carry ``Connection: close``,
+    since the rest of the body is never read.
+
+    Args:
+        app: the ASGI app.
+        max_bytes: the largest body accepted, in bytes.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self) -> str:
+        return f"the request body is larger than this server's limit of {self.max_bytes} bytes"
+
+    async def _refuse(self, send: Send) -> None:
+        await send_error(
+            send,
+            413,
+            self._message(),
+            code="request_too_large",
+            extra_headers=[(b"connection", b"close")],
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on with a counting ``receive``, or answer 413."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_bytes:
+            await self._refuse(send)
+            return
+
+        received = 0
+        too_large = False
+        response_started = False
+        refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    too_large = True
+                    raise RequestBodyTooLarge(self._message())
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started, refused
+            if too_large and not response_started:
+                # The app answers a body it could not read: send the 413 instead.
+                if not refused:
+                    refused = True
+                    await self._refuse(send)
+                return
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except RequestBodyTooLarge:
+            if response_started:
+                raise
+        if too_large and not response_started and not refused:
+            refused = True
+            await self._refuse(send)
+
+
+def install_middleware(app: FastAPI, config: ServerConfig) -> None:
+    """Add the body size limit, the API key check (if ``config.api_key``) and CORS (if
+    ``config.allowed_origins``) to ``app``, in that order from the inside out.
+
+    Must be called before the app serves its first request.
+    """
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+        )

@@ -1,0 +1,179 @@
+"""vLLM's utility routes: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
+
+``/tokenize`` takes either a completion-style ``prompt`` or chat ``messages`` (rendered with
+the model's chat template exactly as ``/v1/chat/completions`` renders them) and answers
+``{"count", "max_model_len", "tokens", "token_strs"}``; ``/detokenize`` turns token ids back
+into text. Neither runs the engine, and neither checks the context length (a client may
+ask how long a text is precisely to learn that it is too long). Like vLLM, these routes
+live outside ``/v1`` and so are not covered by ``--api-key``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+
+import trio
+from fastapi import APIRouter, Body
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+
+import trio_llm
+from trio_llm.api.errors import bad_request
+from trio_llm.api.protocol import ChatMessage, TokenId
+from trio_llm.api.serving import OpenAIServing
+from trio_llm.frontend.chat_template import TemplateError, render_chat
+from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError
+
+#: Work on more items than this (characters or token ids) runs in a worker thread.
+INLINE_LIMIT = 8192
+
+#: vLLM fields of /tokenize this server does not implement; accepted only at these values.
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "tools": (None, []),
+    "mm_processor_kwargs": (None, {}),
+}
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: exactly one of ``prompt`` or ``messages``.
+
+    ``add_special_tokens`` defaults to true for a prompt (as /v1/completions encodes it)
+    and to false for messages (the chat template writes the special tokens itself).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool = False
+
+    def check_supported(self) -> None:
+        """Raise a 400 for a malformed combination or an unimplemented vLLM field.
+
+        Raises:
+            APIError: naming the field.
+        """
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
+        for name, value in (self.model_extra or {}).items():
+            neutral = _NEUTRAL_VALUES.get(name)
+            if neutral is not None and value not in neutral:
+                raise bad_request(f"`{name}` is not supported by this server yet", name)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to text."""
+
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+#: A JSON object body, validated by hand: a pydantic union would name its members, not
+#: the field at fault, in the 400's ``param``.
+_JSONObject = Annotated[dict[str, Any], Body()]
+
+
+def _validated(model: type[_Model], data: Any) -> _Model:
+    """``data`` as ``model``; a `RequestValidationError` (an OpenAI 400) if it does not fit."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from exc
+
+
+def tokenize_router(serving: OpenAIServing) -> APIRouter:
+    """The routes ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
+
+    Args:
+        serving: supplies the tokenizer, the served model names (``model`` is checked
+            with `OpenAIServing.resolve_model`: 404 for another name) and ``max_model_len``.
+
+    Every error is an OpenAI-style body: 400 for bad input, 404 for an unknown model.
+    """
+    router = APIRouter()
+    tokenizer = serving.tokenizer
+    vocab_size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+
+    async def encode(text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        def run() -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        try:
+            if len(text) <= INLINE_LIMIT:
+                return run()
+            return await trio.to_thread.run_sync(run)
+        except InvalidTextError as exc:
+            raise bad_request(str(exc), param) from exc
+
+    def render(request: TokenizeRequest) -> str:
+        assert request.messages is not None
+        # The same dicts /v1/chat/completions renders, so the counts agree.
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            if request.add_generation_prompt:
+                return tokenizer.render_chat(messages)
+            if not tokenizer.chat_template:
+                raise ChatTemplateError("this model has no chat template")
+            return render_chat(
+                tokenizer.chat_template,
+                messages,
+                add_generation_prompt=False,
+                special_tokens=tokenizer.special_tokens,
+            )
+        except (ChatTemplateError, TemplateError) as exc:
+            raise bad_request(str(exc), "messages") from exc
+
+    @router.post("/tokenize")
+    async def tokenize(body: _JSONObject) -> JSONResponse:
+        request = _validated(TokenizeRequest, body)
+        serving.resolve_model(request.model)
+        request.check_supported()
+        if request.prompt is not None:
+            special = True if request.add_special_tokens is None else request.add_special_tokens
+            tokens = await encode(request.prompt, add_special_tokens=special, param="prompt")
+        else:
+            special = bool(request.add_special_tokens)
+            tokens = await encode(render(request), add_special_tokens=special, param="messages")
+        token_strs = None
+        if request.return_token_strs:
+            token_strs = [tokenizer.backend.id_to_token(t) or "" for t in tokens]
+        return JSONResponse(
+            {
+                "count": len(tokens),
+                "max_model_len": serving.max_model_len,
+                "tokens": tokens,
+                "token_strs": token_strs,
+            }
+        )
+
+    @router.post("/detokenize")
+    async def detokenize(body: _JSONObject) -> JSONResponse:
+        request = _validated(DetokenizeRequest, body)
+        serving.resolve_model(request.model)
+        tokens = request.tokens
+        if tokens and max(tokens) >= vocab_size:
+            bad = next(t for t in tokens if t >= vocab_size)
+            raise bad_request(
+                f"token id {bad} is out of range for a vocabulary of {vocab_size}", "tokens"
+            )
+
+        def run() -> str:
+            return tokenizer.decode(tokens, skip_special_tokens=False)
+
+        text = run() if len(tokens) <= INLINE_LIMIT else await trio.to_thread.run_sync(run)
+        return JSONResponse({"prompt": text})
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": trio_llm.__version__})
+
+    return router
