@@ -82,3 +82,15 @@ def test_an_incomplete_character_at_the_end_is_flushed(byte_level: Tokenizer) ->
 def test_special_tokens_are_skipped(byte_level: Tokenizer) -> None:
     ids = [*byte_level.encode("Done.", add_special_tokens=False).ids, 2]  # 2 is <|im_end|>
     assert IncrementalDetokenizer(byte_level, []).add_tokens(ids, finished=True) == "Done."
+
+
+def test_a_prompt_ending_mid_character_loses_no_output(sentencepiece_style: Tokenizer) -> None:
+    """Token-id prompts can end inside a byte-fallback character; the output completes it."""
+    byte = sentencepiece_style.token_to_id
+    prompt = [byte("<0xE6>"), byte("<0x9D>")]  # the first two bytes of 東 (E6 9D B1)
+    letters = sentencepiece_style.encode("aba", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(sentencepiece_style, prompt)
+    deltas = [detok.add_tokens([byte("<0xB1>")])]
+    deltas += [detok.add_tokens([t], finished=i == len(letters) - 1) for i, t in enumerate(letters)]
+    assert "".join(deltas).endswith("aba")
+    assert REPLACEMENT_CHAR not in "".join(deltas)

@@ -101,8 +101,7 @@ async def run_choices(
                         if piece is not None and on_delta is not None:
                             await on_delta(choice, piece)
                         if choice.finished:
-                            if not stream.finished:
-                                stream.finish(choice.finish_reason or "stop")
+                            await stream.finish(choice.finish_reason or "stop")
                             return
                 except EngineError as exc:
                     errors.append(exc)

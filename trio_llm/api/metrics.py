@@ -1,18 +1,23 @@
 """``GET /metrics`` in the Prometheus text format (prometheus-client).
 
-Values are read from the engine client at scrape time, so the request path pays nothing.
-Names follow vLLM's metrics with a ``trio_llm:`` prefix where vLLM has one.
+Two sources: `EngineCollector` reads scheduler gauges from the engine client's last step
+statistics at scrape time; `RequestMetrics` receives per-request timing from the engine
+client as outputs arrive (see `trio_llm.frontend.engine_client.RequestObserver`) and keeps
+counters and histograms. Names follow vLLM's with a ``trio_llm:`` prefix; every series has
+a ``model_name`` label. All intervals are measured within one process from monotonic
+clocks: TTFT, inter-token and end-to-end latency in the API server (from when the request
+was submitted to the engine), queue time in the engine (arrival to first scheduling).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.engine_client import EngineClient, RequestRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,10 +63,87 @@ class EngineCollector(Collector):
         )
 
 
+#: Histogram buckets in seconds: from a fast decode step up to minutes-long requests.
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+
+
+class RequestMetrics:
+    """Per-request counters and histograms; a `RequestObserver` for the engine client.
+
+    Args:
+        registry: where the metrics are registered.
+        model_name: value of the ``model_name`` label.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"trio_llm:{name}", doc, [*labels, *extra], registry=registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                f"trio_llm:{name}", doc, labels, registry=registry, buckets=LATENCY_BUCKETS
+            )
+
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of scheduled requests.")
+        self._generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = counter(
+            "request_success", "Requests that finished, by finished_reason.", ("finished_reason",)
+        )
+        self._aborted = counter(
+            "request_aborted",
+            "Requests that ended before finishing (client gone, error, shutdown).",
+        )
+        self._ttft = histogram("time_to_first_token_seconds", "Time to first token (s).")
+        self._itl = histogram("inter_token_latency_seconds", "Time between output tokens (s).")
+        self._e2e = histogram("e2e_request_latency_seconds", "Submission to finish (s).")
+        self._queue = histogram(
+            "request_queue_time_seconds", "Engine arrival to first scheduling (s)."
+        )
+        self._model = model_name
+        for reason in ("stop", "length"):
+            self._success.labels(model_name, reason)
+        for metric in (self._prompt_tokens, self._generation_tokens, self._aborted):
+            metric.labels(model_name)
+
+    def on_first_token(self, record: RequestRecord) -> None:
+        """Observe the time to first token and count the token."""
+        assert record.first_token_seconds is not None
+        self._ttft.labels(self._model).observe(record.first_token_seconds)
+        self._generation_tokens.labels(self._model).inc()
+
+    def on_tokens(self, interval: float, count: int) -> None:
+        """Observe ``count`` inter-token intervals of ``interval / count`` seconds."""
+        itl = self._itl.labels(self._model)
+        for _ in range(count):
+            itl.observe(interval / count)
+        self._generation_tokens.labels(self._model).inc(count)
+
+    def on_finished(self, record: RequestRecord) -> None:
+        """Count the request by how it ended; observe its latency and queue time."""
+        if record.queue_seconds is not None:
+            self._queue.labels(self._model).observe(record.queue_seconds)
+            self._prompt_tokens.labels(self._model).inc(record.num_prompt_tokens)
+        if record.finish_reason in ("stop", "length"):
+            self._success.labels(self._model, record.finish_reason).inc()
+            self._e2e.labels(self._model).observe(record.e2e_seconds)
+        else:
+            self._aborted.labels(self._model).inc()
+
+
 def make_registry(engine: EngineClient, model_name: str) -> CollectorRegistry:
-    """A registry holding only this server's metrics."""
+    """A registry holding only this server's metrics; also attaches `RequestMetrics`.
+
+    The engine client reports each request's timing to the registry's `RequestMetrics`
+    from then on (``engine.observer``).
+    """
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(engine, model_name))
+    engine.observer = RequestMetrics(registry, model_name)
     return registry
 
 

@@ -80,8 +80,20 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode
         prefix = decode(self._tokens[self._prefix_offset : self._read_offset], self._skip)
         full = decode(self._tokens[self._prefix_offset :], self._skip)
-        if len(full) > len(prefix) and (force or not full.endswith(REPLACEMENT_CHAR)):
+        # Usually ``full`` extends ``prefix``. It does not when new bytes complete a
+        # character the context had left incomplete (a token-id prompt ending mid-
+        # character): then the new text starts where the two first differ.
+        start = len(prefix) if full.startswith(prefix) else _common_prefix_length(prefix, full)
+        if len(full) > start and (force or not full.endswith(REPLACEMENT_CHAR)):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._tokens)
-            return full[len(prefix) :]
+            return full[start:]
         return ""
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings (characters)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

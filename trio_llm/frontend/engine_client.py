@@ -148,20 +148,24 @@ class RequestStream:
             the request — raised from ``__anext__`` as soon as it is known.
     """
 
-    def __init__(self, request_id: str, mailbox: _Mailbox) -> None:
+    def __init__(self, request_id: str, mailbox: _Mailbox, client: EngineClient) -> None:
         self.request_id = request_id
         self._mailbox = mailbox
+        self._client = client
         self.finished = False
         self.finish_reason: str | None = None
 
-    def finish(self, reason: str) -> None:
+    async def finish(self, reason: str) -> None:
         """End the request early on the server's side (e.g. a stop string matched).
 
-        The engine request is aborted when the `open_requests` block exits, but it is
-        counted as finished with ``reason`` rather than as aborted.
+        The engine request is aborted at once (nothing more is delivered or counted),
+        and it is counted as finished with ``reason`` rather than as aborted.
         """
+        if self.finished:
+            return
         self.finished = True
         self.finish_reason = reason
+        await self._client._end_early(self.request_id, reason)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -305,7 +309,7 @@ class EngineClient:
                 request_id = f"{self._prefix}{next(self._ids)}"
                 mailbox = _Mailbox(RequestRecord(len(prompt_token_ids), now))
                 self._mailboxes[request_id] = mailbox
-                streams.append(RequestStream(request_id, mailbox))
+                streams.append(RequestStream(request_id, mailbox, self))
         finally:
             if admission is not None:
                 self.release(admission)  # the mailboxes now count as waiting
@@ -324,6 +328,15 @@ class EngineClient:
             if unfinished and self._error is None:
                 with trio.CancelScope(shield=True):
                     await self._send_quietly(AbortRequests(unfinished))
+
+    async def _end_early(self, request_id: str, reason: str) -> None:
+        mailbox = self._mailboxes.pop(request_id, None)
+        if mailbox is None:
+            return
+        self._finished(mailbox, reason)
+        if self._error is None:
+            with trio.CancelScope(shield=True):
+                await self._send_quietly(AbortRequests([request_id]))
 
     async def _send(self, message: AddRequest | AbortRequests | Shutdown) -> None:
         try:
