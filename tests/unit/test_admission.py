@@ -1,0 +1,126 @@
+"""--max-num-waiting-requests: reservations are exact, and the excess gets a fast 503.
+
+The engine is played by the test over an in-memory stream: it answers only when told, so
+which requests are waiting is known exactly at every point.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from trio_llm import ipc
+from trio_llm.api.app import build_app
+from trio_llm.api.serving import OpenAIServing
+from trio_llm.frontend.engine_client import EngineClient, EngineOverloadedError
+from trio_llm.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineReady,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    StepStats,
+)
+
+INFO = EngineReady("/model", 256, 64, 16, [2], 49152, "float32", 1)
+STATS = StepStats(1, 0, 1, 1, 0, 60, 0, 0.01)
+
+
+class FakeEngine:
+    """Records what the server sends; outputs go out only when the test says so."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.channel = ipc.engine_channel(stream)
+        self.server_side = ipc.MessageChannel(self.channel.framed, object)
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.arrived = trio.Event()
+
+    async def run(self) -> None:
+        while (message := await self.channel.receive()) is not None:
+            if isinstance(message, AddRequest):
+                self.added.append(message.request_id)
+            elif isinstance(message, AbortRequests):
+                self.aborted += message.request_ids
+            self.arrived.set()
+            self.arrived = trio.Event()
+
+    async def wait_for_requests(self, count: int) -> None:
+        while len(self.added) < count:
+            await self.arrived.wait()
+
+    async def output(self, request_id: str, finish: str | None = None) -> None:
+        await self.server_side.send(StepOutputs([RequestOutput(request_id, [28], finish)], STATS))
+
+
+async def _start(nursery: trio.Nursery) -> tuple[EngineClient, FakeEngine]:
+    left, right = trio.testing.memory_stream_pair()
+    engine = EngineClient(ipc.server_channel(left), INFO)
+    fake = FakeEngine(right)
+    nursery.start_soon(engine.route_outputs)
+    nursery.start_soon(fake.run)
+    return engine, fake
+
+
+async def test_reservations_never_exceed_the_limit() -> None:
+    async with trio.open_nursery() as nursery:
+        engine, fake = await _start(nursery)
+        first = engine.admit(2, limit=3)
+        with pytest.raises(EngineOverloadedError):
+            engine.admit(2, limit=3)
+        assert engine.num_waiting == 2
+        params = SamplingParams(max_tokens=5)
+        async with engine.open_requests([([1], params), ([2], params)], first) as streams:
+            await fake.wait_for_requests(2)
+            assert engine.num_waiting == 2  # the reservation became two waiting requests
+            engine.admit(1, limit=3)  # 3 of 3
+            with pytest.raises(EngineOverloadedError):
+                engine.admit(1, limit=3)
+            await fake.output(streams[0].request_id)  # its first token: no longer waiting
+            await streams[0].__anext__()
+            assert engine.num_waiting == 2
+        # Leaving the block aborted both in one message.
+        with trio.fail_after(5):
+            while len(fake.aborted) < 2:
+                await fake.arrived.wait()
+        assert sorted(fake.aborted) == sorted(s.request_id for s in streams)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_excess_gets_a_503_with_retry_after_and_the_rest_is_served(
+    smol_tokenizer,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        engine, fake = await _start(nursery)
+        serving = OpenAIServing(engine, smol_tokenizer, ("m",), max_num_waiting_requests=1)
+        app = build_app(serving, lambda: True)
+        transport = httpx.ASGITransport(app=app)
+        body = {"model": "m", "prompt": "hello", "max_tokens": 1}
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            replies: list[httpx.Response] = []
+            answered = trio.Event()
+
+            async def first() -> None:
+                replies.append(await client.post("/v1/completions", json=body))
+                answered.set()
+
+            nursery.start_soon(first)
+            await fake.wait_for_requests(1)  # waiting in the engine, no output yet
+            refused = await client.post("/v1/completions", json=body)
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "too_many_waiting_requests"
+            stream_body = {**body, "stream": True}
+            refused_stream = await client.post("/v1/completions", json=stream_body)
+            assert refused_stream.status_code == 503  # before any event is sent
+            assert len(fake.added) == 1  # the refused ones never reached the engine
+
+            await fake.output(fake.added[0], finish="length")
+            with trio.fail_after(5):
+                await answered.wait()
+            assert replies[0].status_code == 200
+            assert engine.num_waiting == 0
+        nursery.cancel_scope.cancel()
