@@ -72,3 +72,26 @@ async def test_hanging_up_on_a_non_streaming_request_aborts_it(base_url: str) ->
                 await _poll(partial(_gauge, monitor, "num_requests_running"), 30)
                 nursery.cancel_scope.cancel()  # the client gives up and closes the connection
         await _wait_until_idle(monitor)
+
+
+async def test_hanging_up_aborts_every_choice_of_a_batch(base_url: str) -> None:
+    """Two prompts x n=3: six engine requests, all aborted when the client leaves."""
+    body = {
+        "model": MODEL,
+        "prompt": ["Tell me a long story.", "Write a long poem."],
+        "n": 3,
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
+        await _wait_until_idle(monitor)
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            seen: set[int] = set()
+            async with open_events(client, "/v1/completions", body) as events:
+                async for event in events:
+                    seen.add(event["choices"][0]["index"])
+                    if len(seen) == 6:
+                        break  # every choice is running; hang up
+        assert seen == set(range(6))
+        await _wait_until_idle(monitor)
