@@ -246,3 +246,33 @@ def test_queue_time_is_reported_once_per_request() -> None:
         assert reported[0] >= 0
     # b waited for the whole of a (max_num_seqs=1).
     assert outputs["b"][0].queue_seconds > outputs["a"][0].queue_seconds
+
+
+def test_sampling_params_reach_the_sampler(reference: dict[int, list[int]]) -> None:
+    """logit_bias, min_tokens and a penalty change the tiny model's greedy output."""
+    greedy_first = reference[0][0]
+    cases = {
+        "bias": SamplingParams(max_tokens=4, temperature=0.0, logit_bias=((7, 100.0),)),
+        "min": SamplingParams(
+            max_tokens=4, temperature=0.0, min_tokens=2, stop_token_ids=(greedy_first,)
+        ),
+        "stop": SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(greedy_first,)),
+        "penalty": SamplingParams(
+            max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1000.0
+        ),
+    }
+    core = _core()
+    for name, params in cases.items():
+        prompt = PROMPTS[2] if name == "penalty" else PROMPTS[0]
+        core.add_request(AddRequest(name, prompt, params))
+    outputs = _run(core)
+    assert outputs["bias"] == [7, 7, 7, 7]
+    assert outputs["stop"] == [greedy_first]  # the stop token ends it at once
+    assert outputs["min"][0] != greedy_first  # ... but not before min_tokens
+    assert len(outputs["min"]) >= 2
+    # A huge repetition penalty: no token of the prompt or of earlier output comes again.
+    penalized = outputs["penalty"]
+    assert len(set(penalized)) == len(penalized) == 24
+    assert not set(penalized) & set(PROMPTS[2])
+    plain = reference[2]  # repeats tokens and reuses prompt tokens: the penalty must act
+    assert len(set(plain)) < len(plain) and set(plain) & set(PROMPTS[2])
