@@ -231,3 +231,20 @@ def test_exactly_the_possible_stop_prefix_is_held(
         held = _longest_held_suffix(fed, [s for s in stops if s])
         assert matcher.held_text == held
         assert released + held == fed
+
+
+def test_a_stop_string_may_begin_before_stopping_is_allowed() -> None:
+    """vLLM's min_tokens: a stop string counts if it ends once stopping is allowed."""
+    matcher = StopMatcher(["is.\n"])
+    released = matcher.feed(" Par", stop_allowed=False)
+    released += matcher.feed("is", stop_allowed=False)  # held: it may begin the stop string
+    assert matcher.held_text == "is"
+    released += matcher.feed(".\n", stop_allowed=True)
+    assert (released, matcher.stop_string) == (" Par", "is.\n")
+
+
+def test_a_stop_string_completed_before_stopping_is_allowed_is_text() -> None:
+    matcher = StopMatcher([","])
+    assert matcher.feed("a, b", stop_allowed=False) == "a, b"
+    assert matcher.feed(", c", stop_allowed=True) == ""
+    assert matcher.stop_string == ","

@@ -8,8 +8,9 @@ carries exactly the logprobs of the tokens behind its text.
 Finishing follows vLLM: a request that ends on EOS or one of ``stop_token_ids`` reports
 ``finish_reason "stop"``; the stop token's text is left out unless
 ``include_stop_str_in_output``, and ``stop_reason`` is the stop token id (None for EOS).
-A stop string ends the choice with ``stop_reason`` set to that string. Stop strings are
-only looked for once ``min_tokens`` tokens were generated.
+A stop string ends the choice with ``stop_reason`` set to that string; only a stop string
+that ends once ``min_tokens`` tokens were generated counts (as in vLLM, it may begin
+earlier).
 """
 
 from __future__ import annotations
@@ -100,8 +101,7 @@ class Choice:
         self.num_output_tokens += len(tokens)
         if delta.prompt_logprobs:
             self.prompt_logprobs += delta.prompt_logprobs
-        if delta.logprobs:
-            self._pending_logprobs += delta.logprobs
+        logprobs = delta.logprobs or []
         finish_reason, stop_reason = delta.finish_reason, None
         text_tokens = tokens
         if finish_reason == "stop" and tokens:
@@ -109,11 +109,16 @@ class Choice:
             if last in self.params.stop_token_ids and last not in self._eos_if_active:
                 stop_reason = last
             if not self.options.include_stop_str_in_output:
+                # The stop token is not part of the text, so not of the logprobs either
+                # (OpenAI: the logprob tokens spell the content).
                 text_tokens = tokens[:-1]
+                logprobs = logprobs[: len(text_tokens)]
+        self._pending_logprobs += logprobs
         finished = finish_reason is not None
         text = self.detokenizer.add_tokens(text_tokens, finished=finished)
-        if self.options.stop and self.num_output_tokens >= self.params.min_tokens:
-            text = self.matcher.feed(text, finished=finished)
+        if self.options.stop:
+            allowed = self.num_output_tokens >= self.params.min_tokens
+            text = self.matcher.feed(text, finished=finished, stop_allowed=allowed)
             if self.matcher.stopped:
                 finish_reason, stop_reason = "stop", self.matcher.stop_string
         if not text and finish_reason is None:

@@ -64,7 +64,7 @@ class StopMatcher:
         """
         return self._held
 
-    def feed(self, text: str, *, finished: bool = False) -> str:
+    def feed(self, text: str, *, finished: bool = False, stop_allowed: bool = True) -> str:
         """Append a text delta and return the text that is now safe to release.
 
         Args:
@@ -72,6 +72,10 @@ class StopMatcher:
             finished: generation ended for another reason (EOS, length limit); text
                 that was held back because it might begin a stop string is released.
                 A stop string completed by ``text`` still takes precedence.
+            stop_allowed: False while generation may not stop yet (vLLM's
+                ``min_tokens``): complete stop strings are released as text, but a
+                possible beginning of one is still held, so a stop string that starts
+                now and ends once stopping is allowed is found.
 
         Returns:
             The text to pass on (possibly empty). After a match (``stopped`` is true)
@@ -83,7 +87,7 @@ class StopMatcher:
         if not self._stops:
             return text
         buffer = self._held + text
-        match = self._first_match(buffer)
+        match = self._first_match(buffer) if stop_allowed else None
         if match is not None:
             start, stop = match
             self.stop_string = stop
