@@ -119,7 +119,9 @@ class Stream:
                 for choice in self.choices:
                     role = {"index": choice.index, "delta": {"role": "assistant", "content": ""}}
                     await self._send(
-                        self._chunk([{**role, "logprobs": None, "finish_reason": None}])
+                        self._chunk(
+                            [{**role, "logprobs": None, "finish_reason": None, "stop_reason": None}]
+                        )
                     )
             await run_choices(self.engine, self.plan, self.choices, self.admission, self._on_delta)
             if include_usage:
