@@ -26,6 +26,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("prompt too long", "/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    (
+        "chat prompt too long",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 5},
+        400,
+        "messages",
+    ),
     ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     (
         "max_tokens past context",

@@ -101,16 +101,19 @@ class OpenAIServing:
             )
         return name
 
-    def resolve_max_tokens(self, requested: int | None, num_prompt: int, param: str) -> int:
+    def resolve_max_tokens(
+        self, requested: int | None, num_prompt: int, param: str, prompt_param: str = "prompt"
+    ) -> int:
         """Output budget within the context; 400 when prompt (+ requested output) won't fit.
 
-        ``requested`` None means the rest of the context.
+        ``requested`` None means the rest of the context. ``param`` / ``prompt_param`` name
+        the fields an error points at.
         """
         if num_prompt >= self.max_model_len:
             raise bad_request(
                 f"the prompt has {num_prompt} tokens, but this model's context is "
                 f"{self.max_model_len} tokens and at least one must remain for the output",
-                "messages" if param == "max_completion_tokens" else "prompt",
+                prompt_param,
             )
         room = self.max_model_len - num_prompt
         if requested is None:
@@ -263,7 +266,7 @@ class OpenAIServing:
         prompt_ids = await self._encode(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        max_tokens = self.resolve_max_tokens(requested, len(prompt_ids), param)
+        max_tokens = self.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         plan = Plan(CHAT, model, self._options(request), num_top_logprobs=logprobs)
         plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
