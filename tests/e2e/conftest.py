@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
+from openai import OpenAI
 
+from trio_llm.frontend.tokenizer import byte_level_alphabet
 from trio_llm.testing.server_process import ServerProcess
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -28,3 +32,30 @@ def server(
 @pytest.fixture
 def base_url(server: ServerProcess) -> str:
     return server.url
+
+
+def openai_client(url: str) -> OpenAI:
+    """The official client for the server at ``url`` (no retries: every answer counts)."""
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def client(base_url: str) -> Iterator[OpenAI]:
+    with openai_client(base_url) as openai:
+        yield openai
+
+
+def parallel(*calls: Callable[[], Any]) -> list[Any]:
+    """Run ``calls`` at once (so the server batches them); their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
+def token_id(tokenizer, data: bytes | list[int] | str) -> int:
+    """The vocabulary id of the byte-level token spelling exactly ``data``."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    to_char = {byte: char for char, byte in byte_level_alphabet().items()}
+    found = tokenizer.backend.token_to_id("".join(to_char[b] for b in raw))
+    assert found is not None, raw
+    return found

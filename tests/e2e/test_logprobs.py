@@ -7,15 +7,13 @@ log-softmax, which transformers computes from the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from openai import OpenAI
 
-from tests.e2e.conftest import MODEL
-from trio_llm.frontend.tokenizer import byte_level_alphabet
+from tests.e2e.conftest import MODEL, token_id
 
 TOLERANCE = 1e-3
 #: A prompt whose greedy continuation runs well past 8 tokens without an EOS.
@@ -24,12 +22,6 @@ PROMPT = "The capital of France is"
 EMOJI = [{"role": "user", "content": "Repeat this emoji: 🌞"}]
 #: A chat reply that ends with EOS after a few tokens.
 SHORT = [{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]
-
-
-@pytest.fixture
-def client(base_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as openai:
-        yield openai
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +37,6 @@ def reference(model, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([token_ids])).logits[0]
     return logits.float().log_softmax(dim=-1)
-
-
-def token_id(tokenizer, data: bytes | list[int] | str) -> int:
-    """The vocabulary id of the byte-level token spelling exactly ``data``."""
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    to_char = {byte: char for char, byte in byte_level_alphabet().items()}
-    found = tokenizer.backend.token_to_id("".join(to_char[b] for b in raw))
-    assert found is not None, raw
-    return found
 
 
 def assert_text_offsets(logprobs, start: int = 0) -> None:

@@ -3,43 +3,19 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import pytest
 import trio
 from openai import OpenAI
 
-from tests.e2e.conftest import MODEL
-from trio_llm.frontend.tokenizer import byte_level_alphabet
+from tests.e2e.conftest import MODEL, parallel, token_id
 
 PROMPT = "Once upon a time"
 PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
 #: A chat question the model answers in a few tokens, ending with EOS.
 SHORT = [{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]
 REPETITIVE = "the the the the"
-
-
-@pytest.fixture
-def client(base_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as openai:
-        yield openai
-
-
-def parallel(*calls: Callable[[], Any]) -> list[Any]:
-    """Run ``calls`` at once (so the server batches them); their results in order."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(call) for call in calls]
-        return [future.result() for future in futures]
-
-
-def token_id(tokenizer, text: str) -> int:
-    to_char = {byte: char for char, byte in byte_level_alphabet().items()}
-    found = tokenizer.backend.token_to_id("".join(to_char[b] for b in text.encode()))
-    assert found is not None, text
-    return found
 
 
 # ------------------------------------------------------------------ n and batches

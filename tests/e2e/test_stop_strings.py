@@ -2,44 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import MODEL
-from trio_llm.frontend.tokenizer import byte_level_alphabet
+from tests.e2e.conftest import MODEL, openai_client, parallel, token_id
 from trio_llm.testing.server_process import ServerProcess
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
-
-
-def _openai(url: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def client(base_url: str) -> Iterator[OpenAI]:
-    with _openai(base_url) as openai:
-        yield openai
-
-
-def parallel(*calls: Callable[[], Any]) -> list[Any]:
-    """Run ``calls`` at once (so the server batches them); their results in order."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(call) for call in calls]
-        return [future.result() for future in futures]
-
-
-def token_id(tokenizer, text: str) -> int:
-    to_char = {byte: char for char, byte in byte_level_alphabet().items()}
-    found = tokenizer.backend.token_to_id("".join(to_char[b] for b in text.encode()))
-    assert found is not None, text
-    return found
 
 
 @dataclass
@@ -51,7 +24,7 @@ class Baseline:
 @pytest.fixture(scope="module")
 def baseline(server: ServerProcess) -> Baseline:
     """The greedy completion of PROMPT, with its tokens (it must run to the limit)."""
-    with _openai(server.url) as openai:
+    with openai_client(server.url) as openai:
         reply = openai.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=0
         )
