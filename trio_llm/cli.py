@@ -32,37 +32,30 @@ def parse_bytes(text: str) -> int:
     return int(number * 1024 ** " kmgt".index(unit or " "))
 
 
+def _bounded_int(text: str, low: int, high: int | None, what: str) -> int:
+    """``int(text)`` if it lies in ``[low, high]``, else an argparse error naming ``what``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
+    return value
+
+
 def parse_port(text: str) -> int:
     """A TCP port number, 0 to 65535 (0 picks a free one)."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port (0-65535): {text!r}")
-    return port
+    return _bounded_int(text, 0, 65535, "a TCP port (0-65535)")
 
 
 def parse_positive_int(text: str) -> int:
     """An integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
-    return value
+    return _bounded_int(text, 1, None, "a positive integer")
 
 
 def parse_non_negative_int(text: str) -> int:
     """An integer of at least 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
-    return value
+    return _bounded_int(text, 0, None, "a non-negative integer")
 
 
 def build_parser() -> argparse.ArgumentParser:
