@@ -128,6 +128,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "logit_bias",
     ),
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    (
+        "user message without content",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user"}]},
+        400,
+        "messages",
+    ),
     ("best_of", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (
         "min_tokens above max_tokens",
@@ -238,8 +245,9 @@ def test_a_non_json_content_type_gets_400(base_url: str) -> None:
         {"prompt": [0], "max_tokens": 2},  # token id 0 is a valid token
         {"prompt": "hi", "max_tokens": 2, "some_future_field": {"x": 1}},  # unknown: ignored
         {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": 1000}},  # clamped to 100
+        {"prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None},  # defaults
     ],
-    ids=["token id 0", "unknown field", "logit_bias clamped"],
+    ids=["token id 0", "unknown field", "logit_bias clamped", "null means default"],
 )
 def test_edge_inputs_that_are_valid_get_answers(base_url: str, body: dict) -> None:
     response = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, **body}, timeout=60)

@@ -79,3 +79,17 @@ def test_models_and_health(base_url: str) -> None:
     models = _client(base_url).models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+def test_models_are_listed_and_retrieved(base_url: str) -> None:
+    client = _client(base_url)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completions_default_to_16_tokens(base_url: str) -> None:
+    reply = _client(base_url).completions.create(
+        model=MODEL, prompt="Once upon a time", extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.completion_tokens == 16
+    assert reply.choices[0].finish_reason == "length"

@@ -124,3 +124,19 @@ async def test_the_excess_gets_a_503_with_retry_after_and_the_rest_is_served(
             assert replies[0].status_code == 200
             assert engine.num_waiting == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_more_choices_than_the_limit_is_a_400_not_a_503(smol_tokenizer) -> None:
+    """A request that could never be admitted must not invite retries."""
+    async with trio.open_nursery() as nursery:
+        engine, fake = await _start(nursery)
+        serving = OpenAIServing(engine, smol_tokenizer, ("m",), max_num_waiting_requests=2)
+        transport = httpx.ASGITransport(app=build_app(serving, lambda: True))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 1}
+            response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "n"
+        assert fake.added == []
+        assert engine.num_waiting == 0
+        nursery.cancel_scope.cancel()

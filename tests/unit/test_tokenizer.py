@@ -65,3 +65,10 @@ def test_templates_can_reject_conversations(smol_tokenizer: Tokenizer) -> None:
 def test_a_model_without_template_is_refused(smol_tokenizer: Tokenizer) -> None:
     with pytest.raises(ChatTemplateError, match="no chat template"):
         Tokenizer(smol_tokenizer.backend).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_lone_surrogate_is_named_in_the_error(smol_tokenizer) -> None:
+    from trio_llm.frontend.tokenizer import InvalidTextError
+
+    with pytest.raises(InvalidTextError, match=r"surrogate .* at character 2"):
+        smol_tokenizer.encode("hi\ud800 there")

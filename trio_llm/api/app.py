@@ -49,21 +49,25 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "trio_llm",
+            "root": engine.info.model_dir,
+            "parent": None,
+            "max_model_len": engine.info.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "trio_llm",
-                "root": engine.info.model_dir,
-                "parent": None,
-                "max_model_len": engine.info.max_model_len,
-            }
-            for name in serving.model_names
-        ]
+        data = [model_card(name) for name in serving.model_names]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> JSONResponse:
+        return JSONResponse(model_card(serving.resolve_model(model)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -13,7 +13,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from trio_llm.api.errors import bad_request
 from trio_llm.messages import SamplingParams
@@ -99,6 +107,19 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit ``null`` for a field with a default means that default (OpenAI
+        marks these fields nullable; clients send unset fields as null)."""
+        if isinstance(data, dict):
+            return {
+                key: value
+                for key, value in data.items()
+                if value is not None or key not in cls.model_fields
+            }
+        return data
+
     def check_supported(self) -> None:
         """Raise a 400 for a field this server does not implement (given a non-neutral value).
 
@@ -181,11 +202,12 @@ class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``.
 
     ``prompt`` is a string, a list of strings (a batch), a list of token ids, or a list of
-    lists of token ids (a batch). ``max_tokens`` may be 0 only with ``echo``.
+    lists of token ids (a batch). ``max_tokens`` defaults to 16 (OpenAI's and vLLM's
+    default) and may be 0 only with ``echo``.
     """
 
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
-    max_tokens: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    max_tokens: StrictInt | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
     suffix: StrictStr | None = None
@@ -206,6 +228,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        """Only an assistant message may leave ``content`` out (OpenAI requires it else)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         """The content as one string."""

@@ -292,8 +292,16 @@ class OpenAIServing:
     # ------------------------------------------------------------ generation
 
     async def _respond(self, plan: Plan, request: GenerationRequest, receive: Receive) -> Response:
+        limit = self.max_num_waiting_requests
+        if limit is not None and len(plan.requests) > limit:
+            # It could never be admitted: a 503 would only make clients retry forever.
+            raise bad_request(
+                f"this request has {len(plan.requests)} choices (prompts x n), more than the "
+                f"{limit} requests this server lets wait (--max-num-waiting-requests)",
+                "n",
+            )
         try:
-            admission = self.engine.admit(len(plan.requests), self.max_num_waiting_requests)
+            admission = self.engine.admit(len(plan.requests), limit)
         except EngineError as exc:
             raise engine_error(exc) from exc
         plan.response_id = f"{plan.kind.id_prefix}-{uuid.uuid4().hex}"

@@ -118,6 +118,13 @@ class Tokenizer:
             InvalidTextError: ``text`` is not encodable (lone surrogates, for example).
         """
         try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidTextError(
+                f"the text is not valid Unicode: it holds a lone UTF-16 surrogate "
+                f"({text[exc.start]!r}) at character {exc.start}"
+            ) from exc
+        try:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except Exception as exc:  # the Rust binding raises TypeError / ValueError
             raise InvalidTextError(f"the text cannot be tokenized: {exc}") from exc
