@@ -216,7 +216,8 @@ def _describe(case: Any, base_url: str) -> str:
 
 
 def _body_fields(schema: dict[str, Any]) -> dict[str, set[str]]:
-    """Top-level request-body fields each operation declares, by label (``POST /tokenize``)."""
+    """Fields each operation declares, by label (``POST /tokenize``): the top-level
+    request-body fields plus the path and query parameters."""
     components = schema.get("components", {}).get("schemas", {})
     fields = {}
     for path, methods in schema["paths"].items():
@@ -225,7 +226,8 @@ def _body_fields(schema: dict[str, Any]) -> dict[str, set[str]]:
             body = content.get("application/json", {}).get("schema", {})
             if "$ref" in body:
                 body = components[body["$ref"].rsplit("/", 1)[-1]]
-            fields[f"{method.upper()} {path}"] = set(body.get("properties", {}))
+            parameters = {p["name"] for p in operation.get("parameters", []) if "name" in p}
+            fields[f"{method.upper()} {path}"] = set(body.get("properties", {})) | parameters
     return fields
 
 

@@ -220,29 +220,37 @@ class TextContentPart(BaseModel):
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
-    """One chat message; ``content`` is a string or a list of text parts."""
-
+class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
-
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        """Only an assistant message may leave ``content`` out (OpenAI requires it else)."""
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        return self
 
     def text(self) -> str:
         """The content as one string."""
-        if self.content is None:
+        content = getattr(self, "content", None)
+        if content is None:
             return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        if isinstance(content, str):
+            return content
+        return "".join(part.text for part in content)
+
+
+class PromptMessage(_Message):
+    """A system, developer, user or tool message: ``content`` (a string or text parts)."""
+
+    role: Literal["system", "developer", "user", "tool"]
+    content: StrictStr | list[TextContentPart]
+
+
+class AssistantMessage(_Message):
+    """An assistant message; ``content`` may be left out (OpenAI allows it here only)."""
+
+    role: Literal["assistant"]
+    content: StrictStr | list[TextContentPart] | None = None
+
+
+#: One chat message, told apart by ``role``.
+ChatMessage = Annotated[PromptMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class ChatCompletionRequest(GenerationRequest):
