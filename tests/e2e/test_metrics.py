@@ -75,7 +75,13 @@ def test_n_choices_and_a_stop_string_count_as_successes(base_url: str) -> None:
 
 async def test_a_client_that_leaves_is_counted_as_aborted(base_url: str) -> None:
     before = _scrape(base_url)
-    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 500, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a story.",
+        "max_tokens": 500,
+        "ignore_eos": True,  # it must still be running when the client leaves
+        "stream": True,
+    }
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         async with open_events(client, "/v1/completions", body) as events:
             await events.__anext__()  # one chunk, then hang up
