@@ -104,35 +104,42 @@ class RequestMetrics:
         self._queue = histogram(
             "request_queue_time_seconds", "Engine arrival to first scheduling (s)."
         )
+        # Label children resolved once: the per-token path then only observes.
         self._model = model_name
-        for reason in ("stop", "length"):
-            self._success.labels(model_name, reason)
-        for metric in (self._prompt_tokens, self._generation_tokens, self._aborted):
-            metric.labels(model_name)
+        self._success_by_reason = {
+            reason: self._success.labels(model_name, reason) for reason in ("stop", "length")
+        }
+        self._prompt_tokens_child = self._prompt_tokens.labels(model_name)
+        self._generation_tokens_child = self._generation_tokens.labels(model_name)
+        self._aborted_child = self._aborted.labels(model_name)
+        self._ttft_child = self._ttft.labels(model_name)
+        self._itl_child = self._itl.labels(model_name)
+        self._e2e_child = self._e2e.labels(model_name)
+        self._queue_child = self._queue.labels(model_name)
 
     def on_first_token(self, record: RequestRecord) -> None:
         """Observe the time to first token and count the token."""
         assert record.first_token_seconds is not None
-        self._ttft.labels(self._model).observe(record.first_token_seconds)
-        self._generation_tokens.labels(self._model).inc()
+        self._ttft_child.observe(record.first_token_seconds)
+        self._generation_tokens_child.inc()
 
     def on_tokens(self, interval: float, count: int) -> None:
         """Observe ``count`` inter-token intervals of ``interval / count`` seconds."""
-        itl = self._itl.labels(self._model)
         for _ in range(count):
-            itl.observe(interval / count)
-        self._generation_tokens.labels(self._model).inc(count)
+            self._itl_child.observe(interval / count)
+        self._generation_tokens_child.inc(count)
 
     def on_finished(self, record: RequestRecord) -> None:
         """Count the request by how it ended; observe its latency and queue time."""
         if record.queue_seconds is not None:
-            self._queue.labels(self._model).observe(record.queue_seconds)
-            self._prompt_tokens.labels(self._model).inc(record.num_prompt_tokens)
-        if record.finish_reason in ("stop", "length"):
-            self._success.labels(self._model, record.finish_reason).inc()
-            self._e2e.labels(self._model).observe(record.e2e_seconds)
+            self._queue_child.observe(record.queue_seconds)
+            self._prompt_tokens_child.inc(record.num_prompt_tokens)
+        success = self._success_by_reason.get(record.finish_reason or "")
+        if success is not None:
+            success.inc()
+            self._e2e_child.observe(record.e2e_seconds)
         else:
-            self._aborted.labels(self._model).inc()
+            self._aborted_child.inc()
 
 
 def make_registry(engine: EngineClient, model_name: str) -> CollectorRegistry:
