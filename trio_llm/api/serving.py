@@ -27,7 +27,7 @@ from trio_llm.api.generation import CHAT, COMPLETION, Plan, run_choices, usage
 from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.api.streaming import Stream
-from trio_llm.frontend.engine_client import EngineClient, EngineError
+from trio_llm.frontend.engine_client import Admission, EngineClient, EngineError
 from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 from trio_llm.messages import SamplingParams
 
@@ -187,6 +187,14 @@ class OpenAIServing:
 
     async def completions(self, request: CompletionRequest, receive: Receive) -> Response:
         """Handle ``POST /v1/completions``."""
+        return await self._respond(await self.plan_completion(request), request, receive)
+
+    async def plan_completion(self, request: CompletionRequest) -> Plan:
+        """Validate and tokenize a completion request into a `Plan`.
+
+        Raises:
+            APIError: the request is invalid (400) or names an unknown model (404).
+        """
         model = self.resolve_model(request.model)
         self._check_common(request)
         if request.suffix:
@@ -223,7 +231,7 @@ class OpenAIServing:
                     prompt.token_ids, skip_special_tokens=request.skip_special_tokens
                 )
             plan.add_prompt(prompt.token_ids, params, echo_text)
-        return await self._respond(plan, request, receive)
+        return plan
 
     async def _completion_prompts(self, request: CompletionRequest) -> list[_Prompt]:
         prompt = request.prompt
@@ -253,6 +261,14 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, receive: Receive) -> Response:
         """Handle ``POST /v1/chat/completions``."""
+        return await self._respond(await self.plan_chat(request), request, receive)
+
+    async def plan_chat(self, request: ChatCompletionRequest) -> Plan:
+        """Validate, render the chat template and tokenize a chat request into a `Plan`.
+
+        Raises:
+            APIError: the request is invalid (400) or names an unknown model (404).
+        """
         model = self.resolve_model(request.model)
         self._check_common(request)
         if request.top_logprobs is not None and not request.logprobs:
@@ -270,7 +286,7 @@ class OpenAIServing:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         plan = Plan(CHAT, model, self._options(request), num_top_logprobs=logprobs)
         plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
-        return await self._respond(plan, request, receive)
+        return plan
 
     async def _encode(self, text: str, param: str, *, special_tokens: bool) -> list[int]:
         """Tokenize without stalling other requests; 400 for text that cannot fit or encode."""
@@ -291,7 +307,15 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ generation
 
-    async def _respond(self, plan: Plan, request: GenerationRequest, receive: Receive) -> Response:
+    def admit(self, plan: Plan) -> Admission:
+        """Reserve places in the waiting line for every choice of ``plan``, or refuse.
+
+        Hand the result to `run_choices` (or `Stream`), or `EngineClient.release` it.
+
+        Raises:
+            APIError: 400 when the plan has more choices than could ever wait; 503 (with
+                ``Retry-After``) when the waiting line is full or the engine is stopping.
+        """
         limit = self.max_num_waiting_requests
         if limit is not None and len(plan.requests) > limit:
             # It could never be admitted: a 503 would only make clients retry forever.
@@ -306,10 +330,18 @@ class OpenAIServing:
             raise engine_error(exc) from exc
         plan.response_id = f"{plan.kind.id_prefix}-{uuid.uuid4().hex}"
         plan.created = int(time.time())
-        choices = [
+        return admission
+
+    def make_choices(self, plan: Plan) -> list[Choice]:
+        """One `Choice` (incremental detokenizer and stop strings) per engine request."""
+        return [
             Choice(i, self.tokenizer, ids, params, plan.options, self.eos_token_ids)
             for i, (ids, params) in enumerate(plan.requests)
         ]
+
+    async def _respond(self, plan: Plan, request: GenerationRequest, receive: Receive) -> Response:
+        admission = self.admit(plan)
+        choices = self.make_choices(plan)
         if request.stream:
             stream = Stream(self.engine, self.tokenizer, plan, choices, admission)
             return EventStreamResponse(
