@@ -7,6 +7,10 @@ payload is the start-up `EngineConfig`, sent once over the same private socket.
 Direction          Messages
 server -> engine   `AddRequest`, `AbortRequests`, `Shutdown`
 engine -> server   `EngineReady`, `StepOutputs`, `EngineFailed`
+
+In 3-process mode (``--detokenizer-mode process``) the detokenizer child sits between the
+two and speaks the same messages on both sides: it forwards what the server sends, and
+fills in `RequestOutput.text` and ``stop_reason`` on the way back.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``top_k`` and ``top_p`` truncations. The token is drawn from the softmax of the result,
     and reported logprobs are the log-softmax of that same result.
 
-    Stop strings, ``n`` and detokenization options live in the API server, not here.
+    The engine core ignores the last three fields (``stop``,
+    ``include_stop_str_in_output``, ``skip_special_tokens``): they are read by whichever
+    process detokenizes (the API server, or the detokenizer child in 3-process mode).
 
     Attributes:
         max_tokens: most output tokens to generate. 0 computes the prompt (and its
@@ -53,6 +59,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             alternatives per output token; None reports nothing.
         prompt_logprobs: report each prompt token's logprob (from the second one on) plus
             this many alternatives; None reports nothing.
+        stop: strings that end the output (finish_reason "stop", stop_reason the string);
+            found across token boundaries; the stop string itself is left out of the text.
+        include_stop_str_in_output: keep the matched stop string, or the stop token's
+            text, in the output.
+        skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
     """
 
     max_tokens: int = 16
@@ -70,6 +81,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field that is out of range.
@@ -97,6 +111,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise ValueError(f"{name} must be in [-2, 2]")
         if not 0 < self.repetition_penalty <= 2**31:
             raise ValueError("repetition_penalty must be positive")
+        if any(not stop for stop in self.stop):
+            raise ValueError("stop strings must not be empty")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
@@ -208,6 +224,11 @@ class RequestOutput(msgspec.Struct, array_like=True):
             position 0 has no logprob) when ``SamplingParams.prompt_logprobs`` is set.
         queue_seconds: on the request's first output only: seconds from its arrival in
             the engine to its first scheduling (monotonic clock of the engine process).
+        text: None from the engine core. From the detokenizer child: the text released
+            by these tokens (held-back text comes later), and ``logprobs`` then holds the
+            entries of exactly the tokens behind that text.
+        stop_reason: set by the detokenizer child with finish_reason "stop": the matched
+            stop string or stop token id (None for EOS).
     """
 
     request_id: str
@@ -217,6 +238,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     queue_seconds: float | None = None
+    text: str | None = None
+    stop_reason: str | int | None = None
 
 
 class StepStats(msgspec.Struct, array_like=True):

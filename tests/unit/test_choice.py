@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trio_llm.api.choice import Choice, OutputOptions
+import msgspec
+
+from trio_llm.api.choice import Choice
 from trio_llm.frontend.engine_client import TokenDelta
 from trio_llm.messages import SamplingParams, TokenLogprobs
 
@@ -13,7 +15,8 @@ EOS = 2
 
 def _choice(tokenizer, params: SamplingParams, **options: object) -> Choice:
     prompt = tokenizer.encode("Numbers:", add_special_tokens=False)
-    return Choice(0, tokenizer, prompt, params, OutputOptions(**options), frozenset({EOS}))
+    params = msgspec.structs.replace(params, **options)
+    return Choice(0, tokenizer, prompt, params, frozenset({EOS}))
 
 
 def _lp(token: int) -> TokenLogprobs:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from trio_llm.api.choice import Choice, ChoiceDelta, OutputOptions
+from trio_llm.api.choice import Choice, ChoiceDelta
 from trio_llm.frontend.engine_client import Admission, EngineClient, EngineError, RequestStream
 from trio_llm.messages import SamplingParams
 
@@ -45,7 +45,6 @@ class Plan:
 
     kind: Kind
     model: str
-    options: OutputOptions
     echo: bool = False
     num_top_logprobs: int | None = None
     requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)

@@ -20,7 +20,7 @@ import trio
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from trio_llm.api.choice import Choice, OutputOptions
+from trio_llm.api.choice import Choice
 from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
 from trio_llm.api.errors import APIError, bad_request, engine_error
 from trio_llm.api.generation import CHAT, COMPLETION, Plan, run_choices, usage
@@ -176,13 +176,6 @@ class OpenAIServing:
             for i in range(request.n)
         ]
 
-    def _options(self, request: GenerationRequest) -> OutputOptions:
-        return OutputOptions(
-            stop=request.stop_strings,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens,
-        )
-
     # ------------------------------------------------------------ routes
 
     async def completions(self, request: CompletionRequest, receive: Receive) -> Response:
@@ -214,7 +207,6 @@ class OpenAIServing:
         plan = Plan(
             COMPLETION,
             model,
-            self._options(request),
             echo=request.echo,
             num_top_logprobs=request.logprobs,
         )
@@ -284,7 +276,7 @@ class OpenAIServing:
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        plan = Plan(CHAT, model, self._options(request), num_top_logprobs=logprobs)
+        plan = Plan(CHAT, model, num_top_logprobs=logprobs)
         plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
         return plan
 
@@ -335,7 +327,7 @@ class OpenAIServing:
     def make_choices(self, plan: Plan) -> list[Choice]:
         """One `Choice` (incremental detokenizer and stop strings) per engine request."""
         return [
-            Choice(i, self.tokenizer, ids, params, plan.options, self.eos_token_ids)
+            Choice(i, self.tokenizer, ids, params, self.eos_token_ids)
             for i, (ids, params) in enumerate(plan.requests)
         ]
 

@@ -67,12 +67,18 @@ class TokenDelta:
         finish_reason: None while running, else "stop", "length" or "abort".
         logprobs: one entry per new token when the request asked for logprobs, else None.
         prompt_logprobs: new prompt-position entries when asked for, else None.
+        text: None when the API server detokenizes (inline mode). In 3-process mode the
+            text the detokenizer child released for these tokens; ``logprobs`` are then
+            those of the tokens behind that text, and ``stop_reason`` is set.
+        stop_reason: with ``text``: the matched stop string or stop token id.
     """
 
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    text: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -117,6 +123,8 @@ class _Mailbox:
         "prompt_logprobs",
         "record",
         "started",
+        "stop_reason",
+        "text",
         "token_ids",
         "wakeup",
     )
@@ -126,6 +134,8 @@ class _Mailbox:
         self.logprobs: list[TokenLogprobs] | None = None
         self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.finish_reason: str | None = None
+        self.text: str | None = None
+        self.stop_reason: str | int | None = None
         self.error: EngineError | None = None
         self.wakeup = trio.Event()
         self.started = False
@@ -174,15 +184,26 @@ class RequestStream:
         box = self._mailbox
         if self.finished:
             raise StopAsyncIteration
-        while not box.token_ids and box.finish_reason is None and box.error is None:
+        while (
+            not box.token_ids and not box.text and box.finish_reason is None and box.error is None
+        ):
             await box.wakeup.wait()
             box.wakeup = trio.Event()
         if box.error is not None:
             self.finished = True
             raise box.error
-        delta = TokenDelta(box.token_ids, box.finish_reason, box.logprobs, box.prompt_logprobs)
+        delta = TokenDelta(
+            box.token_ids,
+            box.finish_reason,
+            box.logprobs,
+            box.prompt_logprobs,
+            box.text,
+            box.stop_reason,
+        )
         box.token_ids = []
         box.logprobs = box.prompt_logprobs = None
+        if box.text is not None:
+            box.text = ""
         if delta.finish_reason is not None:
             self.finished = True
             self.finish_reason = delta.finish_reason
@@ -400,6 +421,9 @@ class EngineClient:
                 box.logprobs = (box.logprobs or []) + output.logprobs
             if output.prompt_logprobs is not None:
                 box.prompt_logprobs = (box.prompt_logprobs or []) + output.prompt_logprobs
+            if output.text is not None:
+                box.text = (box.text or "") + output.text
+                box.stop_reason = output.stop_reason
             if output.finish_reason is not None:
                 box.finish_reason = output.finish_reason
                 del self._mailboxes[output.request_id]
