@@ -11,13 +11,13 @@ from trio_llm.config import (
     CACHE_DIR_ENV,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MODEL,
+    DETOKENIZER_MODES,
     DTYPES,
     CacheConfig,
-    EngineConfig,
-    ModelConfig,
     SchedulerConfig,
     ServerConfig,
     default_api_key,
+    engine_config,
 )
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -150,28 +150,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="largest logprobs / top_logprobs a request may ask for",
     )
+    serve.add_argument(
+        "--detokenizer-mode",
+        choices=DETOKENIZER_MODES,
+        default=ServerConfig.detokenizer_mode,
+        help="detokenize in the API server (inline) or in a third process (process)",
+    )
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Turn parsed arguments into a `ServerConfig` (raises ValueError on bad combinations)."""
     model = args.model or args.model_tag or DEFAULT_MODEL
-    engine = EngineConfig(
-        model=ModelConfig(
-            model=model,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            download_dir=args.download_dir,
-            seed=args.seed,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
+    engine = engine_config(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        download_dir=args.download_dir,
+        seed=args.seed,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.num_threads,
     )
     return ServerConfig(
@@ -188,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
         max_logprobs=args.max_logprobs,
+        detokenizer_mode=args.detokenizer_mode,
     )
 
 

@@ -29,6 +29,9 @@ DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 DTYPES = ("auto", "float32", "bfloat16")
 
+#: Where output tokens become text: in the API server, or in a third process.
+DETOKENIZER_MODES = ("inline", "process")
+
 
 def default_cache_dir() -> Path:
     """The folder for converted model weights: $TRIO_LLM_CACHE_DIR, else ~/.cache/trio_llm."""
@@ -135,6 +138,46 @@ class EngineConfig:
         return default_cache_dir()
 
 
+def engine_config(
+    model: str = DEFAULT_MODEL,
+    *,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    download_dir: str | None = None,
+    seed: int = 0,
+    block_size: int = CacheConfig.block_size,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+    max_num_seqs: int = SchedulerConfig.max_num_seqs,
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+    num_threads: int | None = None,
+) -> EngineConfig:
+    """An `EngineConfig` from flat keyword arguments named like vLLM's engine arguments.
+
+    Each argument is the field of the same name in `ModelConfig`, `CacheConfig`,
+    `SchedulerConfig` or `EngineConfig` (units there: tokens, bytes, threads).
+
+    Raises:
+        ValueError: a value out of range (names the field).
+    """
+    return EngineConfig(
+        model=ModelConfig(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            download_dir=download_dir,
+            seed=seed,
+        ),
+        cache=CacheConfig(
+            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        ),
+        num_threads=num_threads,
+    )
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The API server's own settings.
@@ -157,6 +200,8 @@ class ServerConfig:
         max_num_waiting_requests: most requests waiting for the engine at once before new
             ones are refused; ``None`` means no limit.
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for.
+        detokenizer_mode: "inline" detokenizes in the API server; "process" runs a third
+            process (the detokenizer) between the API server and the engine core.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -172,6 +217,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_num_waiting_requests: int | None = None
     max_logprobs: int = 20
+    detokenizer_mode: str = "inline"
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -198,6 +244,11 @@ class ServerConfig:
             raise ValueError("max_num_waiting_requests must be at least 1 (or None for no limit)")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must not be negative")
+        if self.detokenizer_mode not in DETOKENIZER_MODES:
+            raise ValueError(
+                f"detokenizer_mode must be one of {DETOKENIZER_MODES}, "
+                f"got {self.detokenizer_mode!r}"
+            )
 
     def model_names(self) -> tuple[str, ...]:
         """The served model names, defaulting to the ``--model`` string."""

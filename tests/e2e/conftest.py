@@ -16,13 +16,25 @@ from trio_llm.testing.server_process import ServerProcess
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+#: Both process layouts run the same end-to-end tests against the shared server.
+DETOKENIZER_MODES = ["inline", "process"]
+
+
+@pytest.fixture(scope="session", params=DETOKENIZER_MODES)
+def detokenizer_mode(request: pytest.FixtureRequest) -> str:
+    """``--detokenizer-mode`` of the shared server (every test using it runs in both)."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path, detokenizer_mode: str
 ) -> Iterator[ServerProcess]:
-    """``trio-llm serve`` with the default model, fp32 (started once per test session)."""
+    """``trio-llm serve`` with the default model, fp32, in each detokenizer mode (started
+    once per mode per test session)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    process = ServerProcess(["--max-num-seqs", "32", "--dtype", "float32"], log_path=log)
+    flags = ["--max-num-seqs", "32", "--dtype", "float32", "--detokenizer-mode", detokenizer_mode]
+    process = ServerProcess(flags, log_path=log)
     with process:
         yield process
     assert process.process is not None

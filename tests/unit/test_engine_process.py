@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+from functools import partial
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
@@ -13,12 +15,20 @@ from trio_llm.config import CacheConfig, EngineConfig, ModelConfig
 from trio_llm.frontend.engine_client import EngineClient, EngineDeadError
 from trio_llm.frontend.engine_process import EngineStartupError, run_engine_process
 from trio_llm.messages import SamplingParams
-from trio_llm.testing.procfs import engine_children, is_running, parent_pid
+from trio_llm.testing.procfs import (
+    detokenizer_children,
+    is_running,
+    parent_pid,
+    server_children,
+)
+
+MODES = ["inline", "process"]
 
 
 def _our_engines() -> set[int]:
-    """Engine processes started by this test process itself (not by a server it runs)."""
-    return {pid for pid in engine_children() if parent_pid(pid) == os.getpid()}
+    """Engine (and detokenizer) processes started by this test process itself (not by a
+    server it runs)."""
+    return {pid for pid in server_children() if parent_pid(pid) == os.getpid()}
 
 
 def _config(model_dir: Path) -> EngineConfig:
@@ -37,9 +47,13 @@ async def _collect(engine: EngineClient, prompt: list[int], params: SamplingPara
     return tokens
 
 
-async def test_start_generate_and_stop(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_start_generate_and_stop(tiny_model_dir: Path, mode: str) -> None:
     async with trio.open_nursery() as nursery:
-        engine: EngineClient = await nursery.start(run_engine_process, _config(tiny_model_dir))
+        engine: EngineClient = await nursery.start(
+            partial(run_engine_process, _config(tiny_model_dir), detokenizer_mode=mode)
+        )
+        assert engine.detokenizes == (mode == "process")
         pid = engine.info.pid
         assert parent_pid(pid) == os.getpid()
         assert engine.info.max_model_len == 256
@@ -59,17 +73,27 @@ async def test_start_generate_and_stop(tiny_model_dir: Path) -> None:
     assert _our_engines() == set()
 
 
-async def test_killing_the_child_fails_requests_and_the_supervising_task(
-    tiny_model_dir: Path,
+@pytest.mark.parametrize(
+    ("mode", "victim"),
+    [("inline", "engine"), ("process", "engine"), ("process", "detokenizer")],
+)
+async def test_killing_a_child_fails_requests_and_the_supervising_task(
+    tiny_model_dir: Path, mode: str, victim: str
 ) -> None:
     errors: list[BaseException] = []
     with pytest.raises(BaseExceptionGroup) as raised:
         async with trio.open_nursery() as nursery:
-            engine: EngineClient = await nursery.start(run_engine_process, _config(tiny_model_dir))
+            engine: EngineClient = await nursery.start(
+                partial(run_engine_process, _config(tiny_model_dir), detokenizer_mode=mode)
+            )
             params = SamplingParams(max_tokens=200, ignore_eos=True)
             async with engine.open_request([1, 2, 3], params) as stream:
                 await stream.__anext__()  # generating
-                os.kill(engine.info.pid, signal.SIGKILL)
+                if victim == "engine":
+                    os.kill(engine.info.pid, signal.SIGKILL)
+                else:
+                    (detokenizer,) = detokenizer_children()
+                    os.kill(detokenizer, signal.SIGKILL)
                 with trio.fail_after(5):
                     try:
                         async for _ in stream:
@@ -83,10 +107,51 @@ async def test_killing_the_child_fails_requests_and_the_supervising_task(
     assert _our_engines() == set()
 
 
-async def test_cancelling_the_start_reaps_the_child(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_cancelling_the_start_reaps_the_child(tiny_model_dir: Path, mode: str) -> None:
     with trio.move_on_after(0):
         async with trio.open_nursery() as nursery:
-            await nursery.start(run_engine_process, _config(tiny_model_dir))
+            await nursery.start(
+                partial(run_engine_process, _config(tiny_model_dir), detokenizer_mode=mode)
+            )
+    assert _our_engines() == set()
+
+
+async def test_the_detokenizer_child_sends_text_with_stop_strings_applied(
+    tiny_model_dir: Path, smol_tokenizer
+) -> None:
+    """Process mode: outputs carry the text an inline `RequestDetokenizer` would produce,
+    and a stop string finishes the request in the child (aborted in the engine)."""
+    from trio_llm.detokenizer import RequestDetokenizer
+
+    prompt = smol_tokenizer.encode("Once upon a time", add_special_tokens=False)
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    async with trio.open_nursery() as nursery:
+        engine: EngineClient = await nursery.start(
+            partial(run_engine_process, _config(tiny_model_dir), detokenizer_mode="process")
+        )
+        deltas = []
+        async with engine.open_request(prompt, plain) as stream:
+            deltas = [delta async for delta in stream]
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert len(tokens) == 24
+        inline = RequestDetokenizer(smol_tokenizer.backend, prompt, plain, frozenset())
+        reference = inline.process(tokens, "length", [None] * len(tokens))  # type: ignore[list-item]
+        assert reference is not None
+        assert "".join(d.text or "" for d in deltas) == reference.text
+        # Logprobs travel with the text that releases them: one per token in total.
+        assert sum(len(d.logprobs or []) for d in deltas) == 24
+        # A stop string taken from the middle of that text ends the request early.
+        stop = reference.text[len(reference.text) // 2 :][:3]
+        if stop.strip():
+            stopping = msgspec.structs.replace(plain, stop=(stop,))
+            async with engine.open_request(prompt, stopping) as stream:
+                ended = [delta async for delta in stream]
+            assert ended[-1].finish_reason == "stop"
+            assert ended[-1].stop_reason == stop
+            text = "".join(d.text or "" for d in ended)
+            assert text == reference.text[: reference.text.index(stop)]
+        await engine.stop(grace_period=5.0)
     assert _our_engines() == set()
 
 

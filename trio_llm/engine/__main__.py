@@ -9,23 +9,9 @@ exits when the IPC socket reaches end-of-file.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
-import signal
 import sys
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when the parent exits; exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:
-        # The parent died before prctl took effect; nobody would reap or stop us.
-        os._exit(1)
+from trio_llm.parent_death import guard_child
 
 
 def main() -> None:
@@ -33,8 +19,7 @@ def main() -> None:
     parser.add_argument("--ipc-fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args()
-    die_with_parent(args.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    guard_child(args.parent_pid)
 
     import trio
 

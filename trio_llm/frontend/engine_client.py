@@ -224,11 +224,13 @@ class EngineClient:
     """Talks to one engine-core process over its IPC channel.
 
     Created by `trio_llm.frontend.engine_process.run_engine_process` once the engine said
-    `EngineReady`; ``info`` holds that message.
+    `EngineReady`; ``info`` holds that message. ``detokenizes`` is True in 3-process mode:
+    outputs then arrive with their text (`TokenDelta.text`).
     """
 
     def __init__(self, channel: ipc.MessageChannel[FromEngine], info: EngineReady) -> None:
         self.info = info
+        self.detokenizes = False
         self.stats = EngineStats()
         self._channel = channel
         self._send_lock = trio.Lock()

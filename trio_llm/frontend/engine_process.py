@@ -8,6 +8,11 @@ after the child answered `EngineReady` (model loaded, warm-up step done). It the
 the child's outputs until the IPC stream ends. Its ``finally`` always reaps the child:
 close the socket (the child exits at end-of-file), wait, SIGTERM, wait, SIGKILL; the
 waiting is skipped when the child cannot be expected to leave on its own.
+
+With ``detokenizer_mode="process"`` it also spawns ``python -m trio_llm.detokenizer``
+between the two (server <-> detokenizer <-> engine core, two socket pairs): the same
+messages flow, the outputs arrive with their text, and both children are reaped the same
+way. Either child's death ends the channel (each exits at end-of-file of either side).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import cloudpickle
 import trio
 
 from trio_llm import ipc
-from trio_llm.config import EngineConfig
+from trio_llm.config import DETOKENIZER_MODES, EngineConfig
 from trio_llm.frontend.child_process import ChildProcess
 from trio_llm.frontend.engine_client import EngineClient, EngineDeadError
 from trio_llm.messages import EngineFailed, EngineReady
@@ -44,72 +49,144 @@ def describe_exit(returncode: int | None) -> str:
     return f"exit status {returncode}"
 
 
+class _Children:
+    """The processes behind one engine channel: the engine core, and in 3-process mode the
+    detokenizer between it and the API server."""
+
+    def __init__(self, engine: ChildProcess, detokenizer: ChildProcess | None = None) -> None:
+        self.engine = engine
+        self.detokenizer = detokenizer
+
+    @property
+    def all(self) -> list[ChildProcess]:
+        return [self.engine] if self.detokenizer is None else [self.detokenizer, self.engine]
+
+    async def wait(self) -> None:
+        for process in self.all:
+            await process.wait()
+
+    def describe(self) -> str:
+        """Exit status of each process, in words (e.g. "killed by SIGKILL")."""
+        if self.detokenizer is None:
+            return describe_exit(self.engine.returncode)
+        return (
+            f"engine core: {describe_exit(self.engine.returncode)}; "
+            f"detokenizer: {describe_exit(self.detokenizer.returncode)}"
+        )
+
+
+def _spawn(detokenizer_mode: str) -> tuple[socket.socket, _Children]:
+    """Start the child process(es); return the API server's end of the channel and them."""
+    if detokenizer_mode not in DETOKENIZER_MODES:
+        raise ValueError(f"detokenizer_mode must be one of {DETOKENIZER_MODES}")
+    parent = str(os.getpid())
+    server_end, first_hop = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    to_close = [first_hop]
+    try:
+        if detokenizer_mode == "inline":
+            engine_fd = first_hop
+            detokenizer = None
+        else:
+            engine_fd, detokenizer_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            to_close += [engine_fd, detokenizer_end]
+            fds = (first_hop.fileno(), detokenizer_end.fileno())
+            detokenizer = ChildProcess(
+                [
+                    sys.executable,
+                    "-m",
+                    "trio_llm.detokenizer",
+                    "--api-fd",
+                    str(fds[0]),
+                    "--engine-fd",
+                    str(fds[1]),
+                    "--parent-pid",
+                    parent,
+                ],
+                pass_fds=fds,
+            )
+        try:
+            engine = ChildProcess(
+                [
+                    sys.executable,
+                    "-m",
+                    "trio_llm.engine",
+                    "--ipc-fd",
+                    str(engine_fd.fileno()),
+                    "--parent-pid",
+                    parent,
+                ],
+                pass_fds=(engine_fd.fileno(),),
+            )
+        except BaseException:
+            if detokenizer is not None:
+                detokenizer.kill()
+            raise
+    except BaseException:
+        server_end.close()
+        raise
+    finally:
+        for sock in to_close:
+            sock.close()
+    return server_end, _Children(engine, detokenizer)
+
+
 async def run_engine_process(
     config: EngineConfig,
     *,
     grace_period: float = 5.0,
+    detokenizer_mode: str = "inline",
     task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the engine-core child for as long as this task lives.
+    """Run the engine-core child (and the detokenizer child) for as long as this task lives.
 
-    Returns normally once `EngineClient.stop` was called and the child went away.
+    Returns normally once `EngineClient.stop` was called and the children went away.
 
     Args:
-        config: sent to the child, pickled, as the first frame.
+        config: sent to the engine child, pickled, as the first frame.
         grace_period: seconds between the polite steps of reaping (end-of-file, SIGTERM)
-            when the child does not exit by itself.
+            when a child does not exit by itself.
+        detokenizer_mode: "inline" (the caller detokenizes) or "process" (a third
+            process between the caller and the engine core detokenizes, and the
+            `EngineClient`'s outputs carry text).
 
     Raises:
-        EngineStartupError: the child failed or exited before `EngineReady`.
-        EngineDeadError: the child exited or broke the channel while serving.
+        ValueError: an unknown ``detokenizer_mode``.
+        EngineStartupError: a child failed or exited before `EngineReady`.
+        EngineDeadError: a child exited or broke the channel while serving.
     """
-    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        command = [
-            sys.executable,
-            "-m",
-            "trio_llm.engine",
-            "--ipc-fd",
-            str(child_sock.fileno()),
-            "--parent-pid",
-            str(os.getpid()),
-        ]
-        process = ChildProcess(command, pass_fds=(child_sock.fileno(),))
-    except BaseException:
-        parent_sock.close()
-        raise
-    finally:
-        child_sock.close()
-
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent_sock))
+    server_end, children = _spawn(detokenizer_mode)
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(server_end))
     channel = ipc.server_channel(stream)
-    # Patience with the child only when its channel ended by itself (it is exiting). After
-    # a cancellation (a second signal), a missed stop deadline or a failed start, escalate
-    # at once: a child that is loading, stuck or stopped will not leave on its own.
+    # Patience with the children only when the channel ended by itself (they are exiting).
+    # After a cancellation (a second signal), a missed stop deadline or a failed start,
+    # escalate at once: a child that is loading, stuck or stopped will not leave on its own.
     patient = False
     try:
-        client = await _start(channel, process, config)
+        client = await _start(channel, children, config)
+        client.detokenizes = detokenizer_mode == "process"
         task_status.started(client)
         with client.stop_scope:
             await client.route_outputs()
         patient = not client.stop_scope.cancelled_caught
         if not client.stopping:
             with trio.move_on_after(grace_period):
-                await process.wait()
+                await children.wait()
             error = client.error
             raise EngineDeadError(
-                f"{error} ({describe_exit(process.returncode)})"
+                f"{error} ({children.describe()})"
                 if error
-                else f"engine core exited ({describe_exit(process.returncode)})"
+                else f"engine core exited ({children.describe()})"
             )
     finally:
         with trio.CancelScope(shield=True):
             await stream.aclose()
-            await _reap(process, grace_period if patient else 0.0)
+            async with trio.open_nursery() as nursery:
+                for process in children.all:
+                    nursery.start_soon(_reap, process, grace_period if patient else 0.0)
 
 
 async def _start(
-    channel: ipc.MessageChannel, process: ChildProcess, config: EngineConfig
+    channel: ipc.MessageChannel, children: _Children, config: EngineConfig
 ) -> EngineClient:
     try:
         await channel.framed.send_frame(cloudpickle.dumps(config))
@@ -118,12 +195,10 @@ async def _start(
         message = None
     if isinstance(message, EngineReady):
         return EngineClient(channel, message)
-    await process.wait()
+    await children.wait()
     if isinstance(message, EngineFailed):
         raise EngineStartupError(message.message)
-    raise EngineStartupError(
-        f"engine core exited during start-up ({describe_exit(process.returncode)})"
-    )
+    raise EngineStartupError(f"engine core exited during start-up ({children.describe()})")
 
 
 #: Seconds between SIGTERM and SIGKILL.

@@ -58,8 +58,23 @@ def command_line(pid: int) -> str:
 
 def engine_children(pid: int | None = None) -> set[int]:
     """Living engine-core processes descended from ``pid`` (default: this process)."""
+    return module_children("trio_llm.engine", pid)
+
+
+def detokenizer_children(pid: int | None = None) -> set[int]:
+    """Living detokenizer processes (3-process mode) descended from ``pid``."""
+    return module_children("trio_llm.detokenizer", pid)
+
+
+def server_children(pid: int | None = None) -> set[int]:
+    """Every living engine-core or detokenizer process descended from ``pid``."""
+    return engine_children(pid) | detokenizer_children(pid)
+
+
+def module_children(module: str, pid: int | None = None) -> set[int]:
+    """Living processes descended from ``pid`` (default: this one) that run ``-m module``."""
     root = os.getpid() if pid is None else pid
-    return {p for p in descendants(root) if "trio_llm.engine" in command_line(p)}
+    return {p for p in descendants(root) if f"-m {module} " in command_line(p) + " "}
 
 
 async def wait_for_exit(pid: int) -> None:

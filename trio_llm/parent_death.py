@@ -1,0 +1,37 @@
+"""What every child process does first: die with its parent, leave Ctrl-C to it.
+
+Both children (the engine core and the detokenizer) call `guard_child` before importing
+anything heavy: the kernel then SIGKILLs them when the API server dies
+(``prctl(PR_SET_PDEATHSIG)``, Linux), and SIGINT is ignored because a Ctrl-C reaches the
+whole terminal process group while the server decides the order of shutdown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when the parent exits; exit now if it already has.
+
+    Raises:
+        OSError: ``prctl`` failed.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        # The parent died before prctl took effect; nobody would reap or stop us.
+        os._exit(1)
+
+
+def guard_child(parent_pid: int) -> None:
+    """`die_with_parent`, then ignore SIGINT."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
