@@ -71,6 +71,7 @@ async def serve(
             engine: EngineClient = await engine_nursery.start(_supervise_engine, config, lifecycle)
             _log(
                 f"engine ready (pid {engine.info.pid}, {engine.info.dtype}, "
+                f"detokenizer {config.detokenizer_mode}, "
                 f"max_model_len {engine.info.max_model_len}, "
                 f"{engine.info.num_kv_blocks} KV blocks of {engine.info.block_size} tokens)"
             )
@@ -125,6 +126,8 @@ def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     hconfig.graceful_timeout = config.shutdown_timeout
     hconfig.accesslog = None
     hconfig.loglevel = "WARNING"
+    # A larger WebSocket message is refused with close code 1009 (see docs/websocket.md).
+    hconfig.websocket_max_message_size = config.max_request_body_bytes
     return hconfig
 
 
@@ -136,7 +139,10 @@ async def _supervise_engine(
 ) -> None:
     try:
         await run_engine_process(
-            config.engine, grace_period=config.shutdown_timeout, task_status=task_status
+            config.engine,
+            grace_period=config.shutdown_timeout,
+            detokenizer_mode=config.detokenizer_mode,
+            task_status=task_status,
         )
     except EngineStartupError:
         raise
