@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint format bench clean
+.PHONY: install serve test lint format browser bench clean
 
 # torch is pinned first so pip takes the CPU build on this disk, not a CUDA build.
 $(STAMP): pyproject.toml
@@ -29,7 +29,22 @@ format: install
 	$(BIN)/ruff check --fix trio_llm tests bench examples
 	$(BIN)/ruff format trio_llm tests bench examples
 
-test: lint
+# Chromium for tests/e2e/test_chat_page.py: the Debian package, never Playwright's own download.
+# Best effort: where it cannot be installed (not root, no apt-get, no network) that test skips.
+browser:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium (apt-get) for the browser test"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
+		|| { apt-get update -qq >/dev/null 2>&1 \
+			&& apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; } \
+		|| echo "could not install chromium; the browser test will skip"; \
+	else \
+		echo "no chromium (as root: apt-get install chromium); the browser test will skip"; \
+	fi
+
+test: lint browser
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
 
 bench: install

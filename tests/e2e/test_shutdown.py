@@ -12,16 +12,24 @@ import pytest
 import trio
 
 from tests.e2e.conftest import MODEL
-from trio_llm.testing.procfs import engine_children, is_running, wait_for_exit
+from trio_llm.testing.procfs import (
+    detokenizer_children,
+    engine_children,
+    is_running,
+    server_children,
+    wait_for_exit,
+)
 from trio_llm.testing.server_process import ServerProcess
 from trio_llm.testing.sse import DONE, delta_text, open_events
 
 ARGS = ["--max-num-seqs", "16", "--kv-cache-memory", "512MiB"]
 
 
-@pytest.fixture
-def fresh_server(tmp_path: Path, real_model_dir: Path):
-    server = ServerProcess(ARGS, log_path=tmp_path / "server.log")
+@pytest.fixture(params=["inline", "process"])
+def fresh_server(request: pytest.FixtureRequest, tmp_path: Path, real_model_dir: Path):
+    """A server of its own, in each detokenizer mode (2 and 3 processes)."""
+    args = [*ARGS, "--detokenizer-mode", request.param]
+    server = ServerProcess(args, log_path=tmp_path / "server.log")
     server.start()
     try:
         yield server
@@ -73,8 +81,8 @@ async def _streams_then(server: ServerProcess, n: int, fault) -> dict[int, str]:
 
 
 async def test_sigint_ends_every_stream_and_exits_0(fresh_server: ServerProcess) -> None:
-    engines = engine_children(fresh_server.pid)
-    assert len(engines) == 1
+    engines = server_children(fresh_server.pid)
+    assert len(engine_children(fresh_server.pid)) == 1
     start = time.monotonic()
     outcome = await _streams_then(fresh_server, 8, lambda: fresh_server.send_signal(signal.SIGINT))
     code = await trio.to_thread.run_sync(fresh_server.wait, 10)
@@ -105,8 +113,29 @@ async def test_killing_the_engine_fails_streams_and_exits_nonzero(
 
 
 async def test_killing_the_server_takes_the_engine_with_it(fresh_server: ServerProcess) -> None:
-    (engine,) = engine_children(fresh_server.pid)
+    children = server_children(fresh_server.pid)
+    assert children
     fresh_server.send_signal(signal.SIGKILL)
     await trio.to_thread.run_sync(fresh_server.wait, 5)
     with trio.fail_after(5):
-        await wait_for_exit(engine)
+        for child in children:
+            await wait_for_exit(child)
+
+
+async def test_killing_the_detokenizer_fails_streams_and_exits_nonzero(
+    tmp_path: Path, real_model_dir: Path
+) -> None:
+    """3-process mode: the detokenizer's death is the engine's death to the server (the
+    engine core follows it out), never silent."""
+    args = [*ARGS, "--detokenizer-mode", "process"]
+    with ServerProcess(args, log_path=tmp_path / "server.log") as server:
+        (detokenizer,) = detokenizer_children(server.pid)
+        (engine,) = engine_children(server.pid)
+        outcome = await _streams_then(server, 4, lambda: os.kill(detokenizer, signal.SIGKILL))
+        assert all(v.startswith("error: engine core died") for v in outcome.values()), outcome
+        code = await trio.to_thread.run_sync(server.wait, 10)
+        assert code == 1
+        last_line = server.log().strip().splitlines()[-1]
+        assert "detokenizer: killed by SIGKILL" in last_line, last_line
+        with trio.fail_after(5):
+            await wait_for_exit(engine)

@@ -1,0 +1,60 @@
+"""The HTTP examples in examples/ run as documented against a real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _run(command: list[str], **kwargs) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, **kwargs)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_openai_chat_example_streams_an_answer(base_url: str) -> None:
+    out = _run(
+        [
+            sys.executable,
+            str(EXAMPLES / "openai_chat.py"),
+            "--base-url",
+            base_url,
+            "--max-tokens",
+            "24",
+            "What is the capital of France?",
+        ]
+    )
+    answer, _, usage = out.rpartition("\n[")
+    assert "Paris" in answer
+    assert usage.strip().endswith("tokens]")
+    assert 0 < int(usage.split()[0]) <= 24
+
+
+def test_curl_example_gets_a_chat_answer_and_a_stream(base_url: str) -> None:
+    out = _run(["sh", str(EXAMPLES / "curl.sh")], env={"URL": base_url, "PATH": "/usr/bin:/bin"})
+    first_line, _, rest = out.partition("\n")
+    reply = json.loads(first_line)
+    assert reply["object"] == "chat.completion"
+    assert reply["choices"][0]["message"]["content"]
+    events = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert 0 < usage["completion_tokens"] <= 32  # unseeded sampling may end on EOS
+
+
+def test_websocket_example_streams_one_answer_and_cancels_the_other(base_url: str) -> None:
+    url = base_url.replace("http://", "ws://") + "/v1/ws"
+    out = _run(
+        [sys.executable, str(EXAMPLES / "ws_client.py"), "--url", url, "--cancel-after", "6"]
+    )
+    lines = out.splitlines()
+    question = next(line for line in lines if line.startswith("[question] done:"))
+    assert question.split()[2] in ("stop,", "length,")
+    cancelled = next(line for line in lines if line.startswith("[story] done after"))
+    assert ": abort," in cancelled
+    # Cancelled long before its 1,000 tokens.
+    assert int(cancelled.split()[3]) < 100
