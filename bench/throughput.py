@@ -1,9 +1,12 @@
-"""Offline throughput of the engine core: N requests at once, no server, no IPC.
+"""Offline throughput through `trio_llm.LLM`: N requests at once, no HTTP server.
 
     python bench/throughput.py --num-prompts 64 --input-len 250 --output-len 128
 
 Prints req/s, output tok/s and total (prompt + output) tok/s. Every request generates
-exactly ``--output-len`` tokens (EOS ignored).
+exactly ``--output-len`` tokens (EOS ignored). The prompts are token ids, handed to
+`LLM.generate` in one batch: the engine core runs in its child process as it does under
+the server, so the figures include the IPC hop and the detokenization in this process,
+but not the model load (the clock starts once `LLM` is ready).
 """
 
 from __future__ import annotations
@@ -16,49 +19,32 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from common import print_table, sonnet_prompts, write_json
 
-from trio_llm.config import (
-    DEFAULT_MODEL,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
-from trio_llm.engine.core import EngineCore
-from trio_llm.frontend.tokenizer import Tokenizer
-from trio_llm.messages import AddRequest, SamplingParams
+from trio_llm import LLM
+from trio_llm.config import DEFAULT_MODEL, SchedulerConfig
+from trio_llm.messages import SamplingParams
 
 COLUMNS = ["system", "requests", "elapsed_s", "req_per_s", "output_tok_per_s", "total_tok_per_s"]
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype),
-        cache=CacheConfig(),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
-    )
-
-
 def run(args: argparse.Namespace) -> dict:
-    core = EngineCore.from_config(engine_config(args))
-    core.warm_up()
-    tokenizer = Tokenizer.load(core.info.model_dir)
-    prompts = sonnet_prompts(tokenizer, args.num_prompts, args.input_len, seed=args.seed)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        core.add_request(AddRequest(f"bench-{i}", prompt, params))
-    output_tokens = 0
-    steps = 0
-    while core.has_unfinished_requests():
-        result = core.step()
-        steps += 1
-        output_tokens += sum(len(o.new_token_ids) for o in result.outputs)
-    elapsed = time.perf_counter() - start
+    with LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    ) as llm:
+        prompts = sonnet_prompts(llm.tokenizer, args.num_prompts, args.input_len, seed=args.seed)
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        steps_before = llm.stats.num_steps
+        start = time.perf_counter()
+        results = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        steps = llm.stats.num_steps - steps_before
+        dtype = llm.info.dtype
+    output_tokens = sum(len(result.token_ids) for result in results)
     prompt_tokens = sum(len(p) for p in prompts)
     return {
-        "system": f"trio_llm offline ({core.info.dtype})",
+        "system": f"trio_llm offline ({dtype})",
         "requests": len(prompts),
         "elapsed_s": elapsed,
         "steps": steps,
@@ -89,10 +75,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     result = run(args)
-    print_table(
-        [result],
-        ["system", "requests", "elapsed_s", "req_per_s", "output_tok_per_s", "total_tok_per_s"],
-    )
+    print_table([result], COLUMNS)
     write_json(args.json, result)
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import msgspec
+import pytest
 
 from trio_llm.api.choice import Choice
 from trio_llm.frontend.engine_client import TokenDelta
@@ -87,3 +86,17 @@ def test_stop_strings_wait_for_min_tokens(smol_tokenizer) -> None:
     assert choice.stop_reason == ","
     assert choice.text.startswith(" a,")
     assert len(choice.text) > len(plain.text)
+
+
+def test_a_stop_string_in_a_batch_of_tokens_ends_at_the_same_token(smol_tokenizer) -> None:
+    """Tokens that arrive together (a slow consumer) stop exactly where single tokens do,
+    so the text and the usage never depend on how the output was batched."""
+    tokens = smol_tokenizer.encode(" 1, 2, 3, 4, 5", add_special_tokens=False)
+    one_by_one = _choice(smol_tokenizer, SamplingParams(), stop=(", 3,",))
+    _feed(one_by_one, tokens)
+    batched = _choice(smol_tokenizer, SamplingParams(), stop=(", 3,",))
+    piece = batched.process(TokenDelta(tokens, logprobs=[_lp(t) for t in tokens]))
+    assert piece is not None and piece.finish_reason == "stop"
+    assert batched.text == one_by_one.text == " 1, 2"
+    assert batched.num_output_tokens == one_by_one.num_output_tokens < len(tokens)
+    assert len(batched.all_logprobs) == len(one_by_one.all_logprobs)

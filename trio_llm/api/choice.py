@@ -57,18 +57,20 @@ class Choice:
         """Take the engine's next delta; return what to emit now, or None if nothing."""
         if self.finished:
             return None
-        self.num_output_tokens += len(delta.token_ids)
         if delta.prompt_logprobs:
             self.prompt_logprobs += delta.prompt_logprobs
+        piece: ChoiceDelta | None = None
         if delta.text is None:
             piece = self._detokenizer.process(delta.token_ids, delta.finish_reason, delta.logprobs)
-        elif delta.text or delta.finish_reason is not None:
-            # Detokenized in the detokenizer child already.
-            piece = ChoiceDelta(
-                delta.text, delta.logprobs or [], delta.finish_reason, delta.stop_reason
-            )
+            # Tokens after a stop string are not output (nor counted in usage).
+            self.num_output_tokens = self._detokenizer.num_output_tokens
         else:
-            piece = None
+            # Detokenized in the detokenizer child already.
+            self.num_output_tokens += len(delta.token_ids)
+            if delta.text or delta.finish_reason is not None:
+                piece = ChoiceDelta(
+                    delta.text, delta.logprobs or [], delta.finish_reason, delta.stop_reason
+                )
         if piece is None:
             return None
         self.text += piece.text

@@ -90,6 +90,10 @@ class RequestDetokenizer:
     ) -> TextDelta | None:
         """Take the engine's next tokens; return what to emit now, or None if nothing.
 
+        Several tokens are taken one at a time, so a stop string ends the output at the
+        same token however the tokens were batched (``num_output_tokens`` then stops at
+        that token too, and the rest are ignored).
+
         Args:
             token_ids: new output tokens, oldest first (may be empty on the last call).
             finish_reason: the engine's finish_reason, set on the request's last output.
@@ -97,6 +101,31 @@ class RequestDetokenizer:
         """
         if self.finished:
             return None
+        if len(token_ids) <= 1:
+            return self._process(token_ids, finish_reason, logprobs)
+        merged: TextDelta | None = None
+        last = len(token_ids) - 1
+        for i, token in enumerate(token_ids):
+            entries = logprobs[i : i + 1] if logprobs is not None else None
+            piece = self._process([token], finish_reason if i == last else None, entries)
+            if piece is not None:
+                if merged is None:
+                    merged = piece
+                else:
+                    merged.text += piece.text
+                    merged.logprobs += piece.logprobs
+                    merged.finish_reason = piece.finish_reason
+                    merged.stop_reason = piece.stop_reason
+            if self.finished:
+                break
+        return merged
+
+    def _process(
+        self,
+        token_ids: Sequence[int],
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs] | None,
+    ) -> TextDelta | None:
         self.num_output_tokens += len(token_ids)
         entries = list(logprobs or ())
         stop_reason: str | int | None = None

@@ -74,7 +74,10 @@ class Detokenizers:
             detokenizer = self.requests.get(output.request_id)
             if detokenizer is None:
                 continue  # aborted, or finished by a stop string already
+            consumed = detokenizer.num_output_tokens
             delta = detokenizer.process(output.new_token_ids, output.finish_reason, output.logprobs)
+            # Tokens after a stop string are not output (nor counted in usage).
+            output.new_token_ids = output.new_token_ids[: detokenizer.num_output_tokens - consumed]
             if delta is None:
                 output.text = ""
                 output.logprobs = [] if output.logprobs is not None else None

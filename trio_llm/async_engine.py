@@ -1,0 +1,562 @@
+"""Embedding the engine in a Trio program: `open_engine`, `AsyncEngine`, `Generation`.
+
+    async with open_engine(model, max_model_len=2048) as engine:
+        async with engine.generate("Once upon a time", SamplingParams(max_tokens=32)) as gen:
+            async for out in gen:
+                print(out.text, end="")
+
+`open_engine` starts the engine-core child (and, with ``detokenizer_mode="process"``, the
+detokenizer child) in a nursery it owns, exactly as the server does, and stops and reaps
+them when its block is left for any reason. The engine runs in its own process, so the
+caller's event loop stays free for its other tasks while tokens are computed.
+
+A `Generation` is one engine request. Entering its ``async with`` block submits it;
+leaving the block before the last output aborts it in the engine at once (its KV blocks
+are freed). A plain ``async for`` submits it on the first ``__anext__`` and aborts it when
+that call is cancelled or fails; breaking out of such a loop cannot be noticed (this
+project never relies on finalizers), so code that may leave early uses ``async with``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import operator
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from enum import Enum
+from types import TracebackType
+from typing import Any
+
+import trio
+
+from trio_llm.api.choice import Choice
+from trio_llm.config import DEFAULT_MODEL, DETOKENIZER_MODES, EngineConfig, engine_config
+from trio_llm.frontend.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    RequestStream,
+    TokenDelta,
+)
+from trio_llm.frontend.engine_process import run_engine_process
+from trio_llm.frontend.tokenizer import Tokenizer
+from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
+
+#: One prompt: a text (tokenized with the tokenizer's special tokens, like
+#: /v1/completions), chat messages ``[{"role": ..., "content": ...}]`` (rendered with the
+#: model's chat template, like /v1/chat/completions), or token ids.
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+#: Keyword arguments `open_engine` passes on to `trio_llm.config.engine_config`.
+ENGINE_ARGS = tuple(name for name in inspect.signature(engine_config).parameters if name != "model")
+
+
+def resolve_engine_config(
+    model: str | os.PathLike[str],
+    detokenizer_mode: str,
+    shutdown_timeout: float,
+    engine_args: Mapping[str, Any],
+) -> EngineConfig:
+    """Check the arguments of `open_engine` (or `trio_llm.LLM`) and build the config.
+
+    Raises:
+        TypeError: an argument that `trio_llm.config.engine_config` does not take (named
+            in the message), or a ``model`` that is not a string or path.
+        ValueError: a value out of range (named in the message).
+    """
+    unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
+    if unknown:
+        raise TypeError(
+            f"unknown engine argument {unknown[0]!r}; the engine arguments are: "
+            f"{', '.join(ENGINE_ARGS)}"
+        )
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model must be a model name or a path, not {type(model).__name__}")
+    if detokenizer_mode not in DETOKENIZER_MODES:
+        raise ValueError(
+            f"detokenizer_mode must be one of {DETOKENIZER_MODES}, got {detokenizer_mode!r}"
+        )
+    if not shutdown_timeout >= 0:
+        raise ValueError(f"shutdown_timeout must be at least 0 seconds, got {shutdown_timeout!r}")
+    return engine_config(os.fspath(model), **engine_args)
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """New output of one `Generation` since the previous one.
+
+    Attributes:
+        text: text released since the previous output (may be ``""``: text that could
+            still turn into a stop string or an incomplete character is held back).
+        token_ids: output token ids that arrived since the previous output, oldest first.
+            Their text may lag behind: ``text`` holds only what is certain.
+        finish_reason: None until the last output; then "stop" (EOS, a stop token or a
+            stop string), "length" (``max_tokens`` or the context is full) or "abort"
+            (the engine ended the request).
+        stop_reason: on the last output: the matched stop string, or the stop token id
+            from ``stop_token_ids``; None for EOS and otherwise.
+        logprobs: when ``SamplingParams.logprobs`` is set, one entry per token behind
+            ``text`` (a stop token left out of the text has none); otherwise None.
+        num_output_tokens: output tokens of the request so far, this output's included.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[TokenLogprobs] | None
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        """True for the request's last output."""
+        return self.finish_reason is not None
+
+
+class _State(Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Generation:
+    """One request to the engine: an async context manager and an async iterator of
+    `GenerationOutput`s (created by `AsyncEngine.generate`, which validated it).
+
+    ``async with generation:`` submits the request; leaving the block before the last
+    output aborts it in the engine (KV blocks freed at once). A plain ``async for``
+    submits it on the first ``__anext__`` and aborts it when ``__anext__`` is cancelled or
+    fails; leaving such a loop with ``break`` leaves the request running in the engine
+    until it finishes (or the engine is closed). A generation is used once.
+
+    Attributes:
+        request_id: the caller's label (``request_id`` of `AsyncEngine.generate`), or
+            ``"gen-N"``; the engine's own request id is internal.
+        prompt_token_ids: the prompt as the engine sees it.
+        params: the sampling parameters.
+        entered: True once used as an ``async with`` block (the form that aborts on any
+            early exit); False for a plain ``async for``.
+        num_output_tokens: output tokens delivered so far.
+        finish_reason: None until the last output was delivered.
+        stop_reason: the last output's ``stop_reason``.
+
+    Raises (from ``__aenter__`` or the first ``__anext__``):
+        EngineDeadError: the engine has died.
+        EngineShutdownError: the engine is stopping (its ``open_engine`` block is ending).
+    Raises (from ``__anext__``):
+        EngineDeadError: the engine died while generating.
+        RequestRejectedError: the engine refused the request.
+        RuntimeError: the generation was closed before its last output and is iterated
+            again.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.entered = False
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self._engine = engine
+        self._state = _State.NEW
+        self._request: AbstractAsyncContextManager[RequestStream] | None = None
+        self._stream: RequestStream | None = None
+        self._choice: Choice | None = None
+        self._held_token_ids: list[int] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"<Generation {self.request_id} {self._state.value}, "
+            f"{self.num_output_tokens} output tokens, finish_reason={self.finish_reason!r}>"
+        )
+
+    @property
+    def finished(self) -> bool:
+        """True once the last output was delivered."""
+        return self.finish_reason is not None
+
+    # ------------------------------------------------------------ lifetime
+
+    async def __aenter__(self) -> Generation:
+        if self._state is not _State.NEW:
+            raise RuntimeError("a Generation can be entered once, before it is iterated")
+        self.entered = True
+        await self._open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self._close()
+
+    async def _open(self) -> None:
+        self._state = _State.OPEN
+        engine = self._engine
+        request = engine.client.open_request(self.prompt_token_ids, self.params)
+        try:
+            self._stream = await request.__aenter__()
+        except BaseException:
+            self._state = _State.CLOSED
+            raise
+        self._request = request
+        self._choice = Choice(
+            0, engine.tokenizer, self.prompt_token_ids, self.params, engine.eos_token_ids
+        )
+
+    async def _close(self) -> None:
+        """Abort the request in the engine unless it finished (the abort is shielded)."""
+        self._state = _State.CLOSED
+        request, self._request = self._request, None
+        if request is not None:
+            # EngineClient.open_request aborts an unfinished request in a shielded scope.
+            await request.__aexit__(None, None, None)
+
+    # ------------------------------------------------------------ iteration
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        if self._state is _State.NEW:
+            await self._open()
+        elif self._state is _State.CLOSED:
+            if self.finished or not self.entered:
+                raise StopAsyncIteration
+            raise RuntimeError(
+                "this generation was closed before its last output (its async with block "
+                "was left); iterate it inside the block"
+            )
+        if self.finished:
+            if not self.entered:
+                await self._close()
+            raise StopAsyncIteration
+        try:
+            output = await self._next_output()
+        except BaseException:
+            if not self.entered:
+                await self._close()
+            raise
+        if output.finished and not self.entered:
+            await self._close()
+        return output
+
+    async def _next_output(self) -> GenerationOutput:
+        stream = self._stream
+        assert stream is not None
+        while True:
+            try:
+                delta = await stream.__anext__()
+            except StopAsyncIteration:
+                raise RuntimeError("the engine ended the request without a finish_reason") from None
+            output = self._take(delta)
+            if output is None:
+                continue
+            if output.finished and not stream.finished:
+                # A stop string matched here (inline mode): end the request in the engine.
+                await stream.finish(output.finish_reason or "stop")
+            return output
+
+    def _take(self, delta: TokenDelta) -> GenerationOutput | None:
+        """The output for one engine delta, or None while all of its text is held back."""
+        choice = self._choice
+        assert choice is not None
+        before = choice.num_output_tokens
+        # Several tokens at once are taken one by one (`RequestDetokenizer.process`), so
+        # a stop string ends the output at the token that completes it; later ones are
+        # not counted.
+        piece = choice.process(delta)
+        self._held_token_ids += delta.token_ids[: choice.num_output_tokens - before]
+        if piece is None:
+            return None
+        token_ids, self._held_token_ids = self._held_token_ids, []
+        self.num_output_tokens += len(token_ids)
+        self.finish_reason, self.stop_reason = choice.finish_reason, choice.stop_reason
+        return GenerationOutput(
+            text=piece.text,
+            token_ids=token_ids,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=piece.logprobs if self.params.logprobs is not None else None,
+            num_output_tokens=self.num_output_tokens,
+        )
+
+
+class AsyncEngine:
+    """A running engine, handed out by `open_engine`; valid inside its block only.
+
+    Attributes (read-only):
+        info: the engine's `EngineReady` message (model folder, dtype, KV blocks, pid).
+        max_model_len: context length in tokens (prompt + output).
+        vocab_size: number of token ids (valid ids are ``0 .. vocab_size - 1``).
+        tokenizer: the model's `Tokenizer` (encode, decode, chat template).
+        eos_token_ids: ids that end a generation unless ``ignore_eos``.
+        client: the low-level `EngineClient` (request counts, engine stats).
+    """
+
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer) -> None:
+        self._client = client
+        self._tokenizer = tokenizer
+        self._eos_token_ids = frozenset(client.info.eos_token_ids)
+        self._ids = itertools.count()
+
+    @property
+    def info(self) -> EngineReady:
+        """The engine's `EngineReady` message."""
+        return self._client.info
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length in tokens (prompt + output)."""
+        return self._client.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+        return self._client.info.vocab_size
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer and chat template."""
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end a generation unless ``ignore_eos``."""
+        return self._eos_token_ids
+
+    @property
+    def client(self) -> EngineClient:
+        """The low-level `EngineClient` (``stats``, ``num_in_flight``)."""
+        return self._client
+
+    @property
+    def is_alive(self) -> bool:
+        """True until the engine dies or its `open_engine` block starts to end."""
+        return self._client.is_alive
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Generation:
+        """A `Generation` of ``prompt`` with ``params``, checked but not yet submitted.
+
+        Args:
+            prompt: a text, chat messages or token ids (see `Prompt`).
+            params: None means ``SamplingParams()`` (16 tokens, temperature 1).
+            request_id: a label for the caller (kept as ``Generation.request_id``).
+
+        Raises:
+            TypeError: ``prompt`` or ``params`` of the wrong type.
+            ValueError: an empty prompt, a token id outside the vocabulary, text that
+                cannot be tokenized, messages the chat template rejects, a prompt that
+                leaves no room in the context, ``max_tokens`` more than the room left,
+                ``prompt_logprobs`` (not reported here), or a parameter out of range.
+        """
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        params.validate(self.vocab_size)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not reported by generate(); leave it None")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, not {type(request_id).__name__}")
+        token_ids = self._prompt_token_ids(prompt)
+        self._check_length(len(token_ids), params.max_tokens)
+        return Generation(self, token_ids, params, request_id or f"gen-{next(self._ids)}")
+
+    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return self._encode(prompt, "prompt", special_tokens=True)
+        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            raise TypeError(
+                "a prompt is a str, a list of chat messages (dicts) or a list of token ids, "
+                f"not {type(prompt).__name__}"
+            )
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if all(isinstance(message, Mapping) for message in prompt):
+            messages = [_chat_message(message) for message in prompt]  # type: ignore[arg-type]
+            text = self._tokenizer.render_chat(messages)
+            return self._encode(text, "chat prompt", special_tokens=False)
+        return self._check_token_ids(prompt)  # type: ignore[arg-type]
+
+    def _encode(self, text: str, what: str, *, special_tokens: bool) -> list[int]:
+        if self._tokenizer.surely_longer_than(text, self.max_model_len):
+            raise ValueError(
+                f"the {what} has {len(text)} characters, far more than this model's context "
+                f"of {self.max_model_len} tokens"
+            )
+        token_ids = self._tokenizer.encode(text, add_special_tokens=special_tokens)
+        if not token_ids:
+            raise ValueError(f"the {what} has no tokens")
+        return token_ids
+
+    def _check_token_ids(self, prompt: Sequence[Any]) -> list[int]:
+        token_ids = []
+        for item in prompt:
+            if isinstance(item, bool):
+                raise TypeError("token ids must be integers, not bool")
+            try:
+                token_ids.append(operator.index(item))
+            except TypeError:
+                raise TypeError(
+                    "a prompt is a str, a list of chat messages (dicts) or a list of token "
+                    f"ids; it holds a {type(item).__name__}"
+                ) from None
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} is out of range for a vocabulary of {self.vocab_size}"
+            )
+        return token_ids
+
+    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens, but this model's context is "
+                f"{self.max_model_len} tokens and at least one must remain for the output"
+            )
+        room = self.max_model_len - num_prompt
+        if max_tokens > room:
+            raise ValueError(
+                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds this "
+                f"model's context of {self.max_model_len} tokens (at most {room} output tokens)"
+            )
+
+
+def _chat_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"a chat message needs a non-empty string 'role', got {role!r}")
+    if not isinstance(content, str):
+        raise ValueError(f"a chat message needs a string 'content', got {type(content).__name__}")
+    return dict(message)
+
+
+class _Supervisor:
+    """Runs `run_engine_process` as a nursery task and remembers how it ended."""
+
+    def __init__(self, config: EngineConfig, detokenizer_mode: str, grace_period: float) -> None:
+        self.config = config
+        self.detokenizer_mode = detokenizer_mode
+        self.grace_period = grace_period
+        self.scope = trio.CancelScope()
+        self.done = trio.Event()
+        self.death: EngineDeadError | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineClient]) -> None:
+        try:
+            with self.scope:
+                await run_engine_process(
+                    self.config,
+                    grace_period=self.grace_period,
+                    detokenizer_mode=self.detokenizer_mode,
+                    task_status=task_status,
+                )
+        except EngineDeadError as exc:  # EngineStartupError included
+            self.death = exc
+            raise
+        finally:
+            self.done.set()
+
+
+@asynccontextmanager
+async def open_engine(
+    model: str | os.PathLike[str] = DEFAULT_MODEL,
+    *,
+    detokenizer_mode: str = "inline",
+    shutdown_timeout: float = 5.0,
+    **engine_args: Any,
+) -> AsyncIterator[AsyncEngine]:
+    """Start the engine child process(es); yield an `AsyncEngine` once the model is ready.
+
+    Leaving the block for any reason (its end, an exception, a cancellation) tells the
+    engine to stop, gives it ``shutdown_timeout`` seconds, then SIGTERM and SIGKILL, and
+    reaps it, all shielded from cancellation: nothing is left running afterwards.
+    Generations still running are ended with ``EngineShutdownError``.
+
+    Args:
+        model: a local Hugging Face folder, a ``.gguf`` file, or `DEFAULT_MODEL`.
+        detokenizer_mode: "inline" (text is made in this process) or "process" (in a
+            detokenizer child between this process and the engine core).
+        shutdown_timeout: seconds the engine gets to exit after being told to stop.
+        **engine_args: keyword arguments of `trio_llm.config.engine_config` (``dtype``,
+            ``max_model_len``, ``max_num_seqs``, ``num_kv_blocks``, ``kv_cache_memory``,
+            ``num_threads``, ``seed``, ...).
+
+    Raises:
+        TypeError: an unknown engine argument (before any process starts).
+        ValueError: a value out of range (before any process starts).
+        EngineStartupError: the engine failed to load the model or exited while starting.
+        EngineDeadError: the engine died while the block ran; the block is cancelled and
+            this plain exception (not a group; its message has the exit status) is raised.
+    """
+    config = resolve_engine_config(model, detokenizer_mode, shutdown_timeout, engine_args)
+    supervisor = _Supervisor(config, detokenizer_mode, shutdown_timeout)
+    try:
+        async with trio.open_nursery() as nursery:
+            client: EngineClient = await nursery.start(supervisor.run)
+            # From here the engine is stopped by the `finally` below, not by cancellation:
+            # a cancelled caller still gets a graceful stop (with deadlines).
+            supervisor.scope.shield = True
+            try:
+                tokenizer = await trio.to_thread.run_sync(Tokenizer.load, client.info.model_dir)
+                yield AsyncEngine(client, tokenizer)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await client.stop(shutdown_timeout)
+                    await supervisor.done.wait()
+    except BaseExceptionGroup as group:
+        leaf = _single_error(group, supervisor.death)
+        if leaf is None:
+            raise
+        context = leaf.__context__
+        try:
+            raise leaf
+        finally:
+            leaf.__context__ = context  # not the group it was unwrapped from
+            del leaf, context
+
+
+def _single_error(group: BaseExceptionGroup, death: EngineDeadError | None) -> BaseException | None:
+    """The one exception to raise for the nursery's ``group``, or None to keep the group.
+
+    Engine death wins when every other leaf is a `trio.Cancelled` or an `EngineDeadError`
+    seen by a generation (the supervisor's has the exit status). A group of one is
+    unwrapped to its leaf.
+    """
+    leaves = list(_leaves(group))
+    errors = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)]
+    if errors and all(isinstance(error, EngineDeadError) for error in errors):
+        return death if death is not None else errors[0]
+    if len(leaves) == 1:
+        return leaves[0]
+    return None
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found += _leaves(exc)
+        else:
+            found.append(exc)
+    return found
