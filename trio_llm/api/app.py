@@ -9,11 +9,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from trio_llm.api import metrics
+from trio_llm.api.chat_page import install_chat_page
 from trio_llm.api.errors import APIError, install_error_handlers
 from trio_llm.api.middleware import install_middleware
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.tokenize_routes import tokenize_router
+from trio_llm.api.websocket import install_websocket
 from trio_llm.config import ServerConfig
 
 
@@ -33,6 +35,7 @@ def build_app(
     install_error_handlers(app)
     install_middleware(app, config or ServerConfig())
     app.include_router(tokenize_router(serving))
+    install_websocket(app, serving, config or ServerConfig())
     engine = serving.engine
     created = int(time.time())
 
@@ -77,4 +80,5 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request.receive)
 
+    install_chat_page(app)
     return app

@@ -95,7 +95,8 @@ def engine_error(exc: EngineError) -> APIError:
     return APIError(500, str(exc), type="server_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The 400's message and the ``param`` it names, from pydantic's first error."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -122,7 +123,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return bad_request(message, param).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -9,6 +9,7 @@ exits when the IPC socket reaches end-of-file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from trio_llm.parent_death import guard_child
@@ -29,7 +30,12 @@ def main() -> None:
     async def run() -> int:
         return await run_engine_core(socket_stream_from_fd(args.ipc_fd))
 
-    sys.exit(trio.run(run))
+    code = trio.run(run)
+    # Skip the interpreter's teardown (seconds once torch is imported): nothing is left to
+    # clean up, the server is waiting to reap us, and the kernel frees the memory.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -240,6 +240,8 @@ class EngineClient:
         self._error: EngineError | None = None
         self._num_reserved = 0
         self.stopping = False
+        #: Set once the engine stopped serving (died, or `stop` was called).
+        self.ended = trio.Event()
         self.stop_scope = trio.CancelScope()
         self.observer: RequestObserver | None = None
 
@@ -455,6 +457,7 @@ class EngineClient:
     def fail_all(self, error: EngineError) -> None:
         """End every open request with ``error``; later requests are refused with it too."""
         self._error = error
+        self.ended.set()
         for box in self._mailboxes.values():
             box.error = error
             box.wakeup.set()
@@ -472,6 +475,7 @@ class EngineClient:
         if self.stopping:
             return
         self.stopping = True
+        self.ended.set()
         if self._error is None:
             self.fail_all(EngineShutdownError("the server is shutting down"))
             # fail_all set _error; a Shutdown message still has to go out.

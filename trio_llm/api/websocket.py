@@ -1,0 +1,351 @@
+"""WebSocket token streaming: many generations multiplexed on one connection (``/v1/ws``).
+
+The protocol (messages, close codes, auth, backpressure) is specified in
+``docs/websocket.md``. In short: the client sends ``completion`` / ``chat`` / ``cancel``
+messages, each naming a generation by a client-chosen ``id``; the server answers with
+``delta`` events, then one ``done`` (or one ``error``) per generation.
+
+Each connection is one nursery: a reader (the only task that receives, and it never blocks
+on anything else, so hypercorn can always hand over the next message or the hang-up), a
+writer that drains a bounded channel of outgoing events into the socket, a watcher that
+notices the engine dying or the server stopping, and one task per generation. Generation
+tasks wait when the channel is full, so a client that stops reading stalls only its own
+generations; their engine output coalesces in the `EngineClient` mailbox, bounded by
+``max_tokens``. A client that leaves cancels the nursery, which aborts every engine
+request of the connection (``open_requests`` sends one `AbortRequests` on the way out).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import traceback
+from typing import Any
+
+import trio
+from fastapi import FastAPI, WebSocket
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.websockets import WebSocketDisconnect
+
+from trio_llm.api.choice import Choice, ChoiceDelta
+from trio_llm.api.errors import (
+    APIError,
+    bad_request,
+    engine_error,
+    error_body,
+    validation_message,
+)
+from trio_llm.api.generation import OnDelta, Plan, run_choices, usage
+from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
+from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
+from trio_llm.api.serving import OpenAIServing
+from trio_llm.config import ServerConfig
+from trio_llm.frontend.engine_client import EngineDeadError, EngineError
+
+#: The endpoint's path.
+WEBSOCKET_PATH = "/v1/ws"
+
+#: Most generations running at once on one connection; more get a ``too_many_generations``
+#: error event.
+MAX_GENERATIONS_PER_CONNECTION = 64
+
+#: Longest generation ``id`` accepted (characters).
+MAX_ID_LENGTH = 256
+
+#: Outgoing events buffered per connection before generation tasks wait (events).
+OUTGOING_EVENT_BUFFER = 32
+
+#: Error events the reader may have waiting for room in the outgoing buffer; a client that
+#: keeps sending invalid messages without reading the answers is disconnected past this.
+MAX_PENDING_ERRORS = 64
+
+#: Close codes (RFC 6455 section 7.4.1).
+CLOSE_GOING_AWAY = 1001
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_INTERNAL_ERROR = 1011
+
+#: What the server raises when a send finds the client gone (starlette's exceptions; an
+#: OSError from the transport; RuntimeError: starlette refusing a send after the close).
+_DISCONNECTED = (WebSocketDisconnect, RuntimeError, OSError)
+
+_GENERATION_TYPES = ("completion", "chat")
+
+
+def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
+    """Serve the streaming protocol at ``/v1/ws`` on ``app``.
+
+    With ``config.api_key`` set, a client must present the key in the handshake
+    (``Authorization: Bearer KEY``, or the ``api_key`` query parameter for browsers);
+    otherwise the connection is accepted and closed at once with code 1008.
+    """
+    key = config.api_key.encode() if config.api_key is not None else None
+
+    @app.websocket(WEBSOCKET_PATH)
+    async def websocket_endpoint(websocket: WebSocket) -> None:
+        await websocket.accept()
+        if key is not None and not _authorized(websocket, key):
+            await _close_quietly(websocket, CLOSE_POLICY_VIOLATION, "invalid or missing API key")
+            return
+        try:
+            await _Connection(websocket, serving).run()
+        except Exception:  # a bug: end this connection, keep the server
+            traceback.print_exc()
+            await _close_quietly(websocket, CLOSE_INTERNAL_ERROR, "internal error")
+
+
+def _authorized(websocket: WebSocket, key: bytes) -> bool:
+    """Whether the handshake carries ``key`` as a bearer token or ``?api_key=``."""
+    scheme, _, token = websocket.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key):
+        return True
+    query = websocket.query_params.get("api_key")
+    return query is not None and hmac.compare_digest(query.encode(), key)
+
+
+async def _close_quietly(websocket: WebSocket, code: int, reason: str) -> None:
+    """Send a close frame unless the client is already gone."""
+    try:
+        await websocket.close(code, reason)
+    except _DISCONNECTED:
+        pass
+
+
+def _error_event(generation_id: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "error", "id": generation_id, **body}
+
+
+def _parse_request(kind: str, message: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
+    """Validate a ``completion`` / ``chat`` message as the HTTP routes validate their body.
+
+    Raises:
+        APIError: a 400 naming the field at fault, as the HTTP route would answer.
+    """
+    ignored = ("type", "id", "stream", "stream_options")
+    fields = {name: value for name, value in message.items() if name not in ignored}
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        request = model.model_validate(fields)
+    except ValidationError as exc:
+        text, param = validation_message(RequestValidationError(exc.errors()))
+        raise bad_request(text, param) from exc
+    if isinstance(request, CompletionRequest) and request.echo:
+        raise bad_request("`echo` is not supported over the WebSocket", "echo")
+    return request
+
+
+class _Connection:
+    """One WebSocket connection: its generations, its outgoing events, how it ends."""
+
+    def __init__(self, websocket: WebSocket, serving: OpenAIServing) -> None:
+        self.websocket = websocket
+        self.serving = serving
+        self.engine = serving.engine
+        self.active: dict[str, trio.CancelScope] = {}  # generation id -> its cancel scope
+        self.num_pending_errors = 0
+        self.close_requested = trio.Event()
+        self.close_code = CLOSE_INTERNAL_ERROR
+        self.close_reason = ""
+        self.abort_on_close = False
+        self._outbox, self._outbox_receive = trio.open_memory_channel[str](OUTGOING_EVENT_BUFFER)
+        self._generations: trio.Nursery | None = None
+
+    async def run(self) -> None:
+        """Serve until the client leaves (everything is aborted at once) or the server
+        closes the connection (after the last events of the ending generations)."""
+        async with trio.open_nursery() as connection:
+            async with trio.open_nursery() as output:
+                output.start_soon(self._write_loop, connection.cancel_scope)
+                async with self._outbox, trio.open_nursery() as generations:
+                    self._generations = generations
+                    connection.start_soon(self._read_loop, connection.cancel_scope)
+                    connection.start_soon(self._watch_engine)
+                    await self.close_requested.wait()
+                    if self.abort_on_close:
+                        generations.cancel_scope.cancel()
+                # The outbox is closed: the writer sends what is left, then returns.
+            await _close_quietly(self.websocket, self.close_code, self.close_reason)
+            connection.cancel_scope.cancel()
+
+    def request_close(self, code: int, reason: str, *, abort: bool) -> None:
+        """Close the connection with ``code`` once the generations have ended; ``abort``
+        ends them at once, otherwise they finish (with errors, when the engine is gone)."""
+        if not self.close_requested.is_set():
+            self.close_code, self.close_reason, self.abort_on_close = code, reason, abort
+            self.close_requested.set()
+
+    # ------------------------------------------------------------ tasks
+
+    async def _read_loop(self, connection: trio.CancelScope) -> None:
+        """Receive until the client leaves; never wait for anything but the socket."""
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                connection.cancel()  # aborts every engine request of this connection
+                return
+            if self.close_requested.is_set():
+                continue  # closing: late messages are not answered
+            text = message.get("text")
+            if text is None:
+                self.request_close(
+                    CLOSE_UNSUPPORTED_DATA, "binary frames are not supported", abort=True
+                )
+            else:
+                self._handle(text)
+
+    async def _write_loop(self, connection: trio.CancelScope) -> None:
+        async for text in self._outbox_receive:
+            try:
+                await self.websocket.send_text(text)
+            except _DISCONNECTED:
+                connection.cancel()
+                return
+
+    async def _watch_engine(self) -> None:
+        await self.engine.ended.wait()
+        if isinstance(self.engine.error, EngineDeadError):
+            self.request_close(CLOSE_INTERNAL_ERROR, "the engine core died", abort=False)
+        else:
+            self.request_close(CLOSE_GOING_AWAY, "the server is shutting down", abort=False)
+
+    # ------------------------------------------------------------ messages
+
+    def _handle(self, text: str) -> None:
+        """Act on one client message without blocking (answers go out from other tasks)."""
+        try:
+            message = json.loads(text)
+        except (ValueError, RecursionError):
+            self._reply_error(None, bad_request("the message is not valid JSON"))
+            return
+        if not isinstance(message, dict):
+            self._reply_error(None, bad_request("a message must be a JSON object"))
+            return
+        generation_id = message.get("id")
+        if not isinstance(generation_id, str) or not 0 < len(generation_id) <= MAX_ID_LENGTH:
+            problem = f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} characters"
+            self._reply_error(None, bad_request(problem, "id"))
+            return
+        kind = message.get("type")
+        if kind == "cancel":
+            scope = self.active.get(generation_id)
+            if scope is not None:  # unknown or finished: nothing to do (a normal race)
+                scope.cancel()
+            return
+        running = generation_id in self.active
+        if kind not in _GENERATION_TYPES:
+            problem = f"unknown message type {kind!r}; expected completion, chat or cancel"
+            # An error naming a running generation would look like its end.
+            self._reply_error(None if running else generation_id, bad_request(problem, "type"))
+        elif running:
+            problem = f"a generation with id {generation_id!r} is already running"
+            self._reply_error(None, APIError(400, problem, param="id", code="duplicate_id"))
+        elif len(self.active) >= MAX_GENERATIONS_PER_CONNECTION:
+            problem = (
+                f"this connection already runs {MAX_GENERATIONS_PER_CONNECTION} generations; "
+                "wait for one to end"
+            )
+            self._reply_error(generation_id, APIError(429, problem, code="too_many_generations"))
+        else:
+            scope = trio.CancelScope()
+            self.active[generation_id] = scope
+            assert self._generations is not None
+            self._generations.start_soon(self._generate, generation_id, kind, message, scope)
+
+    def _reply_error(self, generation_id: str | None, error: APIError) -> None:
+        if self.num_pending_errors >= MAX_PENDING_ERRORS:
+            self.request_close(CLOSE_POLICY_VIOLATION, "too many unread error events", abort=True)
+            return
+        self.num_pending_errors += 1
+        assert self._generations is not None
+        self._generations.start_soon(self._send_error, _error_event(generation_id, error.body()))
+
+    async def _send_error(self, event: dict[str, Any]) -> None:
+        try:
+            await self._send(event)
+        finally:
+            self.num_pending_errors -= 1
+
+    async def _send(self, event: dict[str, Any]) -> None:
+        await self._outbox.send(json.dumps(event, ensure_ascii=False))
+
+    # ------------------------------------------------------------ generations
+
+    async def _generate(
+        self, generation_id: str, kind: str, message: dict[str, Any], scope: trio.CancelScope
+    ) -> None:
+        """Run one generation and send its ``done`` or ``error`` event."""
+        try:
+            event = await self._run_generation(generation_id, kind, message, scope)
+        except APIError as exc:
+            event = _error_event(generation_id, exc.body())
+        except EngineError as exc:
+            event = _error_event(generation_id, engine_error(exc).body())
+        except Exception as exc:  # a bug: end this generation with an error, as HTTP does
+            traceback.print_exc()
+            text = f"internal error: {type(exc).__name__}: {exc}"
+            event = _error_event(generation_id, error_body(text, "server_error"))
+        finally:
+            # Free the id before its last event leaves: the client may reuse it at once.
+            del self.active[generation_id]
+        await self._send(event)
+
+    async def _run_generation(
+        self, generation_id: str, kind: str, message: dict[str, Any], scope: trio.CancelScope
+    ) -> dict[str, Any]:
+        serving = self.serving
+        request = _parse_request(kind, message)
+        if isinstance(request, ChatCompletionRequest):
+            plan = await serving.plan_chat(request)
+        else:
+            plan = await serving.plan_completion(request)
+        admission = serving.admit(plan)
+        try:
+            choices = serving.make_choices(plan)
+            if not scope.cancel_called:  # a cancel may arrive while the prompt is prepared
+                with scope:
+                    on_delta = self._delta_sender(generation_id, plan, choices)
+                    await run_choices(self.engine, plan, choices, admission, on_delta)
+        finally:
+            self.engine.release(admission)
+        return {
+            "type": "done",
+            "id": generation_id,
+            "choices": [
+                {
+                    "index": choice.index,
+                    "finish_reason": choice.finish_reason or "abort",
+                    "stop_reason": choice.stop_reason,
+                }
+                for choice in choices
+            ],
+            "usage": usage(plan, choices),
+        }
+
+    def _delta_sender(self, generation_id: str, plan: Plan, choices: list[Choice]) -> OnDelta:
+        """The ``on_delta`` callback that turns each piece of output into a delta event."""
+        tokenizer = self.serving.tokenizer
+        num_top = plan.num_top_logprobs
+        num_tokens_sent = [0] * len(choices)
+        formatters = [CompletionLogprobs(tokenizer) for _ in choices]
+
+        async def on_delta(choice: Choice, piece: ChoiceDelta) -> None:
+            num_tokens = choice.num_output_tokens - num_tokens_sent[choice.index]
+            num_tokens_sent[choice.index] = choice.num_output_tokens
+            if not (piece.text or num_tokens or piece.logprobs):
+                return  # e.g. the end of a choice whose last token had no text
+            event: dict[str, Any] = {
+                "type": "delta",
+                "id": generation_id,
+                "index": choice.index,
+                "text": piece.text,
+                "num_tokens": num_tokens,
+            }
+            if num_top is not None and plan.kind.chat:
+                entries = piece.logprobs
+                event["logprobs"] = chat_logprobs(tokenizer, entries, num_top) if entries else None
+            elif num_top is not None:
+                event["logprobs"] = formatters[choice.index].delta(list(piece.logprobs))
+            await self._send(event)
+
+        return on_delta
