@@ -113,8 +113,14 @@ async def test_the_page_needs_no_api_key_but_v1_still_does() -> None:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """Headless system Chromium driven by Playwright (skips when either is missing)."""
+def browser(detokenizer_mode: str) -> Iterator[Any]:
+    """Headless system Chromium driven by Playwright (skips when either is missing).
+
+    The browser tests run against the 2-process server only: the page is the same in
+    both modes, and /v1/ws under it is tested in both (tests/e2e/test_websocket.py).
+    """
+    if detokenizer_mode != "inline":
+        pytest.skip("browser tests run in inline mode; /v1/ws is tested in both modes")
     if sync_playwright is None:
         pytest.skip("the playwright package is not installed (pip install playwright)")
     executable = shutil.which("chromium")
