@@ -19,6 +19,7 @@ import argparse
 import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,8 +58,10 @@ def run_server(args: argparse.Namespace, mode: str, profile_dir: Path | None = N
         if profiler:
             profiler.start()
         meter.start()
+        client_cpu = time.process_time()
         result = trio.run(serve.run, args, prompts)
         result["cpu_s"] = meter.stop()
+        result["cpu_s"]["bench client"] = time.process_time() - client_cpu
         if profiler:
             result["profiles"] = {k: str(v) for k, v in profiler.stop().items()}
     return result
