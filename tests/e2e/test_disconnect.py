@@ -2,38 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from functools import partial
 
 import httpx
 import trio
 
 from tests.e2e.conftest import MODEL
+from trio_llm.testing.metrics_scrape import metric, poll, wait_until_idle
 from trio_llm.testing.sse import delta_text, open_events
-
-
-async def _gauge(client: httpx.AsyncClient, name: str) -> float:
-    for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith(f"trio_llm:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} missing from /metrics")
-
-
-async def _poll(condition: Callable[[], Awaitable[bool]], seconds: float) -> None:
-    """Scrape until ``condition()`` holds; /metrics can only be observed by polling."""
-    with trio.fail_after(seconds):
-        while not await condition():  # noqa: ASYNC110 - nothing to wait on but the scrape
-            await trio.sleep(0.05)
-
-
-async def _wait_until_idle(client: httpx.AsyncClient) -> None:
-    """No request runs and no KV block is used, within 5 s."""
-
-    async def idle() -> bool:
-        running = await _gauge(client, "num_requests_running")
-        return not running and not await _gauge(client, "kv_cache_usage_perc")
-
-    await _poll(idle, 5)
 
 
 async def test_closing_a_stream_aborts_the_request(base_url: str) -> None:
@@ -45,7 +21,7 @@ async def test_closing_a_stream_aborts_the_request(base_url: str) -> None:
         "stream": True,
     }
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
-        await _wait_until_idle(monitor)
+        await wait_until_idle(monitor)
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             received = 0
             async with open_events(client, "/v1/completions", body) as events:
@@ -53,8 +29,8 @@ async def test_closing_a_stream_aborts_the_request(base_url: str) -> None:
                     received += bool(delta_text(event))
                     if received == 3:
                         break  # leaves the stream: the connection is closed mid-response
-        assert await _gauge(monitor, "num_requests_running") <= 1
-        await _wait_until_idle(monitor)
+        assert await metric(monitor, "num_requests_running") <= 1
+        await wait_until_idle(monitor)
 
 
 async def test_hanging_up_on_a_non_streaming_request_aborts_it(base_url: str) -> None:
@@ -65,13 +41,13 @@ async def test_hanging_up_on_a_non_streaming_request_aborts_it(base_url: str) ->
         "ignore_eos": True,
     }
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
-        await _wait_until_idle(monitor)
+        await wait_until_idle(monitor)
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(client.post, "/v1/completions", json=body))
-                await _poll(partial(_gauge, monitor, "num_requests_running"), 30)
+                await poll(partial(metric, monitor, "num_requests_running"), 30)
                 nursery.cancel_scope.cancel()  # the client gives up and closes the connection
-        await _wait_until_idle(monitor)
+        await wait_until_idle(monitor)
 
 
 async def test_hanging_up_aborts_every_choice_of_a_batch(base_url: str) -> None:
@@ -85,7 +61,7 @@ async def test_hanging_up_aborts_every_choice_of_a_batch(base_url: str) -> None:
         "stream": True,
     }
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
-        await _wait_until_idle(monitor)
+        await wait_until_idle(monitor)
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             seen: set[int] = set()
             async with open_events(client, "/v1/completions", body) as events:
@@ -94,4 +70,4 @@ async def test_hanging_up_aborts_every_choice_of_a_batch(base_url: str) -> None:
                     if len(seen) == 6:
                         break  # every choice is running; hang up
         assert seen == set(range(6))
-        await _wait_until_idle(monitor)
+        await wait_until_idle(monitor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,6 +23,7 @@ from trio_llm.client import (
     WSClient,
     open_ws_client,
 )
+from trio_llm.testing.metrics_scrape import metric, poll, wait_until_idle
 from trio_llm.testing.server_process import ServerProcess
 
 API_KEY = "sesame"
@@ -42,30 +43,6 @@ def keyed_server(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path)
     args = ["--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES)]
     with ServerProcess([*args, "--dtype", "float32"], log_path=log) as process:
         yield ws_url(process.url)
-
-
-async def _metric(client: httpx.AsyncClient, name: str) -> float:
-    for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith(f"trio_llm:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} missing from /metrics")
-
-
-async def _poll(condition: Callable[[], Awaitable[bool]], seconds: float = 10) -> None:
-    """Scrape until ``condition()`` holds; /metrics can only be observed by polling."""
-    with trio.fail_after(seconds):
-        while not await condition():  # noqa: ASYNC110 - nothing to wait on but the scrape
-            await trio.sleep(0.05)
-
-
-async def _wait_until_idle(monitor: httpx.AsyncClient) -> None:
-    """No request runs in the engine and no KV block is in use."""
-
-    async def idle() -> bool:
-        running = await _metric(monitor, "num_requests_running")
-        return not running and not await _metric(monitor, "kv_cache_usage_perc")
-
-    await _poll(idle)
 
 
 async def _open_raw_websocket(
@@ -134,8 +111,8 @@ async def test_generations_are_multiplexed_on_one_connection(base_url: str) -> N
 
 async def test_cancel_aborts_the_generation_at_once(base_url: str) -> None:
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
-        await _wait_until_idle(monitor)
-        aborted = await _metric(monitor, "request_aborted_total")
+        await wait_until_idle(monitor)
+        aborted = await metric(monitor, "request_aborted_total")
         async with open_ws_client(ws_url(base_url)) as client:
             generation = client.generate("completion", model=MODEL, prompt="Once", **LONG)
             async for event in generation:
@@ -147,16 +124,16 @@ async def test_cancel_aborts_the_generation_at_once(base_url: str) -> None:
             assert done.choices[0]["finish_reason"] == "abort"
             assert 0 < done.usage["completion_tokens"] < LONG["max_tokens"]
             # Its engine request was ended before the done went out.
-            assert await _metric(monitor, "request_aborted_total") == aborted + 1
-            await _wait_until_idle(monitor)
+            assert await metric(monitor, "request_aborted_total") == aborted + 1
+            await wait_until_idle(monitor)
             _, _, again = await _run(client, "completion", prompt="Hi", max_tokens=3)
             assert again.choices[0]["finish_reason"] in ("stop", "length")
 
 
 async def test_closing_the_socket_aborts_its_requests(base_url: str) -> None:
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
-        await _wait_until_idle(monitor)
-        aborted = await _metric(monitor, "request_aborted_total")
+        await wait_until_idle(monitor)
+        aborted = await metric(monitor, "request_aborted_total")
         async with open_ws_client(ws_url(base_url)) as client:
             one = client.generate("completion", model=MODEL, prompt="Once", **LONG)
             two = client.generate("chat", model=MODEL, messages=CHAT, n=2, **LONG)
@@ -166,10 +143,10 @@ async def test_closing_the_socket_aborts_its_requests(base_url: str) -> None:
                 seen.add((await two.__anext__()).index)
 
         async def all_aborted() -> bool:
-            return await _metric(monitor, "request_aborted_total") == aborted + 3
+            return await metric(monitor, "request_aborted_total") == aborted + 3
 
-        await _poll(all_aborted)
-        await _wait_until_idle(monitor)
+        await poll(all_aborted)
+        await wait_until_idle(monitor)
 
 
 async def test_invalid_messages_get_error_events_and_the_connection_stays(
@@ -238,8 +215,8 @@ async def test_logprobs_come_with_the_deltas(base_url: str) -> None:
 async def test_a_client_that_stops_reading_does_not_stall_others(base_url: str) -> None:
     """Its generations wait for it (bounded buffers); another connection's runs normally."""
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
-        await _wait_until_idle(monitor)
-        aborted = await _metric(monitor, "request_aborted_total")
+        await wait_until_idle(monitor)
+        aborted = await metric(monitor, "request_aborted_total")
         stream, connection = await _open_raw_websocket(ws_url(base_url), receive_buffer=4096)
         async with stream:
             # Big deltas (20 alternatives per token) fill the socket buffers quickly.
@@ -255,10 +232,10 @@ async def test_a_client_that_stops_reading_does_not_stall_others(base_url: str) 
         # Closing the stuck connection (a reset: data was left unread) aborts its requests.
 
         async def all_aborted() -> bool:
-            return await _metric(monitor, "request_aborted_total") == aborted + 3
+            return await metric(monitor, "request_aborted_total") == aborted + 3
 
-        await _poll(all_aborted)
-        await _wait_until_idle(monitor)
+        await poll(all_aborted)
+        await wait_until_idle(monitor)
 
 
 async def test_invalid_utf8_drops_the_connection(base_url: str) -> None:

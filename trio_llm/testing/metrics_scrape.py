@@ -1,0 +1,45 @@
+"""Reading the server's /metrics from tests: one value, a condition, an idle engine."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import httpx
+import trio
+
+
+async def metric(client: httpx.AsyncClient, name: str) -> float:
+    """The value of ``trio_llm:<name>{...}`` (the first sample of that name).
+
+    Raises:
+        AssertionError: /metrics has no such sample.
+    """
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith(f"trio_llm:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+async def poll(condition: Callable[[], Awaitable[bool]], seconds: float = 10) -> None:
+    """Scrape until ``condition()`` holds; /metrics can only be observed by polling.
+
+    Raises:
+        trio.TooSlowError: it did not hold within ``seconds``.
+    """
+    with trio.fail_after(seconds):
+        while not await condition():  # noqa: ASYNC110 - nothing to wait on but the scrape
+            await trio.sleep(0.05)
+
+
+async def wait_until_idle(client: httpx.AsyncClient, seconds: float = 10) -> None:
+    """Return once no request runs in the engine and no KV block is in use.
+
+    Raises:
+        trio.TooSlowError: the engine was not idle within ``seconds``.
+    """
+
+    async def idle() -> bool:
+        running = await metric(client, "num_requests_running")
+        return not running and not await metric(client, "kv_cache_usage_perc")
+
+    await poll(idle, seconds)
