@@ -13,7 +13,9 @@ from trio_llm.config import (
     DEFAULT_MODEL,
     DETOKENIZER_MODES,
     DTYPES,
+    RESTART_MODES,
     CacheConfig,
+    RestartPolicy,
     SchedulerConfig,
     ServerConfig,
     default_api_key,
@@ -58,6 +60,17 @@ def parse_non_negative_int(text: str) -> int:
     return _bounded_int(text, 0, None, "a non-negative integer")
 
 
+def parse_seconds(text: str) -> float:
+    """A non-negative, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
@@ -96,9 +109,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--shutdown-timeout",
-        type=float,
-        default=5.0,
-        help="seconds to wait for handlers and the engine at shutdown",
+        type=parse_seconds,
+        default=ServerConfig.shutdown_timeout,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may finish before they are aborted; "
+        "also how long the engine gets to exit (default %(default)s)",
+    )
+    serve.add_argument(
+        "--engine-restart",
+        choices=RESTART_MODES,
+        default=ServerConfig.engine_restart,
+        help="never: an engine failure stops the server (exit 1); on-failure: fail the "
+        "in-flight requests and start a new engine (default %(default)s)",
+    )
+    serve.add_argument(
+        "--engine-restart-max",
+        type=parse_positive_int,
+        default=RestartPolicy.max_restarts,
+        metavar="N",
+        help="with on-failure: most restarts within --engine-restart-window before the "
+        "server gives up (default %(default)s)",
+    )
+    serve.add_argument(
+        "--engine-restart-window",
+        type=parse_seconds,
+        default=RestartPolicy.window,
+        metavar="SECONDS",
+        help="window over which restarts are counted (default %(default)s)",
+    )
+    serve.add_argument(
+        "--engine-restart-wait",
+        type=parse_seconds,
+        default=RestartPolicy.wait,
+        metavar="SECONDS",
+        help="how long a new request waits for a restarting engine before it gets 503 "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--engine-step-timeout",
+        type=parse_seconds,
+        default=ServerConfig.engine_step_timeout,
+        metavar="SECONDS",
+        help="an engine silent (no heartbeat) or in one step for this long counts as hung "
+        "and is killed; 0 turns hang detection off (default %(default)s)",
     )
     serve.add_argument(
         "--api-key",
@@ -181,6 +234,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         served_model_names=tuple(args.served_model_name or ()),
         shutdown_timeout=args.shutdown_timeout,
+        engine_restart=args.engine_restart,
+        restart=RestartPolicy(
+            max_restarts=args.engine_restart_max,
+            window=args.engine_restart_window,
+            wait=args.engine_restart_wait,
+        ),
+        engine_step_timeout=args.engine_step_timeout or None,
         api_key=args.api_key if args.api_key is not None else default_api_key(),
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),

@@ -32,6 +32,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 #: Where output tokens become text: in the API server, or in a third process.
 DETOKENIZER_MODES = ("inline", "process")
 
+#: What the supervisor does when an engine child dies or hangs (``--engine-restart``).
+RESTART_MODES = ("never", "on-failure")
+
 
 def default_cache_dir() -> Path:
     """The folder for converted model weights: $TRIO_LLM_CACHE_DIR, else ~/.cache/trio_llm."""
@@ -124,12 +127,19 @@ class EngineConfig:
 
     Attributes:
         num_threads: torch intra-op threads in the engine; ``None`` uses every CPU core.
+        heartbeat_interval: seconds between the engine's `Heartbeat` messages once it is
+            ready (the server sets it from ``--engine-step-timeout``).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
+    heartbeat_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval > 0:
+            raise ValueError("heartbeat_interval must be positive")
 
     def cache_dir(self) -> Path:
         """The folder for converted model weights."""
@@ -179,6 +189,41 @@ def engine_config(
 
 
 @dataclass(frozen=True)
+class RestartPolicy:
+    """How the supervisor replaces a failed engine child (``--engine-restart on-failure``).
+
+    The n-th failure within ``window`` seconds is followed by a wait of
+    ``min(max_backoff, initial_backoff * 2 ** (n - 1))`` seconds, then a new child. More
+    than ``max_restarts`` failures within ``window`` seconds end the server (exit 1).
+
+    Attributes:
+        max_restarts: restarts allowed within ``window`` seconds.
+        window: seconds over which failures are counted.
+        initial_backoff: seconds before the first restart.
+        max_backoff: longest wait before a restart (seconds).
+        wait: seconds a new request waits for the restarted engine before it gets 503.
+    """
+
+    max_restarts: int = 5
+    window: float = 60.0
+    initial_backoff: float = 0.5
+    max_backoff: float = 10.0
+    wait: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 1:
+            raise ValueError("max_restarts must be at least 1")
+        for name in ("window", "initial_backoff", "max_backoff", "wait"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must not be negative")
+
+    def backoff(self, num_recent_failures: int) -> float:
+        """Seconds to wait before restarting after the n-th recent failure (n >= 1)."""
+        exponent = min(max(num_recent_failures, 1) - 1, 30)
+        return min(self.max_backoff, self.initial_backoff * 2**exponent)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The API server's own settings.
 
@@ -186,8 +231,15 @@ class ServerConfig:
         served_model_names: names accepted in the ``model`` field; the first is listed
             first by /v1/models. Empty means the ``--model`` string.
         port: TCP port; 0 picks a free one (the bound address is printed).
-        shutdown_timeout: seconds the engine child gets to exit after being told to stop
-            before it is sent SIGTERM, then SIGKILL.
+        shutdown_timeout: on SIGTERM, seconds in-flight requests get to finish before
+            they are aborted with an error; also the seconds the children get to exit
+            after being told to stop before they are sent SIGTERM, then SIGKILL.
+        engine_restart: "never" (an engine failure stops the server, exit 1) or
+            "on-failure" (fail in-flight requests, start a new engine child).
+        restart: backoff and limits of ``engine_restart="on-failure"``.
+        engine_step_timeout: seconds without a heartbeat from the engine, or of one step,
+            after which the engine counts as hung (killed, and restarted or the server
+            stops); None turns hang detection off.
         api_key: when set, every request to a path under ``/v1`` must carry
             ``Authorization: Bearer <api_key>`` (401 otherwise); /health, /metrics,
             /version, /tokenize and /detokenize stay open. Not shown in ``repr``.
@@ -209,6 +261,9 @@ class ServerConfig:
     port: int = 8000
     served_model_names: tuple[str, ...] = ()
     shutdown_timeout: float = 5.0
+    engine_restart: str = "never"
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    engine_step_timeout: float | None = 60.0
     api_key: str | None = field(default=None, repr=False)
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -244,11 +299,23 @@ class ServerConfig:
             raise ValueError("max_num_waiting_requests must be at least 1 (or None for no limit)")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must not be negative")
+        if self.engine_restart not in RESTART_MODES:
+            raise ValueError(
+                f"engine_restart must be one of {RESTART_MODES}, got {self.engine_restart!r}"
+            )
+        if self.engine_step_timeout is not None and not self.engine_step_timeout > 0:
+            raise ValueError("engine_step_timeout must be positive (or None for no limit)")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError("shutdown_timeout must not be negative")
         if self.detokenizer_mode not in DETOKENIZER_MODES:
             raise ValueError(
                 f"detokenizer_mode must be one of {DETOKENIZER_MODES}, "
                 f"got {self.detokenizer_mode!r}"
             )
+
+    def restart_policy(self) -> RestartPolicy | None:
+        """The restart policy, or None when ``engine_restart`` is "never"."""
+        return self.restart if self.engine_restart == "on-failure" else None
 
     def model_names(self) -> tuple[str, ...]:
         """The served model names, defaulting to the ``--model`` string."""

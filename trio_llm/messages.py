@@ -6,7 +6,7 @@ payload is the start-up `EngineConfig`, sent once over the same private socket.
 
 Direction          Messages
 server -> engine   `AddRequest`, `AbortRequests`, `Shutdown`
-engine -> server   `EngineReady`, `StepOutputs`, `EngineFailed`
+engine -> server   `EngineReady`, `StepOutputs`, `Heartbeat`, `EngineFailed`
 
 In 3-process mode (``--detokenizer-mode process``) the detokenizer child sits between the
 two and speaks the same messages on both sides: it forwards what the server sends, and
@@ -262,6 +262,21 @@ class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
     stats: StepStats
 
 
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    """The engine's event loop is alive; sent every `EngineConfig.heartbeat_interval` seconds.
+
+    The server treats the engine as hung when no message at all arrived for
+    ``--engine-step-timeout`` seconds (the process is stopped, or its event loop is stuck),
+    or when ``step_seconds`` exceeds that timeout (a step is stuck in a kernel).
+
+    Attributes:
+        step_seconds: how long the step now computing has been running (seconds,
+            monotonic clock of the engine process); 0 when no step is running.
+    """
+
+    step_seconds: float
+
+
 class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
     """The engine hit an error it cannot recover from; it exits right after sending this."""
 
@@ -269,4 +284,4 @@ class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
 
 
 ToEngine = AddRequest | AbortRequests | Shutdown
-FromEngine = EngineReady | StepOutputs | EngineFailed
+FromEngine = EngineReady | StepOutputs | Heartbeat | EngineFailed

@@ -1,11 +1,21 @@
-"""The root of the process tree: one nursery owns the engine child and the HTTP server.
+"""The root of the process tree: one nursery owns the engine child(ren) and the HTTP server.
 
 Start-up order: engine child (ready = model loaded + warm-up step) -> tokenizer -> bind the
-port and print its address. Shutdown order, whatever triggers it (SIGINT/SIGTERM, or the
-engine dying): every in-flight request is ended with an error event or response, the
-engine is told to stop, hypercorn stops accepting and waits for handlers to finish
-(``shutdown_timeout``), then the engine child is reaped (end-of-file, SIGTERM, SIGKILL).
-A second signal cancels everything at once; the child is still reaped.
+port and print its address. A signal during start-up stops at once.
+
+Shutdown order (docs/shutdown.md has the whole story):
+
+1. Stop accepting: hypercorn closes the listening socket; new requests on open
+   connections get 503, /health answers 503.
+2. SIGTERM only: drain. Accepted requests run on for up to ``shutdown_timeout`` seconds.
+   SIGINT, an engine failure, or a second signal during the drain skip this.
+3. Every request still open ends with an explicit error (SSE error event, 503 JSON body,
+   WebSocket error event), and the engine is told to stop.
+4. After a last grace for those error events, connections whose client stopped reading
+   are shut down in the kernel (`trio_llm.connections`), so nothing can hold the exit.
+5. The children are reaped (end-of-file, then SIGTERM, then SIGKILL); exit 0 after a
+   signal, 1 after an engine failure. Another signal after step 3 cancels everything at
+   once; the children are still reaped.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from functools import partial
+from urllib.parse import urlsplit
 
 import hypercorn.config
 import hypercorn.trio
@@ -23,9 +34,13 @@ import trio
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
+from trio_llm.connections import shutdown_client_connections
 from trio_llm.frontend.engine_client import EngineClient, EngineDeadError
 from trio_llm.frontend.engine_process import EngineStartupError, run_engine_process
 from trio_llm.frontend.tokenizer import Tokenizer
+
+#: Seconds handlers get to write their final error events before stuck connections are cut.
+FINAL_WRITE_GRACE = 1.0
 
 
 @dataclass
@@ -35,18 +50,24 @@ class Lifecycle:
     Attributes:
         exit_code: 0 after a signal, 1 after an engine failure.
         reason: one line saying why the server stopped.
+        drain: True when accepted requests may finish first (SIGTERM).
+        drain_scope: the drain's wait; a second signal cancels it.
     """
 
     stop_requested: trio.Event = field(default_factory=trio.Event)
     serving: bool = False
     exit_code: int = 0
     reason: str = "stopped"
+    drain: bool = False
+    drain_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    aborting: bool = False
 
-    def request_stop(self, reason: str, exit_code: int = 0) -> None:
+    def request_stop(self, reason: str, exit_code: int = 0, *, drain: bool = False) -> None:
         """Start the shutdown (the first reason wins)."""
         if not self.stop_requested.is_set():
             self.reason = reason
             self.exit_code = exit_code
+            self.drain = drain
             self.stop_requested.set()
 
 
@@ -73,7 +94,8 @@ async def serve(
                 f"engine ready (pid {engine.info.pid}, {engine.info.dtype}, "
                 f"detokenizer {config.detokenizer_mode}, "
                 f"max_model_len {engine.info.max_model_len}, "
-                f"{engine.info.num_kv_blocks} KV blocks of {engine.info.block_size} tokens)"
+                f"{engine.info.num_kv_blocks} KV blocks of {engine.info.block_size} tokens, "
+                f"engine restart {config.engine_restart})"
             )
             tokenizer = await trio.to_thread.run_sync(Tokenizer.load, engine.info.model_dir)
             serving = OpenAIServing(
@@ -90,9 +112,11 @@ async def serve(
                         hypercorn.trio.serve,
                         app,
                         _hypercorn_config(config),
-                        shutdown_trigger=partial(_wait_and_stop_engine, lifecycle, engine, config),
+                        shutdown_trigger=lifecycle.stop_requested.wait,
                     )
                 )
+                port = urlsplit(binds[0]).port or config.port
+                root.start_soon(_shut_down, lifecycle, engine, config, port)
                 lifecycle.serving = True
                 names = ", ".join(config.model_names())
                 print(f"trio-llm: serving {names} on {binds[0]}", flush=True)
@@ -100,6 +124,33 @@ async def serve(
             await engine.stop(config.shutdown_timeout)
         root.cancel_scope.cancel()
     return lifecycle
+
+
+async def _shut_down(
+    lifecycle: Lifecycle, engine: EngineClient, config: ServerConfig, port: int
+) -> None:
+    """Steps 2-4 of the shutdown order (see the module docstring)."""
+    await lifecycle.stop_requested.wait()
+    _log(f"shutting down: {lifecycle.reason}")
+    engine.close_admissions()
+    if lifecycle.drain and engine.num_in_flight:
+        _log(
+            f"draining {engine.num_in_flight} requests for up to "
+            f"{config.shutdown_timeout:g} s (signal again to skip)"
+        )
+    if lifecycle.drain:
+        with lifecycle.drain_scope:
+            lifecycle.drain_scope.deadline = trio.current_time() + config.shutdown_timeout
+            await engine.wait_idle()
+    left = engine.num_in_flight
+    if left:
+        _log(f"ending {left} unfinished requests with an error")
+    lifecycle.aborting = True
+    await engine.stop(config.shutdown_timeout)
+    await trio.sleep(FINAL_WRITE_GRACE)
+    cut = shutdown_client_connections(port)
+    if cut:
+        _log(f"closed {cut} client connections that were not reading")
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -123,7 +174,9 @@ def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     hconfig = hypercorn.config.Config()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hconfig.bind = [f"{host}:{config.port}"]
-    hconfig.graceful_timeout = config.shutdown_timeout
+    # Our own shutdown (drain, errors, cutting stuck connections) ends every handler
+    # before this; hypercorn's deadline is only a backstop.
+    hconfig.graceful_timeout = config.shutdown_timeout + FINAL_WRITE_GRACE + 5.0
     hconfig.accesslog = None
     hconfig.loglevel = "WARNING"
     # A larger WebSocket message is refused with close code 1009 (see docs/websocket.md).
@@ -142,30 +195,29 @@ async def _supervise_engine(
             config.engine,
             grace_period=config.shutdown_timeout,
             detokenizer_mode=config.detokenizer_mode,
+            step_timeout=config.engine_step_timeout,
+            restart=config.restart_policy(),
+            log=_log,
             task_status=task_status,
         )
     except EngineStartupError:
-        raise
+        raise  # the first start failed: nothing is serving yet
     except EngineDeadError as exc:
         lifecycle.request_stop(f"engine core died: {exc}", exit_code=1)
 
 
-async def _wait_and_stop_engine(
-    lifecycle: Lifecycle, engine: EngineClient, config: ServerConfig
-) -> None:
-    """Hypercorn's shutdown trigger: end in-flight requests, then let hypercorn drain."""
-    await lifecycle.stop_requested.wait()
-    _log(f"shutting down: {lifecycle.reason}")
-    await engine.stop(config.shutdown_timeout)
-
-
 async def _handle_signals(lifecycle: Lifecycle, root: trio.CancelScope) -> None:
+    """SIGTERM drains, SIGINT stops at once; a second signal skips the drain, a third (or
+    one during start-up) cancels everything."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name
-            if lifecycle.stop_requested.is_set() or not lifecycle.serving:
+            if not lifecycle.serving or lifecycle.aborting:
                 lifecycle.request_stop(f"received {name}")
                 _log(f"received {name}: stopping now")
                 root.cancel()
+            elif lifecycle.stop_requested.is_set():
+                _log(f"received {name}: skipping the drain")
+                lifecycle.drain_scope.cancel()
             else:
-                lifecycle.request_stop(f"received {name}")
+                lifecycle.request_stop(f"received {name}", drain=signum == signal.SIGTERM)

@@ -43,7 +43,12 @@ def build_app(
     async def health() -> Response:
         if engine.is_alive and is_serving():
             return Response(status_code=200)
-        reason = str(engine.error) if engine.error else "the server is shutting down"
+        if not is_serving() or engine.error is None:
+            reason = "the server is shutting down"
+        elif engine.is_restarting:
+            reason = f"the engine core is restarting after: {engine.error}"
+        else:
+            reason = str(engine.error)
         return APIError(503, reason, type="service_unavailable_error").response()
 
     registry = metrics.make_registry(engine, serving.model_names[0])

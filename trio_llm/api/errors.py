@@ -17,6 +17,7 @@ from trio_llm.frontend.engine_client import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
+    EngineRestartingError,
     EngineShutdownError,
     RequestRejectedError,
 )
@@ -90,6 +91,14 @@ def engine_error(exc: EngineError) -> APIError:
         )
     if isinstance(exc, EngineShutdownError):
         return APIError(503, str(exc), type="service_unavailable_error")
+    if isinstance(exc, EngineRestartingError):
+        return APIError(
+            503,
+            str(exc),
+            type="service_unavailable_error",
+            code="engine_restarting",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
     if isinstance(exc, EngineDeadError):
         return APIError(500, f"engine core died: {exc}", type="server_error")
     return APIError(500, str(exc), type="server_error")

@@ -57,6 +57,21 @@ class EngineCollector(Collector):
         )
         yield counter("engine_steps", "Engine steps that computed tokens.", stats.num_steps)
         yield counter(
+            "engine_restarts",
+            "Engine core children started to replace a failed one (--engine-restart).",
+            self.engine.num_restarts,
+        )
+        yield counter(
+            "engine_hangs",
+            "Times the engine core was found hung (--engine-step-timeout).",
+            self.engine.num_hangs,
+        )
+        yield gauge(
+            "engine_healthy",
+            "1 while an engine core child is serving, else 0.",
+            float(self.engine.is_alive),
+        )
+        yield counter(
             "engine_steps_multi_request",
             "Engine steps that computed tokens for more than one request.",
             stats.num_multi_request_steps,

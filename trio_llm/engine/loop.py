@@ -4,6 +4,8 @@ Trio runs in the child too. One task reads messages from the server as they arri
 while a step computes), another applies them between steps and runs `EngineCore.step` in a
 worker thread, so the event loop stays responsive. Aborts that arrive during a step take
 effect right after it; the server drops any output for a request it already aborted.
+A third task sends a `Heartbeat` every ``heartbeat_interval`` seconds saying how long the
+current step has been running, so the server can tell a hung engine from a busy one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import traceback
 
 import cloudpickle
@@ -23,6 +26,7 @@ from trio_llm.messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
+    Heartbeat,
     Shutdown,
     StepOutputs,
     ToEngine,
@@ -64,7 +68,7 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
         return 1
     await channel.send(core.ready_message(os.getpid()))
     try:
-        await _serve(core, channel)
+        await _serve(core, _Outbox(channel), config.heartbeat_interval)
     except Exception as exc:
         if _server_gone(exc):
             raise
@@ -88,27 +92,57 @@ async def _report_failure(channel: ipc.MessageChannel, message: str) -> None:
         pass
 
 
-async def _serve(core: EngineCore, channel: ipc.MessageChannel[ToEngine]) -> None:
+class _Outbox:
+    """The engine's sending side: steps and heartbeats take turns on one channel."""
+
+    def __init__(self, channel: ipc.MessageChannel[ToEngine]) -> None:
+        self.channel = channel
+        self._lock = trio.Lock()
+        #: Monotonic time at which the step now computing started; None between steps.
+        self.step_started: float | None = None
+
+    async def send(self, message: StepOutputs | Heartbeat) -> None:
+        async with self._lock:
+            await self.channel.send(message)
+
+    async def run_step(self, core: EngineCore) -> None:
+        self.step_started = time.monotonic()
+        try:
+            outputs = await trio.to_thread.run_sync(core.step)
+        finally:
+            self.step_started = None
+        await self.send(outputs)
+
+    async def heartbeats(self, interval: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            started = self.step_started
+            await self.send(Heartbeat(0.0 if started is None else time.monotonic() - started))
+
+
+async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -> None:
+    channel = outbox.channel
     inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_read_messages, channel, inbox_send)
+        nursery.start_soon(outbox.heartbeats, heartbeat_interval)
         reported_idle = True
         while True:
             if not core.has_unfinished_requests():
                 if not reported_idle:
                     # Aborts can empty the engine without a step; say so (frees show up).
-                    await channel.send(StepOutputs([], core.stats()))
+                    await outbox.send(StepOutputs([], core.stats()))
                     reported_idle = True
                 try:
                     message = await inbox.receive()
                 except trio.EndOfChannel:
                     break
-                if not await _apply(core, channel, message):
+                if not await _apply(core, outbox, message):
                     break
-            if not await _apply_pending(core, channel, inbox):
+            if not await _apply_pending(core, outbox, inbox):
                 break
             if core.has_unfinished_requests():
-                await channel.send(await trio.to_thread.run_sync(core.step))
+                await outbox.run_step(core)
                 reported_idle = False
         nursery.cancel_scope.cancel()
 
@@ -122,7 +156,7 @@ async def _read_messages(
 
 
 async def _apply_pending(
-    core: EngineCore, channel: ipc.MessageChannel, inbox: trio.MemoryReceiveChannel[ToEngine]
+    core: EngineCore, outbox: _Outbox, inbox: trio.MemoryReceiveChannel[ToEngine]
 ) -> bool:
     """Apply every message already received; False once it is time to exit."""
     while True:
@@ -132,15 +166,15 @@ async def _apply_pending(
             return True
         except trio.EndOfChannel:
             return False
-        if not await _apply(core, channel, message):
+        if not await _apply(core, outbox, message):
             return False
 
 
-async def _apply(core: EngineCore, channel: ipc.MessageChannel, message: ToEngine) -> bool:
+async def _apply(core: EngineCore, outbox: _Outbox, message: ToEngine) -> bool:
     if isinstance(message, AddRequest):
         rejected = core.add_request(message)
         if rejected is not None:
-            await channel.send(StepOutputs([rejected], core.stats()))
+            await outbox.send(StepOutputs([rejected], core.stats()))
     elif isinstance(message, AbortRequests):
         core.abort(message.request_ids)
     elif isinstance(message, Shutdown):

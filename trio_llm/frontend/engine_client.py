@@ -9,11 +9,18 @@ Timing (time to first token, inter-token latency, end-to-end latency) is measure
 when outputs arrive, with this process's monotonic clock, and reported to an optional
 `RequestObserver` (the Prometheus metrics). The queue time is measured by the engine
 process with its own clock and shipped as a duration.
+
+The client outlives the engine child it talks to when the supervisor restarts children
+(``--engine-restart on-failure``): when a child dies or hangs, every open request fails at
+once, new requests wait (up to ``restart_wait``) for the next child, which `attach`
+connects. Draining (`close_admissions`, `wait_idle`) lets accepted requests finish while
+new ones are refused.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -30,6 +37,7 @@ from trio_llm.messages import (
     EngineFailed,
     EngineReady,
     FromEngine,
+    Heartbeat,
     SamplingParams,
     Shutdown,
     StepOutputs,
@@ -48,6 +56,14 @@ class EngineDeadError(EngineError):
 
 class EngineShutdownError(EngineError):
     """The server is shutting down; in-flight requests are ended with this."""
+
+
+class EngineHungError(EngineDeadError):
+    """The engine core stopped answering (no heartbeat, or a step ran past its timeout)."""
+
+
+class EngineRestartingError(EngineError):
+    """The engine core is being restarted and was not ready in time; retry later."""
 
 
 class RequestRejectedError(EngineError):
@@ -221,26 +237,57 @@ class EngineStats:
 
 
 class EngineClient:
-    """Talks to one engine-core process over its IPC channel.
+    """Talks to the engine-core process over its IPC channel.
 
     Created by `trio_llm.frontend.engine_process.run_engine_process` once the engine said
     `EngineReady`; ``info`` holds that message. ``detokenizes`` is True in 3-process mode:
     outputs then arrive with their text (`TokenDelta.text`).
+
+    States: *ready*; *restarting* (the child died or hung, in-flight requests failed, a
+    new child is starting: new requests wait for it up to ``restart_wait`` seconds);
+    *ended* for good (`ended` is set: the engine died without a restart, or `stop` was
+    called). ``draining`` can be set in *ready*: new requests are refused, open ones go on.
+
+    Args:
+        channel: the IPC channel to the engine (or to the detokenizer in front of it).
+        info: the engine's `EngineReady`.
+        step_timeout: seconds without any message from the engine (heartbeats included),
+            or a step running longer than this, after which the engine counts as hung.
+            None disables hang detection.
     """
 
-    def __init__(self, channel: ipc.MessageChannel[FromEngine], info: EngineReady) -> None:
+    def __init__(
+        self,
+        channel: ipc.MessageChannel[FromEngine],
+        info: EngineReady,
+        *,
+        step_timeout: float | None = None,
+    ) -> None:
         self.info = info
         self.detokenizes = False
         self.stats = EngineStats()
+        self.step_timeout = step_timeout
+        #: Set by the supervisor: a dead child will be replaced (requests then wait).
+        self.restart_enabled = False
+        #: Seconds a new request waits for a restarting engine before a 503.
+        self.restart_wait = 30.0
+        #: Children started after the first one (for metrics).
+        self.num_restarts = 0
+        #: Times the engine was found hung (for metrics).
+        self.num_hangs = 0
         self._channel = channel
         self._send_lock = trio.Lock()
         self._mailboxes: dict[str, _Mailbox] = {}
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-"
         self._error: EngineError | None = None
+        self._ready = trio.Event()
+        self._ready.set()
+        self._idle = trio.Event()
         self._num_reserved = 0
         self.stopping = False
-        #: Set once the engine stopped serving (died, or `stop` was called).
+        self.draining = False
+        #: Set once the engine stopped serving for good (died, or `stop` was called).
         self.ended = trio.Event()
         self.stop_scope = trio.CancelScope()
         self.observer: RequestObserver | None = None
@@ -249,12 +296,17 @@ class EngineClient:
 
     @property
     def is_alive(self) -> bool:
-        """True until the engine dies or the client is stopped."""
+        """True while an engine child is serving and the client is not stopping."""
         return self._error is None and not self.stopping
 
     @property
+    def is_restarting(self) -> bool:
+        """True between a child's failure and the next child's `attach` (when restarting)."""
+        return self._error is not None and self.restart_enabled and not self.ended.is_set()
+
+    @property
     def error(self) -> EngineError | None:
-        """Why the engine stopped serving, once it has."""
+        """Why the engine is not serving (the last failure while restarting), if it is not."""
         return self._error
 
     @property
@@ -276,14 +328,17 @@ class EngineClient:
 
         Raises:
             EngineOverloadedError: ``limit`` is set and would be exceeded.
-            EngineError: the engine is dead or stopping.
+            EngineError: the engine is dead or stopping, or the server is draining.
         """
         self._check_open()
+        if self.draining:
+            raise EngineShutdownError("the server is shutting down")
         if limit is not None and self.num_waiting + count > limit:
             raise EngineOverloadedError(
                 f"{self.num_waiting} requests are already waiting (limit {limit}); retry later"
             )
         self._num_reserved += count
+        self._idle = trio.Event()
         return Admission(count)
 
     def release(self, admission: Admission) -> None:
@@ -291,12 +346,40 @@ class EngineClient:
         if not admission.released:
             admission.released = True
             self._num_reserved -= admission.count
+            self._check_idle()
 
     def _check_open(self) -> None:
-        if self._error is not None:
-            raise self._error
         if self.stopping:
             raise EngineShutdownError("the server is shutting down")
+        if self._error is not None and not self.is_restarting:
+            raise self._error
+
+    async def _wait_ready(self) -> None:
+        """Return once a child serves; raise if none will in time (see `open_requests`)."""
+        self._check_open()
+        if not self.is_restarting:
+            return
+        with trio.move_on_after(self.restart_wait):
+            await self._ready.wait()
+        self._check_open()
+        if self._error is not None:
+            raise EngineRestartingError(
+                f"the engine core is restarting after a failure ({self._error}); retry later"
+            )
+
+    def close_admissions(self) -> None:
+        """Start draining: `admit` refuses from now on; admitted and open requests go on."""
+        self.draining = True
+        self._check_idle()
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is open or admitted (every accepted request has ended)."""
+        self._check_idle()
+        await self._idle.wait()
+
+    def _check_idle(self) -> None:
+        if not self._mailboxes and self._num_reserved == 0:
+            self._idle.set()
 
     # ------------------------------------------------------------ requests
 
@@ -324,10 +407,13 @@ class EngineClient:
             admission: places reserved with `admit`; consumed here (released on exit).
 
         Raises:
-            EngineError: the engine is dead or stopping (before anything is sent).
+            EngineError: the engine is dead or stopping (before anything is sent), or
+                it is restarting and not ready within ``restart_wait`` seconds.
         """
         try:
-            self._check_open()
+            if admission is None and self.draining:
+                raise EngineShutdownError("the server is shutting down")
+            await self._wait_ready()
             now = time.monotonic()
             streams = []
             for prompt_token_ids, _ in requests:
@@ -350,6 +436,7 @@ class EngineClient:
                     continue
                 unfinished.append(stream.request_id)
                 self._finished(mailbox, stream.finish_reason or "abort")
+            self._check_idle()
             if unfinished and self._error is None:
                 with trio.CancelScope(shield=True):
                     await self._send_quietly(AbortRequests(unfinished))
@@ -359,6 +446,7 @@ class EngineClient:
         if mailbox is None:
             return
         self._finished(mailbox, reason)
+        self._check_idle()
         if self._error is None:
             with trio.CancelScope(shield=True):
                 await self._send_quietly(AbortRequests([request_id]))
@@ -379,25 +467,43 @@ class EngineClient:
     # ------------------------------------------------------------ routing
 
     async def route_outputs(self) -> None:
-        """Deliver engine messages to request mailboxes until the channel ends.
+        """Deliver engine messages to request mailboxes until the channel ends or hangs.
 
-        On return the engine is considered dead: every open request got an error.
+        On return the current child is considered gone: every open request got an error
+        (`EngineHungError` when it stopped answering for ``step_timeout`` seconds).
         """
         reason = "the engine core process exited unexpectedly"
+        error_type: type[EngineDeadError] = EngineDeadError
+        timeout = math.inf if self.step_timeout is None else self.step_timeout
         try:
-            while (message := await self._channel.receive()) is not None:
-                if isinstance(message, StepOutputs):
-                    self._deliver(message)
-                elif isinstance(message, EngineFailed):
-                    reason = message.message
+            while True:
+                with trio.move_on_after(timeout):
+                    message = await self._channel.receive()
+                    if message is None:
+                        break
+                    if isinstance(message, StepOutputs):
+                        self._deliver(message)
+                    elif isinstance(message, EngineFailed):
+                        reason = message.message
+                    elif isinstance(message, Heartbeat) and message.step_seconds > timeout:
+                        seconds = message.step_seconds
+                        reason = f"engine core hung: a step has run for {seconds:.1f} s"
+                        error_type = EngineHungError
+                        break
+                    continue
+                reason = f"engine core hung: no heartbeat for {timeout:g} s"
+                error_type = EngineHungError
+                break
         except (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError) as exc:
             reason = f"the engine connection broke: {exc}"
         finally:
+            if error_type is EngineHungError:
+                self.num_hangs += 1
             if self._error is None:
                 if self.stopping:
                     self.fail_all(EngineShutdownError("the server is shutting down"))
                 else:
-                    self.fail_all(EngineDeadError(reason))
+                    self.fail_all(error_type(reason))
 
     def _deliver(self, message: StepOutputs) -> None:
         stats = self.stats
@@ -455,14 +561,32 @@ class EngineClient:
             self.observer.on_finished(record)
 
     def fail_all(self, error: EngineError) -> None:
-        """End every open request with ``error``; later requests are refused with it too."""
+        """End every open request with ``error``; later requests are refused with it too,
+        or, with ``restart_enabled``, wait for the next child (see `attach`)."""
         self._error = error
-        self.ended.set()
+        self._ready = trio.Event()
+        if not self.restart_enabled or self.stopping:
+            self.ended.set()
         for box in self._mailboxes.values():
             box.error = error
             box.wakeup.set()
             self._finished(box, "abort")
         self._mailboxes.clear()
+        self._check_idle()
+
+    def give_up(self, error: EngineError) -> None:
+        """No child will be started any more: fail everything with ``error`` for good."""
+        self.restart_enabled = False
+        self.fail_all(error)
+
+    def attach(self, channel: ipc.MessageChannel[FromEngine], info: EngineReady) -> None:
+        """Serve through a restarted child from now on (requests waiting for it go ahead)."""
+        self._channel = channel
+        self._send_lock = trio.Lock()
+        self.info = info
+        self.num_restarts += 1
+        self._error = None
+        self._ready.set()
 
     # ------------------------------------------------------------ lifetime
 
@@ -476,6 +600,7 @@ class EngineClient:
             return
         self.stopping = True
         self.ended.set()
+        self._ready.set()  # requests waiting for a restart give up now
         if self._error is None:
             self.fail_all(EngineShutdownError("the server is shutting down"))
             # fail_all set _error; a Shutdown message still has to go out.
@@ -484,4 +609,16 @@ class EngineClient:
                     await self._channel.send(Shutdown())
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-        self.stop_scope.deadline = min(self.stop_scope.deadline, trio.current_time() + grace_period)
+            self.stop_scope.deadline = min(
+                self.stop_scope.deadline, trio.current_time() + grace_period
+            )
+        else:
+            self.stop_scope.cancel()  # no child is serving: a restart (or its wait) ends now
+
+    def new_stop_scope(self) -> trio.CancelScope:
+        """A fresh `stop_scope` for the supervisor's next wait or child (cancelled if the
+        client is already stopping)."""
+        self.stop_scope = trio.CancelScope()
+        if self.stopping:
+            self.stop_scope.cancel()
+        return self.stop_scope

@@ -13,22 +13,28 @@ With ``detokenizer_mode="process"`` it also spawns ``python -m trio_llm.detokeni
 between the two (server <-> detokenizer <-> engine core, two socket pairs): the same
 messages flow, the outputs arrive with their text, and both children are reaped the same
 way. Either child's death ends the channel (each exits at end-of-file of either side).
+
+With a `RestartPolicy`, a failed child set (dead, or hung: silent for ``step_timeout``
+seconds) is reaped and replaced after a backoff, and the same `EngineClient` serves
+through the new one; requests that were in flight fail at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import cloudpickle
 import trio
 
 from trio_llm import ipc
-from trio_llm.config import DETOKENIZER_MODES, EngineConfig
+from trio_llm.config import DETOKENIZER_MODES, EngineConfig, RestartPolicy
 from trio_llm.frontend.child_process import ChildProcess
-from trio_llm.frontend.engine_client import EngineClient, EngineDeadError
+from trio_llm.frontend.engine_client import EngineClient, EngineDeadError, EngineHungError
 from trio_llm.messages import EngineFailed, EngineReady
 
 
@@ -135,11 +141,16 @@ async def run_engine_process(
     *,
     grace_period: float = 5.0,
     detokenizer_mode: str = "inline",
+    step_timeout: float | None = None,
+    restart: RestartPolicy | None = None,
+    log: Callable[[str], None] | None = None,
     task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the engine-core child (and the detokenizer child) for as long as this task lives.
 
     Returns normally once `EngineClient.stop` was called and the children went away.
+    ``task_status.started(client)`` is called once, when the first child is ready; with
+    ``restart`` the same `EngineClient` then serves through every later child.
 
     Args:
         config: sent to the engine child, pickled, as the first frame.
@@ -148,35 +159,127 @@ async def run_engine_process(
         detokenizer_mode: "inline" (the caller detokenizes) or "process" (a third
             process between the caller and the engine core detokenizes, and the
             `EngineClient`'s outputs carry text).
+        step_timeout: seconds of silence (no heartbeat) or of one step after which the
+            engine counts as hung: its requests fail with `EngineHungError` and the
+            children are killed. None: no hang detection.
+        restart: replace failed (dead or hung) children with backoff, within the policy's
+            limits; None: the first failure ends this task with `EngineDeadError`.
+        log: receives one line per failure and restart (default: stderr).
 
     Raises:
         ValueError: an unknown ``detokenizer_mode``.
-        EngineStartupError: a child failed or exited before `EngineReady`.
-        EngineDeadError: a child exited or broke the channel while serving.
+        EngineStartupError: a child failed or exited before the first `EngineReady`.
+        EngineDeadError: a child exited, broke the channel or hung while serving (with
+            ``restart``: once more failures than the policy allows came within its window).
+    """
+    if step_timeout is not None:
+        heartbeat = min(config.heartbeat_interval, step_timeout / 4)
+        config = dataclasses.replace(config, heartbeat_interval=heartbeat)
+    say = log or _log_to_stderr
+    connect = _Connect(detokenizer_mode, step_timeout, restart, task_status)
+    failures: list[float] = []
+    while True:
+        try:
+            await _run_children(config, grace_period, detokenizer_mode, connect)
+            return
+        except EngineDeadError as exc:
+            client = connect.client
+            if client is None or restart is None or client.stopping:
+                raise
+            now = trio.current_time()
+            failures = [t for t in failures if now - t < restart.window] + [now]
+            if len(failures) > restart.max_restarts:
+                error = EngineDeadError(
+                    f"{exc}; gave up after {restart.max_restarts} restarts within "
+                    f"{restart.window:g} s"
+                )
+                client.give_up(error)
+                raise error from exc
+            delay = restart.backoff(len(failures))
+            say(f"engine core failed: {exc}; restarting it in {delay:g} s")
+            with client.new_stop_scope():
+                await trio.sleep(delay)
+            if client.stopping:
+                return
+
+
+def _log_to_stderr(message: str) -> None:
+    print(f"trio-llm: {message}", file=sys.stderr, flush=True)
+
+
+class _Connect:
+    """Hands a ready child's channel to the one `EngineClient` (made on the first call)."""
+
+    def __init__(
+        self,
+        detokenizer_mode: str,
+        step_timeout: float | None,
+        restart: RestartPolicy | None,
+        task_status: trio.TaskStatus[EngineClient],
+    ) -> None:
+        self.detokenizer_mode = detokenizer_mode
+        self.step_timeout = step_timeout
+        self.restart = restart
+        self.task_status = task_status
+        self.client: EngineClient | None = None
+
+    def __call__(
+        self, channel: ipc.MessageChannel, info: EngineReady, scope: trio.CancelScope
+    ) -> EngineClient:
+        if self.client is None:
+            client = EngineClient(channel, info, step_timeout=self.step_timeout)
+            client.detokenizes = self.detokenizer_mode == "process"
+            client.stop_scope = scope
+            if self.restart is not None:
+                client.restart_enabled = True
+                client.restart_wait = self.restart.wait
+            self.client = client
+            self.task_status.started(client)
+        else:
+            self.client.attach(channel, info)
+        return self.client
+
+
+async def _run_children(
+    config: EngineConfig, grace_period: float, detokenizer_mode: str, connect: _Connect
+) -> None:
+    """Start one set of children, serve through them until they end, and reap them.
+
+    Returns when the client was stopped; raises `EngineDeadError` (or `EngineStartupError`
+    before the child was ready) when they failed.
     """
     server_end, children = _spawn(detokenizer_mode)
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(server_end))
     channel = ipc.server_channel(stream)
     # Patience with the children only when the channel ended by itself (they are exiting).
-    # After a cancellation (a second signal), a missed stop deadline or a failed start,
-    # escalate at once: a child that is loading, stuck or stopped will not leave on its own.
+    # After a cancellation (a second signal), a missed stop deadline, a hang or a failed
+    # start, escalate at once: a child that is loading, stuck or stopped will not leave
+    # on its own.
     patient = False
+    client = connect.client
+    scope = trio.CancelScope() if client is None else client.new_stop_scope()
     try:
-        client = await _start(channel, children, config)
-        client.detokenizes = detokenizer_mode == "process"
-        task_status.started(client)
-        with client.stop_scope:
+        with scope:
+            info = await _start(channel, children, config)
+            client = connect(channel, info, scope)
             await client.route_outputs()
-        patient = not client.stop_scope.cancelled_caught
-        if not client.stopping:
-            with trio.move_on_after(grace_period):
-                await children.wait()
-            error = client.error
-            raise EngineDeadError(
-                f"{error} ({children.describe()})"
-                if error
-                else f"engine core exited ({children.describe()})"
-            )
+        if client is None or client.stopping:
+            patient = not scope.cancelled_caught
+            return
+        error = client.error
+        if isinstance(error, EngineHungError):
+            for process in children.all:
+                process.kill()
+            await children.wait()
+            raise EngineHungError(f"{error} ({children.describe()})")
+        patient = True
+        with trio.move_on_after(grace_period):
+            await children.wait()
+        raise EngineDeadError(
+            f"{error} ({children.describe()})"
+            if error
+            else f"engine core exited ({children.describe()})"
+        )
     finally:
         with trio.CancelScope(shield=True):
             await stream.aclose()
@@ -187,14 +290,14 @@ async def run_engine_process(
 
 async def _start(
     channel: ipc.MessageChannel, children: _Children, config: EngineConfig
-) -> EngineClient:
+) -> EngineReady:
     try:
         await channel.framed.send_frame(cloudpickle.dumps(config))
         message = await channel.receive()
     except (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError):
         message = None
     if isinstance(message, EngineReady):
-        return EngineClient(channel, message)
+        return message
     await children.wait()
     if isinstance(message, EngineFailed):
         raise EngineStartupError(message.message)

@@ -1,0 +1,825 @@
+"""Soak: N concurrent streaming clients against one server, with memory and fd checks.
+
+    python bench/soak.py                                # 1,000 clients, its own server
+    python bench/soak.py --clients 50 --time-limit 120  # a quick check
+    python bench/soak.py --server-args='--detokenizer-mode process' --json out.json
+    python bench/soak.py --url http://127.0.0.1:8000 [--server-pid PID]
+
+Starts ``trio-llm serve`` on a free port (``--max-num-seqs 256`` by default, more flags
+with ``--server-args``), or uses the server at ``--url``. Then opens ``--clients``
+streaming requests at the same instant (or spread over ``--ramp`` seconds), each on its
+own connection from 127.0.0.1: ``/v1/completions``, and ``/v1/chat/completions`` for a
+``--chat-share`` of them, a prompt of ``--prompt-lines`` consecutive lines of
+bench/data/sonnet.txt, exactly ``--max-tokens`` output tokens (``ignore_eos``).
+
+What it measures:
+
+- per client: time to its first content token from sending the request (TTFT), the TCP
+  connect time, and how it ended. *Completed*: ``data: [DONE]`` after at least one token
+  and no error event. *Errors*, by kind: an HTTP status other than 200, an error event, a
+  transport error (by exception class), a stream without ``[DONE]``. *Hung*: no end at
+  all within ``--time-limit`` seconds, when everything is cancelled (should be 0);
+- every ``--sample-interval`` seconds: the RSS (``VmRSS``) and open fds of the server and
+  each of its descendants (engine core, detokenizer), at the start, peak and end of the
+  load; the scheduler gauges from ``/metrics`` and how long that scrape took (how
+  responsive the API server's event loop stays under the load);
+- after the load: the fds and RSS again once the clients' connections are closed,
+  ``GET /health`` and one ordinary request, and (own server only) SIGINT's exit status;
+- CPU seconds of every process during the load, this client's included.
+
+The client is one ``httpx.AsyncClient`` with an unbounded pool under Trio; its CPU time is
+reported so that it can be compared with the server's. The soft ``RLIMIT_NOFILE`` is raised
+to the hard limit before the server starts, so the server inherits it too.
+
+Prints a summary; ``--json PATH`` also writes every figure, the samples and each client's
+record. Exits 1 if a client hung, the server died or was unhealthy after the load, or (unless
+``--allow-errors``) any client got an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import resource
+import shlex
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx
+import trio
+from common import SONNETS, percentile, print_table, write_json
+from process_cpu import cpu_seconds, role
+
+from trio_llm.config import DEFAULT_MODEL
+from trio_llm.testing.procfs import descendants, is_running
+from trio_llm.testing.server_process import ServerProcess
+from trio_llm.testing.sse import DONE, delta_text
+
+MIB = 1024 * 1024
+_GAUGES = re.compile(
+    r"^trio_llm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc|num_preemptions)"
+    r"\S*\s+(\S+)$"
+)
+_LOG_PROBLEM = re.compile(r"warn|error|exception|traceback", re.IGNORECASE)
+
+
+# --- the clients -------------------------------------------------------------------------
+
+
+@dataclass
+class ClientRecord:
+    """How one client's request went; times are seconds since the load started."""
+
+    index: int
+    route: str
+    sent: float | None = None
+    connected: float | None = None  # TCP connection established
+    headers: float | None = None  # response status line and headers received
+    first_token: float | None = None  # first event that carried text
+    ended: float | None = None  # None: no end at all (hung)
+    status: int | None = None
+    done: bool = False  # saw data: [DONE]
+    text_events: int = 0
+    completion_tokens: int | None = None  # from the usage chunk
+    error: str | None = None  # the kind; None if none
+    detail: str = ""
+
+    @property
+    def completed(self) -> bool:
+        return self.done and self.first_token is not None and self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token is None or self.sent is None:
+            return None
+        return self.first_token - self.sent
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data`` of each server-sent event (multi-line data joined by newlines).
+
+    Follows the event-stream format: fields end at a line break, an event at a blank line,
+    ``:`` lines are comments, one space after the colon is dropped, and an event cut off by
+    the end of the stream is discarded.
+    """
+    data: list[str] = []
+    async for line in response.aiter_lines():
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value.removeprefix(" "))
+
+
+async def run_client(
+    http: httpx.AsyncClient, record: ClientRecord, body: dict[str, Any], clock: Callable[[], float]
+) -> None:
+    """Send one streamed request and fill ``record``; a cancellation leaves it unended."""
+
+    async def trace(name: str, info: dict[str, Any]) -> None:
+        if name == "connection.connect_tcp.complete":
+            record.connected = clock()
+
+    path = "/v1/chat/completions" if record.route == "chat" else "/v1/completions"
+    record.sent = clock()
+    try:
+        async with http.stream("POST", path, json=body, extensions={"trace": trace}) as response:
+            record.headers = clock()
+            record.status = response.status_code
+            if response.status_code != 200:
+                content = await response.aread()
+                record.error = f"HTTP {response.status_code}"
+                record.detail = content[:300].decode(errors="replace")
+            else:
+                await read_stream(response, record, clock)
+    except httpx.HTTPError as exc:
+        record.error = f"transport: {type(exc).__name__}"
+        record.detail = str(exc)[:300]
+    record.ended = clock()
+
+
+async def read_stream(
+    response: httpx.Response, record: ClientRecord, clock: Callable[[], float]
+) -> None:
+    """Read the event stream to its end, counting text events and noting problems."""
+
+    def problem(kind: str, detail: str) -> None:
+        if record.error is None:
+            record.error, record.detail = kind, detail[:300]
+
+    async for data in sse_data(response):
+        if record.done:
+            problem("data after [DONE]", data)
+            continue
+        if data == DONE:
+            record.done = True
+            continue
+        try:
+            event = json.loads(data)
+        except ValueError:
+            problem("malformed event", data)
+            continue
+        if not isinstance(event, dict):
+            problem("malformed event", data)
+        elif "error" in event:
+            error = event["error"]
+            problem("error event", error.get("message", "") if isinstance(error, dict) else data)
+        else:
+            if event.get("usage"):
+                record.completion_tokens = event["usage"].get("completion_tokens")
+            if delta_text(event):
+                record.text_events += 1
+                if record.first_token is None:
+                    record.first_token = clock()
+    if not record.done:
+        problem("no [DONE]", "the stream ended without data: [DONE]")
+    elif record.first_token is None:
+        problem("no token", "[DONE] before any text")
+
+
+def sonnet_texts(count: int, lines_each: int, seed: int) -> list[str]:
+    """``count`` prompts, each ``lines_each`` consecutive sonnet lines from a random start."""
+    lines = [line.strip() for line in SONNETS.read_text().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        start = rng.randrange(len(lines))
+        texts.append("\n".join(lines[(start + k) % len(lines)] for k in range(lines_each)))
+    return texts
+
+
+def request_body(args: argparse.Namespace, route: str, text: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+# --- the server's processes --------------------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int | None:
+    """``VmRSS`` of ``pid`` in bytes (None if it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None
+
+
+def fd_count(pid: int) -> int | None:
+    """Open file descriptors of ``pid`` (None if it is gone or not ours to read)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+@dataclass
+class ProcessStats:
+    """RSS and fds of one process of the server's tree, over the soak."""
+
+    pid: int
+    role: str
+    rss_start: int | None = None
+    rss_peak: int = 0
+    rss_load_end: int | None = None  # the last sample while clients were still running
+    rss_after: int | None = None  # after the load, connections closed
+    fds_start: int | None = None
+    fds_peak: int = 0
+    fds_after: int | None = None
+    cpu_start: float = 0.0
+    cpu_load: float | None = None  # CPU seconds during the load
+    gone: bool = False
+
+    def sample(self) -> tuple[int | None, int | None]:
+        rss, fds = rss_bytes(self.pid), fd_count(self.pid)
+        if rss is None:
+            self.gone = True
+            return None, None
+        self.rss_peak = max(self.rss_peak, rss)
+        if fds is not None:
+            self.fds_peak = max(self.fds_peak, fds)
+        return rss, fds
+
+
+class ProcessWatch:
+    """Samples the server and every descendant of it (found anew at each sample)."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self.procs: dict[int, ProcessStats] = {}
+        self.series: list[dict[str, Any]] = []  # {"t": s, "<role>": rss MiB, ...}
+        self.server_died_at: float | None = None
+        self.rescan_s = 5.0
+        self._scanned = -math.inf
+        self._pids: list[int] = []
+
+    def _tree(self) -> list[int]:
+        """The server and its descendants; /proc is scanned for them at most every 5 s."""
+        now = time.monotonic()
+        if now - self._scanned >= self.rescan_s:
+            self._pids = [self.server_pid, *sorted(descendants(self.server_pid))]
+            self._scanned = now
+        return self._pids
+
+    def _stats(self, pid: int) -> ProcessStats:
+        if pid not in self.procs:
+            self.procs[pid] = ProcessStats(pid, role(pid, self.server_pid))
+        return self.procs[pid]
+
+    def start(self) -> None:
+        self._scanned = -math.inf
+        for pid in self._tree():
+            stats = self._stats(pid)
+            stats.rss_start, stats.fds_start = stats.sample()
+            stats.cpu_start = _cpu(pid) or 0.0
+
+    def sample(self, t: float) -> None:
+        point: dict[str, Any] = {"t": round(t, 2)}
+        for pid in self._tree():
+            stats = self._stats(pid)
+            rss, fds = stats.sample()
+            if rss is not None:
+                stats.rss_load_end = rss
+                point[f"{stats.role} {pid}"] = round(rss / MIB, 1)
+                point[f"{stats.role} {pid} fds"] = fds
+        self.series.append(point)
+        if self.server_died_at is None and not is_running(self.server_pid):
+            self.server_died_at = t
+
+    def load_over(self) -> None:
+        for pid, stats in self.procs.items():
+            used = _cpu(pid)
+            stats.cpu_load = None if used is None else used - stats.cpu_start
+
+    def fds_back(self) -> bool:
+        """True when no process of the tree has more fds open than at `start`."""
+        for pid, stats in self.procs.items():
+            fds = fd_count(pid)
+            if fds is not None and stats.fds_start is not None and fds > stats.fds_start:
+                return False
+        return True
+
+    def after(self) -> None:
+        self._scanned = -math.inf
+        for pid in self._tree():
+            stats = self._stats(pid)
+            stats.rss_after, stats.fds_after = stats.sample()
+        for stats in self.procs.values():
+            stats.gone = not is_running(stats.pid)
+
+
+def _cpu(pid: int) -> float | None:
+    try:
+        return cpu_seconds(pid)
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        return None
+
+
+def listening_pid(port: int) -> int | None:
+    """The process holding the listening TCP socket on ``port`` (Linux; None if unknown)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                if os.readlink(f"/proc/{entry}/fd/{fd}") in inodes:
+                    return int(entry)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return None
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+@dataclass
+class MetricsSamples:
+    """Scheduler gauges from /metrics during the load, and how long each scrape took."""
+
+    max_waiting: float = 0.0
+    max_running: float = 0.0
+    max_kv_usage: float = 0.0
+    preemptions: float = 0.0
+    scrape_s: list[float] = field(default_factory=list)
+    failures: Counter[str] = field(default_factory=Counter)
+
+
+async def poll_metrics(
+    monitor: httpx.AsyncClient, samples: MetricsSamples, interval: float
+) -> None:
+    """Scrape /metrics every ``interval`` seconds (one at a time) until cancelled."""
+    while True:
+        start = time.perf_counter()
+        try:
+            response = await monitor.get("/metrics")
+        except httpx.HTTPError as exc:
+            samples.failures[type(exc).__name__] += 1
+        else:
+            samples.scrape_s.append(time.perf_counter() - start)
+            if response.status_code != 200:
+                samples.failures[f"HTTP {response.status_code}"] += 1
+            values = {}
+            for line in response.text.splitlines():
+                match = _GAUGES.match(line)
+                if match:
+                    values[match.group(1)] = float(match.group(2))
+            samples.max_waiting = max(samples.max_waiting, values.get("num_requests_waiting", 0))
+            samples.max_running = max(samples.max_running, values.get("num_requests_running", 0))
+            samples.max_kv_usage = max(samples.max_kv_usage, values.get("kv_cache_usage_perc", 0))
+            samples.preemptions = values.get("num_preemptions", samples.preemptions)
+        await trio.sleep(max(0.0, interval - (time.perf_counter() - start)))
+
+
+async def sample_processes(
+    watch: ProcessWatch, interval: float, clock: Callable[[], float]
+) -> None:
+    while True:
+        watch.sample(clock())
+        await trio.sleep(interval)
+
+
+async def measure_lag(lags: list[float], interval: float = 0.1) -> None:
+    """How late this client's own event loop wakes up (is the client keeping up?)."""
+    while True:
+        start = time.perf_counter()
+        await trio.sleep(interval)
+        lags.append(time.perf_counter() - start - interval)
+
+
+async def timed(call: Awaitable[httpx.Response], limit: float) -> tuple[int | str, float]:
+    """(status or error kind, seconds) of one request, within ``limit`` seconds."""
+    start = time.perf_counter()
+    result: int | str = "timed out"
+    with trio.move_on_after(limit):
+        try:
+            result = (await call).status_code
+        except httpx.HTTPError as exc:
+            result = type(exc).__name__
+    return result, time.perf_counter() - start
+
+
+async def soak(args: argparse.Namespace, url: str, watch: ProcessWatch | None) -> dict[str, Any]:
+    """The load, sampling alongside it, then the checks after it."""
+    n = args.clients
+    texts = sonnet_texts(n, args.prompt_lines, args.seed)
+    chat = [int((i + 1) * args.chat_share) > int(i * args.chat_share) for i in range(n)]
+    records = [ClientRecord(i, "chat" if chat[i] else "completions") for i in range(n)]
+    bodies = [request_body(args, r.route, texts[r.index]) for r in records]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    metrics = MetricsSamples()
+    lags: list[float] = []
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    fired = trio.Event()
+    if watch is not None:
+        watch.start()
+    client_cpu = time.process_time()
+    async with (
+        httpx.AsyncClient(base_url=url, headers=headers, timeout=30.0) as monitor,
+        httpx.AsyncClient(
+            base_url=url, headers=headers, timeout=httpx.Timeout(None), limits=limits
+        ) as http,
+    ):
+
+        async def one(i: int, task_status: trio.TaskStatus[None]) -> None:
+            task_status.started()
+            await fired.wait()
+            if args.ramp > 0:
+                await trio.sleep_until(start_at + args.ramp * i / n)
+            await run_client(http, records[i], bodies[i], clock)
+
+        with trio.move_on_after(args.time_limit) as limit:
+            async with trio.open_nursery() as side:
+                side.start_soon(poll_metrics, monitor, metrics, args.sample_interval)
+                side.start_soon(measure_lag, lags)
+                async with trio.open_nursery() as load:
+                    for i in range(n):
+                        await load.start(one, i)  # parked until `fired`
+                    t0 = time.perf_counter()
+                    start_at = trio.current_time()
+                    if watch is not None:
+                        side.start_soon(sample_processes, watch, args.sample_interval, clock)
+                    fired.set()
+                side.cancel_scope.cancel()
+        wall = clock()
+        if watch is not None:
+            watch.sample(wall)
+            watch.load_over()
+    client_cpu = time.process_time() - client_cpu
+    # Every connection of this client is closed now. The server closes its ends when it
+    # notices (hypercorn: an idle keep-alive connection at its keep-alive timeout).
+    settle_s = None
+    if watch is not None:
+        with trio.move_on_after(args.settle):
+            while not watch.fds_back():  # noqa: ASYNC110 - /proc can only be polled
+                await trio.sleep(0.25)
+            settle_s = clock() - wall
+        watch.after()
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30.0) as after:
+        health, health_s = await timed(after.get("/health"), 30)
+        final_body = {"prompt": texts[0], "max_tokens": args.max_tokens, "temperature": 0.0}
+        final, final_s = await timed(after.post("/v1/completions", json=final_body), 120)
+    return {
+        "records": records,
+        "wall_s": wall,
+        "time_limit_hit": limit.cancelled_caught,
+        "metrics": metrics,
+        "client_lag_s": lags,
+        "client_cpu_s": client_cpu,
+        "health": health,
+        "health_s": health_s,
+        "final": final,
+        "final_s": final_s,
+        "fds_settle_s": settle_s,
+    }
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def analyse(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
+    records: list[ClientRecord] = result["records"]
+    completed = [r for r in records if r.completed]
+    hung = [r for r in records if r.ended is None]
+    errors = Counter(r.error for r in records if r.ended is not None and r.error is not None)
+    ttft = [t for r in completed if (t := r.ttft) is not None]
+    connect = [
+        r.connected - r.sent for r in records if r.connected is not None and r.sent is not None
+    ]
+    tokens = sum(
+        r.completion_tokens if r.completion_tokens is not None else r.text_events for r in records
+    )
+    wrong_length = [
+        r.index for r in completed if (r.completion_tokens or r.text_events) != args.max_tokens
+    ]
+    ends = [r.ended for r in records if r.ended is not None]
+    metrics: MetricsSamples = result["metrics"]
+    lags: list[float] = result["client_lag_s"]
+    return {
+        "clients": len(records),
+        "completed": len(completed),
+        "errors": sum(errors.values()),
+        "errors_by_kind": dict(errors),
+        "first_error": next(
+            (f"client {r.index}: {r.error}: {r.detail}" for r in records if r.error), None
+        ),
+        "hung": len(hung),
+        "time_limit_hit": result["time_limit_hit"],
+        "wrong_length": len(wrong_length),
+        "wall_s": result["wall_s"],
+        "last_end_s": max(ends, default=0.0),
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / result["wall_s"] if result["wall_s"] else 0.0,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "ttft_max_s": max(ttft, default=0.0),
+        "connect_p50_s": percentile(connect, 50),
+        "connect_p99_s": percentile(connect, 99),
+        "connect_max_s": max(connect, default=0.0),
+        "metrics_scrapes": len(metrics.scrape_s),
+        "metrics_scrape_p50_s": percentile(metrics.scrape_s, 50),
+        "metrics_scrape_max_s": max(metrics.scrape_s, default=0.0),
+        "metrics_scrape_failures": dict(metrics.failures),
+        "scheduler_max_waiting": metrics.max_waiting,
+        "scheduler_max_running": metrics.max_running,
+        "kv_cache_max_usage": metrics.max_kv_usage,
+        "preemptions": metrics.preemptions,
+        "client_cpu_s": result["client_cpu_s"],
+        "client_loop_lag_max_s": max(lags, default=0.0),
+        "client_rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "health_after": result["health"],
+        "health_after_s": result["health_s"],
+        "final_request": result["final"],
+        "final_request_s": result["final_s"],
+        "fds_settle_s": result["fds_settle_s"],
+    }
+
+
+def _mib(value: int | None) -> float | None:
+    return None if value is None else value / MIB
+
+
+def process_rows(watch: ProcessWatch) -> list[dict[str, Any]]:
+    return [
+        {
+            "process": s.role,
+            "pid": s.pid,
+            "rss_start_MiB": _mib(s.rss_start),
+            "rss_peak_MiB": _mib(s.rss_peak),
+            "rss_load_end_MiB": _mib(s.rss_load_end),
+            "rss_after_MiB": _mib(s.rss_after),
+            "fds_start": s.fds_start,
+            "fds_peak": s.fds_peak,
+            "fds_after": s.fds_after,
+            "cpu_load_s": s.cpu_load,
+        }
+        for s in watch.procs.values()
+    ]
+
+
+def log_problems(path: Path | None) -> list[str]:
+    """Lines of the server's log that look like warnings or errors."""
+    if path is None or not path.exists():
+        return []
+    return [line for line in path.read_text().splitlines() if _LOG_PROBLEM.search(line)]
+
+
+def report(
+    args: argparse.Namespace,
+    figures: dict[str, Any],
+    rows: list[dict[str, Any]],
+    problems: list[str],
+    failures: list[str],
+) -> None:
+    print(
+        f"\nsoak: {figures['clients']} concurrent streaming clients "
+        f"({args.chat_share:.0%} chat), {args.max_tokens} output tokens each, "
+        f"ramp {args.ramp:g} s, time limit {args.time_limit:g} s; {os.cpu_count()} CPUs"
+    )
+    summary = [
+        ("completed", f"{figures['completed']} / {figures['clients']}"),
+        ("errors", f"{figures['errors']} {figures['errors_by_kind'] or ''}".strip()),
+        ("hung (no end by the time limit)", figures["hung"]),
+        ("completed with other than max-tokens tokens", figures["wrong_length"]),
+        ("wall time", f"{figures['wall_s']:.1f} s"),
+        ("output tokens", figures["output_tokens"]),
+        ("output tok/s", f"{figures['output_tok_per_s']:.1f}"),
+        ("TTFT p50 / p99 / max", _secs(figures, "ttft")),
+        ("TCP connect p50 / p99 / max", _secs(figures, "connect")),
+        (
+            "/metrics scrape during load p50 / max",
+            f"{figures['metrics_scrape_p50_s']:.3f} / {figures['metrics_scrape_max_s']:.3f} s "
+            f"({figures['metrics_scrapes']} scrapes"
+            + (
+                f", failures {figures['metrics_scrape_failures']}"
+                if figures["metrics_scrape_failures"]
+                else ""
+            )
+            + ")",
+        ),
+        (
+            "scheduler max running / waiting",
+            f"{figures['scheduler_max_running']:.0f} / {figures['scheduler_max_waiting']:.0f}",
+        ),
+        (
+            "KV cache max usage, preemptions",
+            f"{figures['kv_cache_max_usage']:.1%}, {figures['preemptions']:.0f}",
+        ),
+        (
+            "client CPU, loop lag max, RSS peak",
+            f"{figures['client_cpu_s']:.1f} s, {figures['client_loop_lag_max_s'] * 1000:.0f} ms, "
+            f"{figures['client_rss_peak_mib']:.0f} MiB",
+        ),
+        ("GET /health after", f"{figures['health_after']} ({figures['health_after_s']:.3f} s)"),
+        (
+            "one more completion after",
+            f"{figures['final_request']} ({figures['final_request_s']:.2f} s)",
+        ),
+    ]
+    if "server_exit" in figures:
+        summary.append(("server SIGINT", figures["server_exit"]))
+    width = max(len(k) for k, _ in summary)
+    for key, value in summary:
+        print(f"  {key.ljust(width)}  {value}")
+    if figures["first_error"]:
+        print(f"  first error: {figures['first_error']}")
+    if rows:
+        settle = figures["fds_settle_s"]
+        after = (
+            f"fds back to their start {settle:.1f} s after the load"
+            if settle is not None
+            else f"fds still above their start {args.settle:g} s after the load"
+        )
+        print(
+            "\nserver processes (RSS in MiB; load_end: last sample under load; after: "
+            f"{after}; CPU seconds during the load):"
+        )
+        print_table(rows, list(rows[0]))
+    if problems:
+        print(f"\nserver log: {len(problems)} warning/error lines, the first ones:")
+        for line in problems[:10]:
+            print(f"  {line[:200]}")
+    if failures:
+        print("\nFAILED:")
+        for line in failures:
+            print(f"  {line}")
+    else:
+        print("\nOK: every client ended, the server stayed up and healthy")
+
+
+def _secs(figures: dict[str, Any], name: str) -> str:
+    return (
+        f"{figures[f'{name}_p50_s']:.2f} / {figures[f'{name}_p99_s']:.2f} / "
+        f"{figures[f'{name}_max_s']:.2f} s"
+    )
+
+
+def raise_fd_limit(needed: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; (soft, hard) after. Children inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, needed)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft < needed:
+        print(
+            f"warning: RLIMIT_NOFILE hard limit {hard} is below the {needed} descriptors "
+            "this soak needs (client and server each); connections may fail with EMFILE",
+            file=sys.stderr,
+        )
+    return soft, hard
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--chat-share", type=float, default=0.2, help="0..1 of clients on chat")
+    parser.add_argument("--prompt-lines", type=int, default=2, help="sonnet lines per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ramp", type=float, default=0.0, help="seconds to spread starts over")
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds for the load")
+    parser.add_argument("--sample-interval", type=float, default=0.5, help="seconds")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=20.0,
+        help="seconds to wait after the load for the server's fd counts to return to the start",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--url", help="use this running server instead of starting one")
+    parser.add_argument("--server-pid", type=int, help="with --url (default: the port's owner)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--detokenizer-mode", choices=["inline", "process"], default=None)
+    parser.add_argument(
+        "--server-args", default="", help="more `serve` flags, e.g. --server-args='--seed 1'"
+    )
+    parser.add_argument("--log", type=Path, help="server log file (default: a temp folder)")
+    parser.add_argument("--allow-errors", action="store_true", help="errors do not fail the run")
+    parser.add_argument("--json", help="also write the figures, samples and clients here")
+    args = parser.parse_args()
+    if not 0 <= args.chat_share <= 1:
+        parser.error("--chat-share must be within 0..1")
+
+    soft, hard = raise_fd_limit(args.clients + 256)
+    server: ServerProcess | None = None
+    log: Path | None = args.log
+    server_pid = args.server_pid
+    figures_extra: dict[str, Any] = {"rlimit_nofile": [soft, hard]}
+    if args.url:
+        url = args.url.rstrip("/")
+        if server_pid is None:
+            port = httpx.URL(url).port or 80
+            server_pid = listening_pid(port)
+            if server_pid is None:
+                print(f"note: no process of ours listens on port {port}; no RSS/fd figures")
+    else:
+        server_args = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs)]
+        if args.detokenizer_mode:
+            server_args += ["--detokenizer-mode", args.detokenizer_mode]
+        server_args += shlex.split(args.server_args)
+        log = log or Path(tempfile.mkdtemp(prefix="trio-llm-soak-")) / "server.log"
+        server = ServerProcess(server_args, log_path=log)
+        started = time.perf_counter()
+        server.start()
+        url, server_pid = server.url, server.pid
+        figures_extra["server_args"] = server_args
+        figures_extra["server_start_s"] = time.perf_counter() - started
+        print(f"server {url} (pid {server_pid}) started in {figures_extra['server_start_s']:.1f} s")
+        print(f"server log: {log}")
+    watch = ProcessWatch(server_pid) if server_pid is not None else None
+    failures: list[str] = []
+    try:
+        result = trio.run(soak, args, url, watch)
+        if server is not None:
+            stopped = time.perf_counter()
+            code = server.stop(timeout=60)
+            figures_extra["server_exit"] = (
+                f"exit {code} after {time.perf_counter() - stopped:.1f} s"
+            )
+            if code != 0:
+                failures.append(f"the server exited {code} on SIGINT")
+    finally:
+        if server is not None:
+            server.close()
+
+    figures = {**analyse(args, result), **figures_extra}
+    rows = process_rows(watch) if watch is not None else []
+    problems = log_problems(log)
+    figures["server_log_problem_lines"] = len(problems)
+    if figures["hung"]:
+        failures.append(f"{figures['hung']} clients hung (no end within {args.time_limit:g} s)")
+    if watch is not None and watch.server_died_at is not None:
+        failures.append(f"the server died {watch.server_died_at:.1f} s into the load")
+    if figures["health_after"] != 200 or figures["final_request"] != 200:
+        failures.append(
+            f"after the load: /health {figures['health_after']}, "
+            f"a completion {figures['final_request']}"
+        )
+    if figures["errors"] and not args.allow_errors:
+        failures.append(f"{figures['errors']} clients got errors: {figures['errors_by_kind']}")
+    report(args, figures, rows, problems, failures)
+    write_json(
+        args.json,
+        {
+            "figures": figures,
+            "failures": failures,
+            "processes": rows,
+            "server_log_problems": problems[:100],
+            "samples": watch.series if watch is not None else [],
+            "clients": [asdict(r) for r in result["records"]],
+            "args": {k: str(v) for k, v in vars(args).items()},
+        },
+    )
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
