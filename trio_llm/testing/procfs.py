@@ -92,3 +92,58 @@ async def wait_for_exit(pid: int) -> None:
     finally:
         trio.lowlevel.notify_closing(fd)
         os.close(fd)
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (``R``, ``S``, ``T``, ``Z``, ...), None if gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields is not None else None
+
+
+def count_fds(pid: int) -> int:
+    """Open file descriptors of ``pid`` (raises OSError if it is gone or not ours)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def listening_sockets(pid: int) -> list[str]:
+    """Listening sockets held by ``pid``: ``"tcp:PORT"`` and ``"unix:PATH"`` entries.
+
+    Read from /proc/net/tcp, tcp6 (state 0A, LISTEN) and unix (flag __SO_ACCEPTCON),
+    matched to the process's file descriptors by inode.
+    """
+    inodes = _socket_inodes(pid)
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                found.append(f"tcp:{int(fields[1].rsplit(':', 1)[1], 16)}")
+    try:
+        lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        lines = []
+    for line in lines:
+        fields = line.split()
+        if int(fields[3], 16) & 0x10000 and fields[6] in inodes:
+            found.append(f"unix:{fields[7] if len(fields) > 7 else '(unnamed)'}")
+    return sorted(found)
