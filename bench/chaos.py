@@ -24,7 +24,14 @@ from pathlib import Path
 
 import trio
 
-from trio_llm.testing.chaos import FAULTS, TrialResult, become_subreaper, plan_trials, run_trial
+from trio_llm.testing.chaos import (
+    FAULTS,
+    TrialResult,
+    TrialSpec,
+    become_subreaper,
+    plan_trials,
+    run_trial,
+)
 
 
 def summary_table(results: list[TrialResult]) -> str:
@@ -67,13 +74,21 @@ async def run(args: argparse.Namespace, log_dir: Path) -> list[TrialResult]:
     print(f"{len(specs)} trials, seed {args.seed}, logs in {log_dir}", flush=True)
     results: list[TrialResult] = []
     started = time.monotonic()
-    for spec in specs:
-        result = await run_trial(spec, log_dir)
+    slots = trio.Semaphore(args.jobs)
+
+    async def one(spec: TrialSpec) -> None:
+        async with slots:
+            result = await run_trial(spec, log_dir)
         results.append(result)
         status = "ok  " if result.ok else "FAIL"
         print(f"{status} {spec.describe()} {result.seconds:.1f}s", flush=True)
         for failure in result.failures:
             print(f"       {failure}", flush=True)
+
+    async with trio.open_nursery() as nursery:
+        for spec in specs:
+            nursery.start_soon(one, spec)
+    results.sort(key=lambda r: r.spec.index)
     minutes = (time.monotonic() - started) / 60
     failed = sum(not r.ok for r in results)
     print(f"\n{len(results)} trials in {minutes:.1f} min, {failed} failed\n")
@@ -99,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=24, help="number of trials")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     parser.add_argument("--faults", nargs="+", choices=FAULTS, help="only these fault kinds")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="trials run at once (each has its own server; 2 fits a 2-core machine)",
+    )
     parser.add_argument("--log-dir", help="where server logs go (default: a temp folder)")
     parser.add_argument("--json", help="also write every trial's result to this file")
     return parser.parse_args(argv)

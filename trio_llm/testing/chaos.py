@@ -609,10 +609,15 @@ def _stop_allowance(spec: TrialSpec) -> float:
     return spec.stop_seconds if spec.fault == "sigstop-engine" else 0.0
 
 
+#: hypercorn closes a connection the client already closed (CLOSE_WAIT) only when its
+#: keep-alive timeout (5 s) expires, so descriptors may take that long to come back.
+FD_SETTLE_SECONDS = 8.0
+
+
 async def _check_fds(pid: int, before: int, result: TrialResult) -> None:
     """The surviving server's descriptors come back to their count before the load."""
     now = before
-    with trio.move_on_after(5):
+    with trio.move_on_after(FD_SETTLE_SECONDS):
         # Another process's descriptors: they close as its handlers finish.
         while (now := count_fds(pid)) != before:  # noqa: ASYNC110
             await trio.sleep(0.1)

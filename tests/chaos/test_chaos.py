@@ -1,0 +1,66 @@
+"""The chaos suite: load + one fault per trial, with every end checked (see
+trio_llm/testing/chaos.py for what a trial asserts).
+
+``make test`` runs a short seeded sample: a few fault kinds picked by the seed from the
+full plan. The long run is opt-in (marked ``chaos``):
+``TRIO_LLM_CHAOS_TRIALS=24 HF_HUB_OFFLINE=1 .venv/bin/pytest -m chaos tests/chaos``, or
+``bench/chaos.py --trials 200`` for the summary table in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from trio_llm.testing.chaos import become_subreaper, plan_trials, run_trial
+
+#: The sample's seed; change it with TRIO_LLM_CHAOS_SEED to sample other trials.
+SEED = int(os.environ.get("TRIO_LLM_CHAOS_SEED", "9"))
+#: Trials in the sample (each starts a server: about 15 to 40 s).
+SAMPLE = 3
+#: Environment variable that turns the long run on (its number of trials).
+TRIALS_ENV = "TRIO_LLM_CHAOS_TRIALS"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def subreaper() -> None:
+    """Children of a SIGKILLed server are adopted (and checked, and reaped) by pytest."""
+    become_subreaper()
+
+
+def _sample() -> list:
+    """``SAMPLE`` trials of different fault kinds, from the seeded plan of every kind."""
+    picked, kinds = [], set()
+    for spec in plan_trials(24, SEED):
+        if spec.fault not in kinds:
+            kinds.add(spec.fault)
+            picked.append(spec)
+        if len(picked) == SAMPLE:
+            break
+    return picked
+
+
+@pytest.mark.parametrize("spec", _sample(), ids=lambda spec: spec.fault)
+async def test_chaos_sample(spec, tmp_path: Path, real_model_dir: Path) -> None:
+    result = await run_trial(spec, tmp_path)
+    assert result.ok, f"{spec.describe()}:\n" + "\n".join(result.failures)
+
+
+def _long_run() -> list:
+    trials = os.environ.get(TRIALS_ENV)
+    if not trials:
+        reason = f"opt-in long chaos run: set {TRIALS_ENV}=N"
+        return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="opt-in")]
+    return [
+        pytest.param(spec, id=f"{spec.index}-{spec.fault}")
+        for spec in plan_trials(int(trials), SEED + 1)
+    ]
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("spec", _long_run())
+async def test_chaos_long_run(spec, tmp_path: Path, real_model_dir: Path) -> None:
+    result = await run_trial(spec, tmp_path)
+    assert result.ok, f"{spec.describe()}:\n" + "\n".join(result.failures)
