@@ -16,8 +16,41 @@ from trio_llm.testing.server_process import ServerProcess
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-#: Both process layouts run the same end-to-end tests against the shared server.
+#: Both process layouts run the same end-to-end tests against the shared server...
 DETOKENIZER_MODES = ["inline", "process"]
+
+#: ...except these modules, whose behaviour does not depend on where text is made
+#: (validation, tokenization, scheduling and sampling in the engine, the examples, the
+#: browser page); they run against the 2-process server only, which keeps ``make test``
+#: within its time budget. test_detokenizer_modes compares the two layouts directly.
+INLINE_ONLY_MODULES = {
+    "test_bad_input",
+    "test_chat_page",
+    "test_concurrency",
+    "test_examples",
+    "test_sampling_params",
+    "test_tokenize",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the 3-process runs of `INLINE_ONLY_MODULES`."""
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        module = getattr(item, "module", None)
+        name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
+        if (
+            callspec is not None
+            and callspec.params.get("detokenizer_mode") == "process"
+            and name in INLINE_ONLY_MODULES
+        ):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session", params=DETOKENIZER_MODES)
