@@ -52,6 +52,8 @@ class Lifecycle:
         reason: one line saying why the server stopped.
         drain: True when accepted requests may finish first (SIGTERM).
         drain_scope: the drain's wait; a second signal cancels it.
+        aborting: set once open requests are being ended; a signal after that cancels
+            everything at once.
     """
 
     stop_requested: trio.Event = field(default_factory=trio.Event)

@@ -317,12 +317,14 @@ def _check_keyboard_interrupt_aborts_the_batch(llm: LLM) -> None:
     KeyboardInterrupt is re-raised."""
     main = threading.main_thread()
     assert threading.current_thread() is main
+    # Steps of earlier batches do not count (their last stats may still show requests).
+    steps_before = llm.stats.num_steps
 
     def interrupt_once_generating() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # a condition wait with a deadline
             last = llm.stats.last
-            if last is not None and last.num_running > 0:
+            if llm.stats.num_steps > steps_before and last is not None and last.num_running:
                 signal.pthread_kill(main.ident, signal.SIGINT)
                 return
             time.sleep(0.005)
