@@ -4,6 +4,7 @@
     python bench/soak.py --clients 50 --time-limit 120  # a quick check
     python bench/soak.py --server-args='--detokenizer-mode process' --json out.json
     python bench/soak.py --url http://127.0.0.1:8000 [--server-pid PID]
+    python bench/soak.py --rounds 3 --clients 300   # does memory settle or keep growing?
 
 Starts ``trio-llm serve`` on a free port (``--max-num-seqs 256`` by default, more flags
 with ``--server-args``), or uses the server at ``--url``. Then opens ``--clients``
@@ -14,22 +15,35 @@ bench/data/sonnet.txt, exactly ``--max-tokens`` output tokens (``ignore_eos``).
 
 What it measures:
 
-- per client: time to its first content token from sending the request (TTFT), the TCP
-  connect time, and how it ended. *Completed*: ``data: [DONE]`` after at least one token
-  and no error event. *Errors*, by kind: an HTTP status other than 200, an error event, a
-  transport error (by exception class), a stream without ``[DONE]``. *Hung*: no end at
-  all within ``--time-limit`` seconds, when everything is cancelled (should be 0);
+- per client: time to its first content token from sending the request (TTFT), to the
+  TCP connection (as the client sees it: the server's SYN-ACK, which the kernel sends
+  before the server accepts), to the response headers, and how it ended. *Completed*:
+  ``data: [DONE]`` after at least one token and no error event. *Errors*, by kind: an
+  HTTP status other than 200, an error event, a transport error (by exception class), a
+  stream without ``[DONE]``. *Hung*: no end at all within ``--time-limit`` seconds, when
+  everything is cancelled (should be 0);
 - every ``--sample-interval`` seconds: the RSS (``VmRSS``) and open fds of the server and
   each of its descendants (engine core, detokenizer), at the start, peak and end of the
   load; the scheduler gauges from ``/metrics`` and how long that scrape took (how
   responsive the API server's event loop stays under the load);
 - after the load: the fds and RSS again once the clients' connections are closed,
-  ``GET /health`` and one ordinary request, and (own server only) SIGINT's exit status;
-- CPU seconds of every process during the load, this client's included.
+  ``GET /health`` and one ordinary request. ``--rounds N`` repeats the load (new prompts)
+  against the same server: an RSS that keeps growing from round to round is a leak, one
+  that stays at the first round's level is the allocator's high-water mark. At the end
+  (own server only) SIGINT and its exit status;
+- CPU seconds of every process during the load, this client's included, and those of
+  every other process of the machine (other programs competing for the cores);
+- the kernel's TCP counters over the load (listen-queue overflows, SYN cookies, resets):
+  a burst of connections larger than the server's listen backlog shows up there.
 
-The client is one ``httpx.AsyncClient`` with an unbounded pool under Trio; its CPU time is
-reported so that it can be compared with the server's. The soft ``RLIMIT_NOFILE`` is raised
-to the hard limit before the server starts, so the server inherits it too.
+Each client is one Trio task with its own TCP connection and a raw h11 state machine (the
+same HTTP parser httpx uses). One ``httpx.AsyncClient`` for all of them cost about twice the
+CPU: its pool assigns requests to connections in time quadratic in their number, which
+showed at a thousand. The client's own CPU time and event-loop lag are reported so that it
+can be compared with the server's. The soft ``RLIMIT_NOFILE`` is raised to the hard limit
+before the server starts, so the server inherits it too.
+
+Server processes of other programs compete for the same cores: run it on a quiet machine.
 
 Prints a summary; ``--json PATH`` also writes every figure, the samples and each client's
 record. Exits 1 if a client hung, the server died or was unhealthy after the load, or (unless
@@ -39,6 +53,7 @@ record. Exits 1 if a client hung, the server died or was unhealthy after the loa
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import math
 import os
@@ -46,24 +61,27 @@ import random
 import re
 import resource
 import shlex
+import signal
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import h11
 import httpx
 import trio
 from common import SONNETS, percentile, print_table, write_json
-from process_cpu import cpu_seconds, role
+from process_cpu import CLOCK_TICKS, cpu_seconds, role
 
 from trio_llm.config import DEFAULT_MODEL
-from trio_llm.testing.procfs import descendants, is_running
+from trio_llm.testing.procfs import command_line, descendants, is_running
 from trio_llm.testing.server_process import ServerProcess
 from trio_llm.testing.sse import DONE, delta_text
 
@@ -72,6 +90,8 @@ _GAUGES = re.compile(
     r"^trio_llm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc|num_preemptions)"
     r"\S*\s+(\S+)$"
 )
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+RECEIVE_SIZE = 65536
 _LOG_PROBLEM = re.compile(r"warn|error|exception|traceback", re.IGNORECASE)
 
 
@@ -107,87 +127,164 @@ class ClientRecord:
         return self.first_token - self.sent
 
 
-async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The ``data`` of each server-sent event (multi-line data joined by newlines).
+class SSEDecoder:
+    """Server-sent events from a byte stream: the ``data`` of each event.
 
-    Follows the event-stream format: fields end at a line break, an event at a blank line,
-    ``:`` lines are comments, one space after the colon is dropped, and an event cut off by
-    the end of the stream is discarded.
+    Follows the event-stream format: lines end at CR LF, LF or CR; an event ends at a blank
+    line; lines starting with ``:`` are comments; one space after the field's colon is
+    dropped; several ``data`` lines join with LF; an event cut off by the end of the stream
+    is discarded. UTF-8 characters and CR LF pairs may be split across chunks.
     """
-    data: list[str] = []
-    async for line in response.aiter_lines():
-        if not line:
-            if data:
-                yield "\n".join(data)
-                data = []
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        if name == "data":
-            data.append(value.removeprefix(" "))
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
+        self._pending = ""  # an unfinished line
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The data of every event that ``chunk`` completes."""
+        text = self._pending + self._utf8.decode(chunk)
+        # A final CR may be the first half of CR LF: keep it for the next chunk.
+        cut = len(text) - 1 if text.endswith("\r") else len(text)
+        lines = _LINE_BREAK.split(text[:cut])
+        self._pending = lines.pop() + text[cut:]
+        events = []
+        for line in lines:
+            if not line:
+                if self._data:
+                    events.append("\n".join(self._data))
+                    self._data = []
+            elif not line.startswith(":"):
+                name, _, value = line.partition(":")
+                if name == "data":
+                    self._data.append(value.removeprefix(" "))
+        return events
+
+
+class Connection:
+    """One HTTP/1.1 request on its own TCP connection, with h11 (lighter than an httpx pool
+    of a thousand connections, whose request assignment is quadratic in them)."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT)
+
+    async def send_request(self, method: str, target: str, headers: list, body: bytes) -> None:
+        request = h11.Request(method=method, target=target, headers=headers)
+        data = self.h11.send(request) + self.h11.send(h11.Data(data=body))
+        await self.stream.send_all(data + self.h11.send(h11.EndOfMessage()))
+
+    async def next_event(self) -> Any:
+        """The next h11 event (``Response``, ``Data``, ``EndOfMessage``), reading as needed."""
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            self.h11.receive_data(await self.stream.receive_some(RECEIVE_SIZE))
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the clients connect, and the headers every request carries."""
+
+    host: str
+    port: int
+    prefix: str
+    headers: list[tuple[str, str]]
+
+    @classmethod
+    def from_url(cls, url: str, api_key: str | None) -> Target:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"need an http:// URL, got {url!r}")
+        port = parts.port or 80
+        headers = [
+            ("host", parts.netloc),
+            ("content-type", "application/json"),
+            ("accept", "text/event-stream"),
+        ]
+        if api_key:
+            headers.append(("authorization", f"Bearer {api_key}"))
+        return cls(parts.hostname, port, parts.path.rstrip("/"), headers)
 
 
 async def run_client(
-    http: httpx.AsyncClient, record: ClientRecord, body: dict[str, Any], clock: Callable[[], float]
+    target: Target, record: ClientRecord, body: bytes, clock: Callable[[], float]
 ) -> None:
     """Send one streamed request and fill ``record``; a cancellation leaves it unended."""
-
-    async def trace(name: str, info: dict[str, Any]) -> None:
-        if name == "connection.connect_tcp.complete":
-            record.connected = clock()
-
     path = "/v1/chat/completions" if record.route == "chat" else "/v1/completions"
+    headers = [*target.headers, ("content-length", str(len(body)))]
     record.sent = clock()
     try:
-        async with http.stream("POST", path, json=body, extensions={"trace": trace}) as response:
+        stream = await trio.open_tcp_stream(target.host, target.port)
+        record.connected = clock()
+        async with stream:
+            conn = Connection(stream)
+            await conn.send_request("POST", target.prefix + path, headers, body)
+            response = await conn.next_event()
+            while isinstance(response, h11.InformationalResponse):
+                response = await conn.next_event()
+            if not isinstance(response, h11.Response):  # ConnectionClosed
+                record.error, record.detail = "transport: closed early", repr(response)
+                record.ended = clock()
+                return
             record.headers = clock()
             record.status = response.status_code
             if response.status_code != 200:
-                content = await response.aread()
+                content = b""
+                while isinstance(event := await conn.next_event(), h11.Data):
+                    content += event.data
                 record.error = f"HTTP {response.status_code}"
                 record.detail = content[:300].decode(errors="replace")
             else:
-                await read_stream(response, record, clock)
-    except httpx.HTTPError as exc:
-        record.error = f"transport: {type(exc).__name__}"
-        record.detail = str(exc)[:300]
+                await read_stream(conn, record, clock)
+    except (OSError, trio.BrokenResourceError, h11.ProtocolError) as exc:
+        cause = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) else None
+        record.error = f"transport: {type(cause or exc).__name__}"
+        record.detail = str(cause or exc)[:300]
     record.ended = clock()
 
 
-async def read_stream(
-    response: httpx.Response, record: ClientRecord, clock: Callable[[], float]
-) -> None:
+async def read_stream(conn: Connection, record: ClientRecord, clock: Callable[[], float]) -> None:
     """Read the event stream to its end, counting text events and noting problems."""
 
     def problem(kind: str, detail: str) -> None:
         if record.error is None:
             record.error, record.detail = kind, detail[:300]
 
-    async for data in sse_data(response):
-        if record.done:
-            problem("data after [DONE]", data)
-            continue
-        if data == DONE:
-            record.done = True
-            continue
-        try:
-            event = json.loads(data)
-        except ValueError:
-            problem("malformed event", data)
-            continue
-        if not isinstance(event, dict):
-            problem("malformed event", data)
-        elif "error" in event:
-            error = event["error"]
-            problem("error event", error.get("message", "") if isinstance(error, dict) else data)
-        else:
-            if event.get("usage"):
-                record.completion_tokens = event["usage"].get("completion_tokens")
-            if delta_text(event):
-                record.text_events += 1
-                if record.first_token is None:
-                    record.first_token = clock()
+    decoder = SSEDecoder()
+    while True:
+        event = await conn.next_event()
+        if isinstance(event, h11.EndOfMessage):
+            break
+        if not isinstance(event, h11.Data):  # ConnectionClosed before the end of the body
+            problem("transport: closed early", repr(event))
+            break
+        for data in decoder.feed(event.data):
+            if record.done:
+                problem("data after [DONE]", data)
+                continue
+            if data == DONE:
+                record.done = True
+                continue
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                problem("malformed event", data)
+                continue
+            if not isinstance(chunk, dict):
+                problem("malformed event", data)
+            elif "error" in chunk:
+                error = chunk["error"]
+                message = error.get("message", "") if isinstance(error, dict) else data
+                problem("error event", message)
+            else:
+                if chunk.get("usage"):
+                    record.completion_tokens = chunk["usage"].get("completion_tokens")
+                if delta_text(chunk):
+                    record.text_events += 1
+                    if record.first_token is None:
+                        record.first_token = clock()
     if not record.done:
         problem("no [DONE]", "the stream ended without data: [DONE]")
     elif record.first_token is None:
@@ -244,19 +341,19 @@ def fd_count(pid: int) -> int | None:
 
 @dataclass
 class ProcessStats:
-    """RSS and fds of one process of the server's tree, over the soak."""
+    """RSS, fds and CPU time of one process of the server's tree, over the soak."""
 
     pid: int
     role: str
-    rss_start: int | None = None
+    rss_start: int | None = None  # before the first round
     rss_peak: int = 0
-    rss_load_end: int | None = None  # the last sample while clients were still running
-    rss_after: int | None = None  # after the load, connections closed
+    rss_load_end: int | None = None  # the last sample while clients were running
+    rss_after: list[int | None] = field(default_factory=list)  # after each round
     fds_start: int | None = None
     fds_peak: int = 0
-    fds_after: int | None = None
-    cpu_start: float = 0.0
-    cpu_load: float | None = None  # CPU seconds during the load
+    fds_after: list[int | None] = field(default_factory=list)
+    cpu_load: float = 0.0  # CPU seconds during the loads (all rounds)
+    cpu_round_start: float | None = None
     gone: bool = False
 
     def sample(self) -> tuple[int | None, int | None]:
@@ -271,21 +368,21 @@ class ProcessStats:
 
 
 class ProcessWatch:
-    """Samples the server and every descendant of it (found anew at each sample)."""
+    """Samples the server and every descendant of it (engine core, detokenizer, ...)."""
 
     def __init__(self, server_pid: int) -> None:
         self.server_pid = server_pid
         self.procs: dict[int, ProcessStats] = {}
-        self.series: list[dict[str, Any]] = []  # {"t": s, "<role>": rss MiB, ...}
-        self.server_died_at: float | None = None
+        self.series: list[dict[str, Any]] = []  # {"round", "t": s, "<role> <pid>": MiB, ...}
+        self.server_died_at: str | None = None
         self.rescan_s = 5.0
         self._scanned = -math.inf
         self._pids: list[int] = []
 
-    def _tree(self) -> list[int]:
+    def _tree(self, rescan: bool = False) -> list[int]:
         """The server and its descendants; /proc is scanned for them at most every 5 s."""
         now = time.monotonic()
-        if now - self._scanned >= self.rescan_s:
+        if rescan or now - self._scanned >= self.rescan_s:
             self._pids = [self.server_pid, *sorted(descendants(self.server_pid))]
             self._scanned = now
         return self._pids
@@ -296,16 +393,21 @@ class ProcessWatch:
         return self.procs[pid]
 
     def start(self) -> None:
-        self._scanned = -math.inf
-        for pid in self._tree():
+        """The baseline, before the first round."""
+        for pid in self._tree(rescan=True):
             stats = self._stats(pid)
             stats.rss_start, stats.fds_start = stats.sample()
-            stats.cpu_start = _cpu(pid) or 0.0
 
-    def sample(self, t: float) -> None:
-        point: dict[str, Any] = {"t": round(t, 2)}
+    def round_start(self) -> None:
+        for pid in self._tree(rescan=True):
+            self._stats(pid).cpu_round_start = _cpu(pid)
+
+    def sample(self, round_index: int, t: float) -> None:
+        point: dict[str, Any] = {"round": round_index + 1, "t": round(t, 2)}
         for pid in self._tree():
             stats = self._stats(pid)
+            if stats.cpu_round_start is None:  # started during this round
+                stats.cpu_round_start = 0.0
             rss, fds = stats.sample()
             if rss is not None:
                 stats.rss_load_end = rss
@@ -313,26 +415,37 @@ class ProcessWatch:
                 point[f"{stats.role} {pid} fds"] = fds
         self.series.append(point)
         if self.server_died_at is None and not is_running(self.server_pid):
-            self.server_died_at = t
+            self.server_died_at = f"{t:.1f} s into round {round_index + 1}"
 
-    def load_over(self) -> None:
+    def load_over(self) -> float:
+        """CPU seconds the tree used during this round's load."""
+        total = 0.0
         for pid, stats in self.procs.items():
             used = _cpu(pid)
-            stats.cpu_load = None if used is None else used - stats.cpu_start
+            if used is not None and stats.cpu_round_start is not None:
+                stats.cpu_load += used - stats.cpu_round_start
+                total += used - stats.cpu_round_start
+            stats.cpu_round_start = None
+        return total
 
     def fds_back(self) -> bool:
-        """True when no process of the tree has more fds open than at `start`."""
+        """True when no process of the tree has more fds open than before the first round."""
         for pid, stats in self.procs.items():
             fds = fd_count(pid)
             if fds is not None and stats.fds_start is not None and fds > stats.fds_start:
                 return False
         return True
 
-    def after(self) -> None:
-        self._scanned = -math.inf
-        for pid in self._tree():
+    def after(self, round_index: int) -> None:
+        """RSS and fds after round ``round_index`` (0-based)."""
+        for pid in self._tree(rescan=True):
             stats = self._stats(pid)
-            stats.rss_after, stats.fds_after = stats.sample()
+            missing = round_index - len(stats.rss_after)
+            stats.rss_after += [None] * missing
+            stats.fds_after += [None] * missing
+            rss, fds = stats.sample()
+            stats.rss_after.append(rss)
+            stats.fds_after.append(fds)
         for stats in self.procs.values():
             stats.gone = not is_running(stats.pid)
 
@@ -366,6 +479,55 @@ def listening_pid(port: int) -> int | None:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return None
+
+
+def other_servers(server_pid: int | None) -> list[int]:
+    """trio_llm processes that are neither this program nor the server under test's tree."""
+    ours = {os.getpid()}
+    if server_pid is not None:
+        ours |= {server_pid, *descendants(server_pid)}
+    return sorted(
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and int(entry) not in ours and "trio_llm" in command_line(int(entry))
+    )
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds all processes of the machine have used since boot (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    # user nice system idle iowait irq softirq steal ...: all but idle and iowait.
+    busy = sum(int(v) for i, v in enumerate(fields[:8]) if i not in (3, 4))
+    return busy / CLOCK_TICKS
+
+
+#: Kernel TCP counters (/proc/net/netstat, /proc/net/snmp) that show a full listen queue.
+TCP_COUNTERS = (
+    "TcpExt:ListenOverflows",
+    "TcpExt:ListenDrops",
+    "TcpExt:SyncookiesSent",
+    "TcpExt:SyncookiesRecv",
+    "TcpExt:SyncookiesFailed",
+    "Tcp:AttemptFails",
+    "Tcp:EstabResets",
+)
+
+
+def tcp_counters() -> dict[str, int]:
+    """The `TCP_COUNTERS` of this network namespace now (all its processes, not only ours)."""
+    values: dict[str, int] = {}
+    for table in ("/proc/net/netstat", "/proc/net/snmp"):
+        try:
+            rows = Path(table).read_text().splitlines()
+        except FileNotFoundError:
+            continue
+        for names, numbers in zip(rows[::2], rows[1::2], strict=False):
+            prefix, _, fields = names.partition(" ")
+            for name, number in zip(fields.split(), numbers.split()[1:], strict=False):
+                key = f"{prefix}{name}"
+                if key in TCP_COUNTERS:
+                    values[key] = int(number)
+    return values
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -409,14 +571,6 @@ async def poll_metrics(
         await trio.sleep(max(0.0, interval - (time.perf_counter() - start)))
 
 
-async def sample_processes(
-    watch: ProcessWatch, interval: float, clock: Callable[[], float]
-) -> None:
-    while True:
-        watch.sample(clock())
-        await trio.sleep(interval)
-
-
 async def measure_lag(lags: list[float], interval: float = 0.1) -> None:
     """How late this client's own event loop wakes up (is the client keeping up?)."""
     while True:
@@ -437,15 +591,26 @@ async def timed(call: Awaitable[httpx.Response], limit: float) -> tuple[int | st
     return result, time.perf_counter() - start
 
 
-async def soak(args: argparse.Namespace, url: str, watch: ProcessWatch | None) -> dict[str, Any]:
-    """The load, sampling alongside it, then the checks after it."""
+async def soak(
+    args: argparse.Namespace, url: str, watch: ProcessWatch | None
+) -> list[dict[str, Any]]:
+    """``--rounds`` rounds of the load against one server; each round's result."""
+    if watch is not None:
+        watch.start()
+    return [await load_round(args, url, watch, r) for r in range(args.rounds)]
+
+
+async def load_round(
+    args: argparse.Namespace, url: str, watch: ProcessWatch | None, round_index: int
+) -> dict[str, Any]:
+    """One round: the load with sampling alongside it, then the checks after it."""
     n = args.clients
-    texts = sonnet_texts(n, args.prompt_lines, args.seed)
+    texts = sonnet_texts(n, args.prompt_lines, args.seed + round_index)
     chat = [int((i + 1) * args.chat_share) > int(i * args.chat_share) for i in range(n)]
     records = [ClientRecord(i, "chat" if chat[i] else "completions") for i in range(n)]
-    bodies = [request_body(args, r.route, texts[r.index]) for r in records]
+    bodies = [json.dumps(request_body(args, r.route, texts[r.index])).encode() for r in records]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    target = Target.from_url(url, args.api_key)
     metrics = MetricsSamples()
     lags: list[float] = []
     t0 = time.perf_counter()
@@ -454,22 +619,28 @@ async def soak(args: argparse.Namespace, url: str, watch: ProcessWatch | None) -
         return time.perf_counter() - t0
 
     fired = trio.Event()
+    server_pid = watch.server_pid if watch is not None else None
+    others = set(other_servers(server_pid))
+    load_average = os.getloadavg()
     if watch is not None:
-        watch.start()
+        watch.round_start()
     client_cpu = time.process_time()
-    async with (
-        httpx.AsyncClient(base_url=url, headers=headers, timeout=30.0) as monitor,
-        httpx.AsyncClient(
-            base_url=url, headers=headers, timeout=httpx.Timeout(None), limits=limits
-        ) as http,
-    ):
+    machine_cpu = machine_cpu_seconds()
+    server_cpu = 0.0
+    counters = tcp_counters()
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30.0) as monitor:
 
         async def one(i: int, task_status: trio.TaskStatus[None]) -> None:
             task_status.started()
             await fired.wait()
             if args.ramp > 0:
                 await trio.sleep_until(start_at + args.ramp * i / n)
-            await run_client(http, records[i], bodies[i], clock)
+            await run_client(target, records[i], bodies[i], clock)
+
+        async def sample_processes(watch: ProcessWatch) -> None:
+            while True:
+                watch.sample(round_index, clock())
+                await trio.sleep(args.sample_interval)
 
         with trio.move_on_after(args.time_limit) as limit:
             async with trio.open_nursery() as side:
@@ -481,23 +652,25 @@ async def soak(args: argparse.Namespace, url: str, watch: ProcessWatch | None) -
                     t0 = time.perf_counter()
                     start_at = trio.current_time()
                     if watch is not None:
-                        side.start_soon(sample_processes, watch, args.sample_interval, clock)
+                        side.start_soon(sample_processes, watch)
                     fired.set()
                 side.cancel_scope.cancel()
         wall = clock()
         if watch is not None:
-            watch.sample(wall)
-            watch.load_over()
+            watch.sample(round_index, wall)
+            server_cpu = watch.load_over()
     client_cpu = time.process_time() - client_cpu
-    # Every connection of this client is closed now. The server closes its ends when it
-    # notices (hypercorn: an idle keep-alive connection at its keep-alive timeout).
+    machine_cpu = machine_cpu_seconds() - machine_cpu
+    counters = {k: v - counters.get(k, 0) for k, v in tcp_counters().items()}
+    others |= set(other_servers(server_pid))
+    # Every connection of the load is closed now; the server closes its ends when it notices.
     settle_s = None
     if watch is not None:
         with trio.move_on_after(args.settle):
             while not watch.fds_back():  # noqa: ASYNC110 - /proc can only be polled
                 await trio.sleep(0.25)
             settle_s = clock() - wall
-        watch.after()
+        watch.after(round_index)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30.0) as after:
         health, health_s = await timed(after.get("/health"), 30)
         final_body = {"prompt": texts[0], "max_tokens": args.max_tokens, "temperature": 0.0}
@@ -514,6 +687,12 @@ async def soak(args: argparse.Namespace, url: str, watch: ProcessWatch | None) -
         "final": final,
         "final_s": final_s,
         "fds_settle_s": settle_s,
+        "watched": watch is not None,
+        "tcp_counters": counters,
+        "load_average_at_start": load_average,
+        "other_trio_llm_processes": sorted(others),
+        "server_cpu_s": server_cpu,
+        "other_cpu_s": machine_cpu - client_cpu - server_cpu,
     }
 
 
@@ -521,6 +700,7 @@ async def soak(args: argparse.Namespace, url: str, watch: ProcessWatch | None) -
 
 
 def analyse(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one round."""
     records: list[ClientRecord] = result["records"]
     completed = [r for r in records if r.completed]
     hung = [r for r in records if r.ended is None]
@@ -529,13 +709,13 @@ def analyse(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
     connect = [
         r.connected - r.sent for r in records if r.connected is not None and r.sent is not None
     ]
+    headers = [r.headers - r.sent for r in records if r.headers is not None and r.sent is not None]
     tokens = sum(
         r.completion_tokens if r.completion_tokens is not None else r.text_events for r in records
     )
     wrong_length = [
         r.index for r in completed if (r.completion_tokens or r.text_events) != args.max_tokens
     ]
-    ends = [r.ended for r in records if r.ended is not None]
     metrics: MetricsSamples = result["metrics"]
     lags: list[float] = result["client_lag_s"]
     return {
@@ -550,7 +730,6 @@ def analyse(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
         "time_limit_hit": result["time_limit_hit"],
         "wrong_length": len(wrong_length),
         "wall_s": result["wall_s"],
-        "last_end_s": max(ends, default=0.0),
         "output_tokens": tokens,
         "output_tok_per_s": tokens / result["wall_s"] if result["wall_s"] else 0.0,
         "ttft_p50_s": percentile(ttft, 50),
@@ -559,6 +738,9 @@ def analyse(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
         "connect_p50_s": percentile(connect, 50),
         "connect_p99_s": percentile(connect, 99),
         "connect_max_s": max(connect, default=0.0),
+        "headers_p50_s": percentile(headers, 50),
+        "headers_p99_s": percentile(headers, 99),
+        "headers_max_s": max(headers, default=0.0),
         "metrics_scrapes": len(metrics.scrape_s),
         "metrics_scrape_p50_s": percentile(metrics.scrape_s, 50),
         "metrics_scrape_max_s": max(metrics.scrape_s, default=0.0),
@@ -575,6 +757,12 @@ def analyse(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
         "final_request": result["final"],
         "final_request_s": result["final_s"],
         "fds_settle_s": result["fds_settle_s"],
+        "watched": result["watched"],
+        "tcp_counters": result["tcp_counters"],
+        "load_average_at_start": result["load_average_at_start"],
+        "other_trio_llm_processes": result["other_trio_llm_processes"],
+        "server_cpu_s": result["server_cpu_s"],
+        "other_cpu_s": result["other_cpu_s"],
     }
 
 
@@ -582,22 +770,31 @@ def _mib(value: int | None) -> float | None:
     return None if value is None else value / MIB
 
 
-def process_rows(watch: ProcessWatch) -> list[dict[str, Any]]:
-    return [
-        {
-            "process": s.role,
-            "pid": s.pid,
-            "rss_start_MiB": _mib(s.rss_start),
-            "rss_peak_MiB": _mib(s.rss_peak),
-            "rss_load_end_MiB": _mib(s.rss_load_end),
-            "rss_after_MiB": _mib(s.rss_after),
-            "fds_start": s.fds_start,
-            "fds_peak": s.fds_peak,
-            "fds_after": s.fds_after,
-            "cpu_load_s": s.cpu_load,
-        }
-        for s in watch.procs.values()
-    ]
+def process_rows(watch: ProcessWatch, rounds: int) -> list[dict[str, Any]]:
+    """One row per process: RSS (MiB) and fds before, at peak and after each round."""
+
+    def suffix(r: int) -> str:
+        return "" if rounds == 1 else f"_r{r + 1}"
+
+    rows = []
+    for s in watch.procs.values():
+        row: dict[str, Any] = {"process": s.role, "pid": s.pid}
+        row["rss_start_MiB"] = _mib(s.rss_start)
+        row["rss_peak_MiB"] = _mib(s.rss_peak)
+        row["rss_load_end_MiB"] = _mib(s.rss_load_end)
+        for r in range(rounds):
+            row[f"rss_after{suffix(r)}_MiB"] = _mib(_at(s.rss_after, r))
+        row["fds_start"] = s.fds_start
+        row["fds_peak"] = s.fds_peak
+        for r in range(rounds):
+            row[f"fds_after{suffix(r)}"] = _at(s.fds_after, r)
+        row["cpu_load_s"] = s.cpu_load
+        rows.append(row)
+    return rows
+
+
+def _at(values: list[int | None], index: int) -> int | None:
+    return values[index] if index < len(values) else None
 
 
 def log_problems(path: Path | None) -> list[str]:
@@ -607,19 +804,12 @@ def log_problems(path: Path | None) -> list[str]:
     return [line for line in path.read_text().splitlines() if _LOG_PROBLEM.search(line)]
 
 
-def report(
-    args: argparse.Namespace,
-    figures: dict[str, Any],
-    rows: list[dict[str, Any]],
-    problems: list[str],
-    failures: list[str],
-) -> None:
-    print(
-        f"\nsoak: {figures['clients']} concurrent streaming clients "
-        f"({args.chat_share:.0%} chat), {args.max_tokens} output tokens each, "
-        f"ramp {args.ramp:g} s, time limit {args.time_limit:g} s; {os.cpu_count()} CPUs"
-    )
-    summary = [
+def round_summary(figures: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(label, value) lines of one round's figures."""
+    failures = figures["metrics_scrape_failures"]
+    settle = figures["fds_settle_s"]
+    counters = figures["tcp_counters"]
+    return [
         ("completed", f"{figures['completed']} / {figures['clients']}"),
         ("errors", f"{figures['errors']} {figures['errors_by_kind'] or ''}".strip()),
         ("hung (no end by the time limit)", figures["hung"]),
@@ -629,16 +819,11 @@ def report(
         ("output tok/s", f"{figures['output_tok_per_s']:.1f}"),
         ("TTFT p50 / p99 / max", _secs(figures, "ttft")),
         ("TCP connect p50 / p99 / max", _secs(figures, "connect")),
+        ("response headers p50 / p99 / max", _secs(figures, "headers")),
         (
             "/metrics scrape during load p50 / max",
             f"{figures['metrics_scrape_p50_s']:.3f} / {figures['metrics_scrape_max_s']:.3f} s "
-            f"({figures['metrics_scrapes']} scrapes"
-            + (
-                f", failures {figures['metrics_scrape_failures']}"
-                if figures["metrics_scrape_failures"]
-                else ""
-            )
-            + ")",
+            f"({figures['metrics_scrapes']} scrapes{f', failures {failures}' if failures else ''})",
         ),
         (
             "scheduler max running / waiting",
@@ -649,9 +834,29 @@ def report(
             f"{figures['kv_cache_max_usage']:.1%}, {figures['preemptions']:.0f}",
         ),
         (
-            "client CPU, loop lag max, RSS peak",
-            f"{figures['client_cpu_s']:.1f} s, {figures['client_loop_lag_max_s'] * 1000:.0f} ms, "
+            "client loop lag max, RSS peak",
+            f"{figures['client_loop_lag_max_s'] * 1000:.0f} ms, "
             f"{figures['client_rss_peak_mib']:.0f} MiB",
+        ),
+        (
+            "kernel TCP counters during the load",
+            " ".join(f"{k.partition(':')[2]} {v}" for k, v in counters.items()) or "n/a",
+        ),
+        (
+            "server fds back to their start",
+            "not measured"
+            if not figures["watched"]
+            else f"{settle:.1f} s after the load"
+            if settle is not None
+            else "not within --settle",
+        ),
+        (
+            "CPU seconds: server, this client, others",
+            f"{figures['server_cpu_s']:.1f}, {figures['client_cpu_s']:.1f}, "
+            f"{figures['other_cpu_s']:.1f} (of {figures['wall_s'] * (os.cpu_count() or 1):.0f} "
+            f"on {os.cpu_count()} CPUs; other trio_llm processes: "
+            f"{figures['other_trio_llm_processes'] or 'none'}; load average at start "
+            f"{', '.join(f'{x:.2f}' for x in figures['load_average_at_start'])})",
         ),
         ("GET /health after", f"{figures['health_after']} ({figures['health_after_s']:.3f} s)"),
         (
@@ -659,23 +864,36 @@ def report(
             f"{figures['final_request']} ({figures['final_request_s']:.2f} s)",
         ),
     ]
-    if "server_exit" in figures:
-        summary.append(("server SIGINT", figures["server_exit"]))
-    width = max(len(k) for k, _ in summary)
-    for key, value in summary:
-        print(f"  {key.ljust(width)}  {value}")
-    if figures["first_error"]:
-        print(f"  first error: {figures['first_error']}")
+
+
+def report(
+    args: argparse.Namespace,
+    common: dict[str, Any],
+    rounds: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    problems: list[str],
+    failures: list[str],
+) -> None:
+    print(
+        f"\nsoak: {args.clients} concurrent streaming clients ({args.chat_share:.0%} chat), "
+        f"{args.max_tokens} output tokens each, ramp {args.ramp:g} s, "
+        f"{args.rounds} round(s) of at most {args.time_limit:g} s; {os.cpu_count()} CPUs"
+    )
+    for r, figures in enumerate(rounds):
+        lines = round_summary(figures)
+        if len(rounds) > 1:
+            print(f"round {r + 1} of {len(rounds)}:")
+        width = max(len(k) for k, _ in lines)
+        for key, value in lines:
+            print(f"  {key.ljust(width)}  {value}")
+        if figures["first_error"]:
+            print(f"  first error: {figures['first_error']}")
+    if "server_exit" in common:
+        print(f"server SIGINT: {common['server_exit']}")
     if rows:
-        settle = figures["fds_settle_s"]
-        after = (
-            f"fds back to their start {settle:.1f} s after the load"
-            if settle is not None
-            else f"fds still above their start {args.settle:g} s after the load"
-        )
         print(
-            "\nserver processes (RSS in MiB; load_end: last sample under load; after: "
-            f"{after}; CPU seconds during the load):"
+            "\nserver processes (RSS in MiB; load_end: last sample under load; after: once the "
+            "server's fds were back to their start or --settle passed; CPU seconds under load):"
         )
         print_table(rows, list(rows[0]))
     if problems:
@@ -731,6 +949,7 @@ def main() -> None:
         default=20.0,
         help="seconds to wait after the load for the server's fd counts to return to the start",
     )
+    parser.add_argument("--rounds", type=int, default=1, help="loads, one after the other")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="use this running server instead of starting one")
     parser.add_argument("--server-pid", type=int, help="with --url (default: the port's owner)")
@@ -747,12 +966,16 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 <= args.chat_share <= 1:
         parser.error("--chat-share must be within 0..1")
+    if args.clients < 1 or args.rounds < 1:
+        parser.error("--clients and --rounds must be at least 1")
 
     soft, hard = raise_fd_limit(args.clients + 256)
+    # A SIGTERM becomes a Ctrl-C, so that the `finally` below still stops the server.
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     server: ServerProcess | None = None
     log: Path | None = args.log
     server_pid = args.server_pid
-    figures_extra: dict[str, Any] = {"rlimit_nofile": [soft, hard]}
+    common: dict[str, Any] = {"rlimit_nofile": [soft, hard]}
     if args.url:
         url = args.url.rstrip("/")
         if server_pid is None:
@@ -770,51 +993,58 @@ def main() -> None:
         started = time.perf_counter()
         server.start()
         url, server_pid = server.url, server.pid
-        figures_extra["server_args"] = server_args
-        figures_extra["server_start_s"] = time.perf_counter() - started
-        print(f"server {url} (pid {server_pid}) started in {figures_extra['server_start_s']:.1f} s")
+        common["server_args"] = server_args
+        common["server_start_s"] = time.perf_counter() - started
+        print(f"server {url} (pid {server_pid}) started in {common['server_start_s']:.1f} s")
         print(f"server log: {log}")
     watch = ProcessWatch(server_pid) if server_pid is not None else None
+    busy = other_servers(server_pid)
+    if busy:
+        print(f"warning: other trio_llm processes share these CPUs: {busy}", file=sys.stderr)
     failures: list[str] = []
     try:
-        result = trio.run(soak, args, url, watch)
+        results = trio.run(soak, args, url, watch)
         if server is not None:
             stopped = time.perf_counter()
             code = server.stop(timeout=60)
-            figures_extra["server_exit"] = (
-                f"exit {code} after {time.perf_counter() - stopped:.1f} s"
-            )
+            common["server_exit"] = f"exit {code} after {time.perf_counter() - stopped:.1f} s"
             if code != 0:
                 failures.append(f"the server exited {code} on SIGINT")
     finally:
         if server is not None:
             server.close()
 
-    figures = {**analyse(args, result), **figures_extra}
-    rows = process_rows(watch) if watch is not None else []
+    rounds = [analyse(args, result) for result in results]
+    rows = process_rows(watch, args.rounds) if watch is not None else []
     problems = log_problems(log)
-    figures["server_log_problem_lines"] = len(problems)
-    if figures["hung"]:
-        failures.append(f"{figures['hung']} clients hung (no end within {args.time_limit:g} s)")
+    common["server_log_problem_lines"] = len(problems)
     if watch is not None and watch.server_died_at is not None:
-        failures.append(f"the server died {watch.server_died_at:.1f} s into the load")
-    if figures["health_after"] != 200 or figures["final_request"] != 200:
-        failures.append(
-            f"after the load: /health {figures['health_after']}, "
-            f"a completion {figures['final_request']}"
-        )
-    if figures["errors"] and not args.allow_errors:
-        failures.append(f"{figures['errors']} clients got errors: {figures['errors_by_kind']}")
-    report(args, figures, rows, problems, failures)
+        failures.append(f"the server died {watch.server_died_at}")
+    for r, figures in enumerate(rounds, 1):
+        if figures["hung"]:
+            failures.append(
+                f"round {r}: {figures['hung']} clients hung (no end within {args.time_limit:g} s)"
+            )
+        if figures["health_after"] != 200 or figures["final_request"] != 200:
+            failures.append(
+                f"after round {r}: /health {figures['health_after']}, "
+                f"a completion {figures['final_request']}"
+            )
+        if figures["errors"] and not args.allow_errors:
+            failures.append(
+                f"round {r}: {figures['errors']} clients got errors: {figures['errors_by_kind']}"
+            )
+    report(args, common, rounds, rows, problems, failures)
     write_json(
         args.json,
         {
-            "figures": figures,
+            "figures": common,
+            "rounds": rounds,
             "failures": failures,
             "processes": rows,
             "server_log_problems": problems[:100],
             "samples": watch.series if watch is not None else [],
-            "clients": [asdict(r) for r in result["records"]],
+            "clients": [[asdict(c) for c in result["records"]] for result in results],
             "args": {k: str(v) for k, v in vars(args).items()},
         },
     )
