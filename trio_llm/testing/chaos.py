@@ -620,7 +620,7 @@ def _check_records(
 def _waited_for_restart(record: Record) -> bool:
     """A request the server had not yet handed to the engine when it failed waits for
     the restarted one: it then completes, or gets 503 ``engine_restarting``."""
-    return record.outcome == "complete" or "restarting" in record.detail
+    return record.outcome in ("complete", "left") or "restarting" in record.detail
 
 
 def _stop_allowance(spec: TrialSpec) -> float:
@@ -628,8 +628,9 @@ def _stop_allowance(spec: TrialSpec) -> float:
 
 
 #: hypercorn closes a connection the client already closed (CLOSE_WAIT) only when its
-#: keep-alive timeout (5 s) expires, so descriptors may take that long to come back.
-FD_SETTLE_SECONDS = 8.0
+#: keep-alive timeout (5 s) expires, so descriptors may take that long to come back; a
+#: leak never comes back.
+FD_SETTLE_SECONDS = 12.0
 
 
 async def _check_fds(pid: int, before: int, result: TrialResult) -> None:
@@ -640,7 +641,9 @@ async def _check_fds(pid: int, before: int, result: TrialResult) -> None:
         while (now := count_fds(pid)) != before:  # noqa: ASYNC110
             await trio.sleep(0.1)
     if now != before:
-        result.failures.append(f"server holds {now} file descriptors, {before} before the load")
+        result.failures.append(
+            f"server holds {now} file descriptors, {before} before the load: {describe_fds(pid)}"
+        )
 
 
 async def _check_tree_gone(tree: set[int], result: TrialResult) -> None:
@@ -662,6 +665,36 @@ async def _check_tree_gone(tree: set[int], result: TrialResult) -> None:
         elif state == "Z":
             result.orphans += 1
             result.failures.append(f"process {pid} left unreaped (parent {parent_pid(pid)})")
+
+
+def describe_fds(pid: int) -> str:
+    """What ``pid``'s descriptors are, counted by kind (TCP sockets by state)."""
+    states = {"01": "established", "08": "close-wait", "0A": "listen", "06": "time-wait"}
+    tcp: dict[str, str] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            tcp[fields[9]] = states.get(fields[3], fields[3])
+    kinds: Counter[str] = Counter()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return "gone"
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inode = target[8:-1]
+            kinds[f"tcp {tcp[inode]}" if inode in tcp else "socket"] += 1
+        else:
+            kinds[target.split(":")[0] if ":" in target else target] += 1
+    return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
 
 
 def _reap(pid: int) -> None:
