@@ -310,6 +310,38 @@ class WSClient:
             self._unclaimed_send.close()
 
 
+class _EndWatchingStream(trio.abc.Stream):
+    """A stream that sets ``ended`` once the peer closed it (end-of-file or an error)."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self._stream = stream
+        self.ended = trio.Event()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        try:
+            data = await self._stream.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.ended.set()
+            raise
+        if not data:
+            self.ended.set()
+        return data
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
 @asynccontextmanager
 async def open_ws_client(
     url: str,
@@ -328,6 +360,8 @@ async def open_ws_client(
         ValueError: ``url`` is not a ``ws:`` or ``wss:`` URL.
         OSError: the server cannot be reached.
         trio_websocket.HandshakeError: the server refused the WebSocket handshake.
+        ConnectionClosedError: the server closed the connection before answering the
+            handshake (code 1006).
     """
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
@@ -342,25 +376,38 @@ async def open_ws_client(
     else:
         stream = await trio.open_tcp_stream(parts.hostname, port)
     error: BaseException | None = None
+    watched = _EndWatchingStream(stream)
     # The stream is ours to close: trio-websocket leaves it open when the server closes.
     async with stream, trio.open_nursery() as nursery:
-        websocket = await trio_websocket.wrap_client_stream(
-            nursery,
-            stream,
-            parts.netloc.rpartition("@")[2],
-            resource,
-            extra_headers=headers,
-            max_message_size=max_message_size,
-        )
-        client = WSClient(websocket)
-        nursery.start_soon(client._read_loop)
-        try:
-            yield client
-        except BaseException as exc:  # re-raised below, not wrapped in an ExceptionGroup
-            error = exc
-        finally:
-            with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
-                await websocket.aclose()
+        # trio-websocket waits for the opening handshake forever if the server closes the
+        # connection before answering it; the end of the stream ends that wait here.
+        with trio.CancelScope() as handshake:
+            async with trio.open_nursery() as watch:
+                watch.start_soon(_cancel_when_set, watched.ended, handshake)
+                websocket = await trio_websocket.wrap_client_stream(
+                    nursery,
+                    watched,
+                    parts.netloc.rpartition("@")[2],
+                    resource,
+                    extra_headers=headers,
+                    max_message_size=max_message_size,
+                )
+                watch.cancel_scope.cancel()
+        if handshake.cancelled_caught:
             nursery.cancel_scope.cancel()
+            error = ConnectionClosedError(
+                1006, "the server closed the connection during the opening handshake"
+            )
+        else:
+            client = WSClient(websocket)
+            nursery.start_soon(client._read_loop)
+            try:
+                yield client
+            except BaseException as exc:  # re-raised below, not wrapped in an ExceptionGroup
+                error = exc
+            finally:
+                with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                    await websocket.aclose()
+                nursery.cancel_scope.cancel()
     if error is not None:
         raise error

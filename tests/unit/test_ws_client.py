@@ -313,3 +313,24 @@ async def test_the_api_key(smol_tokenizer) -> None:
         for url, key in ((server.url, "sesame"), (server.url + "?api_key=sesame", None)):
             async with open_ws_client(url, api_key=key) as client:
                 assert isinstance((await collect(client))[-1], DoneEvent)
+
+
+async def test_a_connection_closed_during_the_handshake_raises_at_once() -> None:
+    """trio-websocket alone would wait for the handshake answer forever."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+
+    async def close_after_the_request() -> None:
+        connection, _ = await listener.accept()
+        with connection:
+            await connection.recv(4096)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(close_after_the_request)
+        with trio.fail_after(10), pytest.raises(ConnectionClosedError, match="handshake") as info:
+            async with open_ws_client(f"ws://127.0.0.1:{port}/v1/ws"):
+                pass
+    assert info.value.code == 1006
+    listener.close()

@@ -350,6 +350,8 @@ class _Load:
         except GenerationError as exc:
             return "error", str(exc)
         except ConnectionClosedError as exc:
+            if "opening handshake" in str(exc):
+                return "no-response", str(exc)
             if exc.code == 1006:
                 return "cut", str(exc)
             return "error", str(exc)
