@@ -8,10 +8,8 @@ faults at random moments; this test pins the exact behaviour.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import httpx
 import trio
 
 from tests.e2e.conftest import MODEL
+from trio_llm.testing.chaos import open_stuck_request
 from trio_llm.testing.metrics_scrape import metric, poll
 from trio_llm.testing.procfs import (
     descendants,
@@ -163,25 +162,7 @@ async def _drain(server: ServerProcess, client: httpx.AsyncClient, port: int) ->
     """SIGTERM: a short stream finishes, a long one is aborted with an error at the
     deadline, a client that stopped reading cannot hold the exit, new connections are
     refused."""
-    stuck = socket.socket()
-    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stuck.connect(("127.0.0.1", port))
-    payload = json.dumps(
-        {
-            "model": MODEL,
-            "prompt": "Saga:",
-            "max_tokens": 900,
-            "ignore_eos": True,
-            "logprobs": 5,
-            "n": 4,
-            "stream": True,
-        }
-    ).encode()
-    stuck.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-        + payload
-    )
+    stuck = open_stuck_request(port)
     outcomes: dict[str, str] = {}
     try:
         async with trio.open_nursery() as nursery:

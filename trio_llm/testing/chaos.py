@@ -44,6 +44,7 @@ from trio_llm.testing.procfs import (
     listening_sockets,
     parent_pid,
     process_state,
+    tcp_sockets,
     wait_for_exit,
 )
 from trio_llm.testing.server_process import ServerProcess
@@ -390,33 +391,33 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-async def _stuck_client(port: int, opened: trio.Event, done: trio.Event) -> None:
-    """A client that asks for a long stream and never reads it."""
+def open_stuck_request(port: int) -> socket.socket:
+    """Connect to ``port`` and ask for a long stream that is never read (a small receive
+    buffer, ``n=4`` with logprobs, so the server's writes soon block); the caller closes it.
+    """
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", port))
-        payload = json.dumps(
-            {
-                "model": MODEL,
-                "prompt": "Saga:",
-                "max_tokens": 900,
-                "ignore_eos": True,
-                "logprobs": 5,
-                "n": 4,
-            }
-            | {"stream": True}
-        ).encode()
+        body = {"model": MODEL, "prompt": "Saga:", "max_tokens": 900, "ignore_eos": True}
+        payload = json.dumps(body | {"logprobs": 5, "n": 4, "stream": True}).encode()
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _stuck_client(port: int, opened: trio.Event, done: trio.Event) -> None:
+    """A client that asks for a long stream and never reads it."""
+    with open_stuck_request(port) as sock:
         await trio.lowlevel.wait_readable(sock)  # the stream has begun
         opened.set()
         await done.wait()
-    finally:
-        sock.close()
 
 
 async def _burst(url: str, count: int) -> list[Record]:
@@ -672,15 +673,7 @@ async def _check_tree_gone(tree: set[int], result: TrialResult) -> None:
 def describe_fds(pid: int) -> str:
     """What ``pid``'s descriptors are, counted by kind (TCP sockets by state)."""
     states = {"01": "established", "08": "close-wait", "0A": "listen", "06": "time-wait"}
-    tcp: dict[str, str] = {}
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            tcp[fields[9]] = states.get(fields[3], fields[3])
+    tcp = {inode: states.get(state, state) for inode, (state, _) in tcp_sockets(pid).items()}
     kinds: Counter[str] = Counter()
     try:
         names = os.listdir(f"/proc/{pid}/fd")

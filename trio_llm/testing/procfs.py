@@ -121,14 +121,13 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
-def listening_sockets(pid: int) -> list[str]:
-    """Listening sockets held by ``pid``: ``"tcp:PORT"`` and ``"unix:PATH"`` entries.
+def tcp_sockets(pid: int) -> dict[str, tuple[str, int]]:
+    """TCP sockets of ``pid``'s network namespace: inode -> (state, local port).
 
-    Read from /proc/net/tcp, tcp6 (state 0A, LISTEN) and unix (flag __SO_ACCEPTCON),
-    matched to the process's file descriptors by inode.
+    The state is the kernel's hex code from /proc/net/tcp and tcp6 (``01`` established,
+    ``08`` close-wait, ``0A`` listen, ...).
     """
-    inodes = _socket_inodes(pid)
-    found = []
+    found = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
@@ -136,8 +135,22 @@ def listening_sockets(pid: int) -> list[str]:
             continue
         for line in lines:
             fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                found.append(f"tcp:{int(fields[1].rsplit(':', 1)[1], 16)}")
+            found[fields[9]] = (fields[3], int(fields[1].rsplit(":", 1)[1], 16))
+    return found
+
+
+def listening_sockets(pid: int) -> list[str]:
+    """Listening sockets held by ``pid``: ``"tcp:PORT"`` and ``"unix:PATH"`` entries.
+
+    Read from /proc/net/tcp, tcp6 (state 0A, LISTEN) and unix (flag __SO_ACCEPTCON),
+    matched to the process's file descriptors by inode.
+    """
+    inodes = _socket_inodes(pid)
+    found = [
+        f"tcp:{port}"
+        for inode, (state, port) in tcp_sockets(pid).items()
+        if state == "0A" and inode in inodes
+    ]
     try:
         lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
     except OSError:
