@@ -67,13 +67,11 @@ def summary_table(results: list[TrialResult]) -> str:
     return "\n".join(lines)
 
 
-async def run(args: argparse.Namespace, log_dir: Path) -> list[TrialResult]:
-    """Run the planned trials one after another, printing each as it ends."""
+async def run(args: argparse.Namespace, log_dir: Path, results: list[TrialResult]) -> None:
+    """Run the planned trials (``--jobs`` at a time), appending each result as it ends."""
     faults = tuple(args.faults) if args.faults else FAULTS
     specs = plan_trials(args.trials, args.seed, faults)
     print(f"{len(specs)} trials, seed {args.seed}, logs in {log_dir}", flush=True)
-    results: list[TrialResult] = []
-    started = time.monotonic()
     slots = trio.Semaphore(args.jobs)
 
     async def one(spec: TrialSpec) -> None:
@@ -88,12 +86,6 @@ async def run(args: argparse.Namespace, log_dir: Path) -> list[TrialResult]:
     async with trio.open_nursery() as nursery:
         for spec in specs:
             nursery.start_soon(one, spec)
-    results.sort(key=lambda r: r.spec.index)
-    minutes = (time.monotonic() - started) / 60
-    failed = sum(not r.ok for r in results)
-    print(f"\n{len(results)} trials in {minutes:.1f} min, {failed} failed\n")
-    print(summary_table(results))
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,12 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     become_subreaper()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="trio-llm-chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    results = trio.run(run, args, log_dir)
+    results: list[TrialResult] = []
+    started = time.monotonic()
+    interrupted = False
+    try:
+        trio.run(run, args, log_dir, results)
+    except KeyboardInterrupt:  # Ctrl-C: report the trials that finished
+        interrupted = True
+    results.sort(key=lambda r: r.spec.index)
+    minutes = (time.monotonic() - started) / 60
+    failed = sum(not r.ok for r in results)
+    cut = f" (interrupted: {len(results)} of {args.trials})" if interrupted else ""
+    print(f"\n{len(results)} trials in {minutes:.1f} min, {failed} failed{cut}\n")
+    print(summary_table(results))
     if args.json:
         Path(args.json).write_text(
             json.dumps({"seed": args.seed, "trials": [r.as_dict() for r in results]}, indent=1)
         )
-    return 1 if any(not r.ok for r in results) else 0
+    return 1 if failed or interrupted else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
