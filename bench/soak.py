@@ -593,11 +593,28 @@ async def timed(call: Awaitable[httpx.Response], limit: float) -> tuple[int | st
 
 async def soak(
     args: argparse.Namespace, url: str, watch: ProcessWatch | None
-) -> list[dict[str, Any]]:
-    """``--rounds`` rounds of the load against one server; each round's result."""
-    if watch is not None:
-        watch.start()
-    return [await load_round(args, url, watch, r) for r in range(args.rounds)]
+) -> tuple[list[dict[str, Any]], str | None]:
+    """``--rounds`` rounds of the load against one server: the result of each round that
+    finished, and the name of the signal (SIGINT, SIGTERM) that cut the soak short, if any.
+    """
+    results: list[dict[str, Any]] = []
+    interrupted: str | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def stop_on_signal() -> None:
+            nonlocal interrupted
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    interrupted = signal.Signals(signum).name
+                    nursery.cancel_scope.cancel()
+
+        nursery.start_soon(stop_on_signal)
+        if watch is not None:
+            watch.start()
+        for r in range(args.rounds):
+            results.append(await load_round(args, url, watch, r))
+        nursery.cancel_scope.cancel()
+    return results, interrupted
 
 
 async def load_round(
@@ -931,6 +948,10 @@ def raise_fd_limit(needed: int) -> tuple[int, int]:
     return soft, hard
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(f"stopped by {signal.Signals(signum).name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -970,40 +991,44 @@ def main() -> None:
         parser.error("--clients and --rounds must be at least 1")
 
     soft, hard = raise_fd_limit(args.clients + 256)
-    # A SIGTERM becomes a Ctrl-C, so that the `finally` below still stops the server.
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    # Outside the soak itself (which handles signals in Trio) a SIGTERM must still run the
+    # `finally` that stops the server. SIGINT may be ignored (a background job's is).
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
     server: ServerProcess | None = None
     log: Path | None = args.log
-    server_pid = args.server_pid
     common: dict[str, Any] = {"rlimit_nofile": [soft, hard]}
-    if args.url:
-        url = args.url.rstrip("/")
-        if server_pid is None:
-            port = httpx.URL(url).port or 80
-            server_pid = listening_pid(port)
-            if server_pid is None:
-                print(f"note: no process of ours listens on port {port}; no RSS/fd figures")
-    else:
-        server_args = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs)]
-        if args.detokenizer_mode:
-            server_args += ["--detokenizer-mode", args.detokenizer_mode]
-        server_args += shlex.split(args.server_args)
-        log = log or Path(tempfile.mkdtemp(prefix="trio-llm-soak-")) / "server.log"
-        server = ServerProcess(server_args, log_path=log)
-        started = time.perf_counter()
-        server.start()
-        url, server_pid = server.url, server.pid
-        common["server_args"] = server_args
-        common["server_start_s"] = time.perf_counter() - started
-        print(f"server {url} (pid {server_pid}) started in {common['server_start_s']:.1f} s")
-        print(f"server log: {log}")
-    watch = ProcessWatch(server_pid) if server_pid is not None else None
-    busy = other_servers(server_pid)
-    if busy:
-        print(f"warning: other trio_llm processes share these CPUs: {busy}", file=sys.stderr)
     failures: list[str] = []
     try:
-        results = trio.run(soak, args, url, watch)
+        if args.url:
+            url = args.url.rstrip("/")
+            server_pid = args.server_pid
+            if server_pid is None:
+                port = httpx.URL(url).port or 80
+                server_pid = listening_pid(port)
+                if server_pid is None:
+                    print(f"note: no process of ours listens on port {port}; no RSS/fd figures")
+        else:
+            server_args = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs)]
+            if args.detokenizer_mode:
+                server_args += ["--detokenizer-mode", args.detokenizer_mode]
+            server_args += shlex.split(args.server_args)
+            log = log or Path(tempfile.mkdtemp(prefix="trio-llm-soak-")) / "server.log"
+            server = ServerProcess(server_args, log_path=log)
+            started = time.perf_counter()
+            server.start()
+            url, server_pid = server.url, server.pid
+            common["server_args"] = server_args
+            common["server_start_s"] = time.perf_counter() - started
+            print(f"server {url} (pid {server_pid}) started in {common['server_start_s']:.1f} s")
+            print(f"server log: {log}")
+        watch = ProcessWatch(server_pid) if server_pid is not None else None
+        busy = other_servers(server_pid)
+        if busy:
+            print(f"warning: other trio_llm processes share these CPUs: {busy}", file=sys.stderr)
+        results, interrupted = trio.run(soak, args, url, watch)
+        if interrupted:
+            failures.append(f"{interrupted} stopped the soak after {len(results)} round(s)")
         if server is not None:
             stopped = time.perf_counter()
             code = server.stop(timeout=60)
@@ -1015,7 +1040,7 @@ def main() -> None:
             server.close()
 
     rounds = [analyse(args, result) for result in results]
-    rows = process_rows(watch, args.rounds) if watch is not None else []
+    rows = process_rows(watch, len(rounds)) if watch is not None else []
     problems = log_problems(log)
     common["server_log_problem_lines"] = len(problems)
     if watch is not None and watch.server_died_at is not None:
