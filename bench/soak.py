@@ -46,8 +46,10 @@ before the server starts, so the server inherits it too.
 Server processes of other programs compete for the same cores: run it on a quiet machine.
 
 Prints a summary; ``--json PATH`` also writes every figure, the samples and each client's
-record. Exits 1 if a client hung, the server died or was unhealthy after the load, or (unless
-``--allow-errors``) any client got an error.
+record. SIGINT or SIGTERM cuts the running load short, and the figures so far are still
+reported and the server stopped. Exits 1 if a client hung, the server died or was
+unhealthy after the load, a signal cut the soak short, or (unless ``--allow-errors``) any
+client got an error.
 """
 
 from __future__ import annotations
@@ -591,34 +593,51 @@ async def timed(call: Awaitable[httpx.Response], limit: float) -> tuple[int | st
     return result, time.perf_counter() - start
 
 
+class Stopper:
+    """SIGINT or SIGTERM ends the current load at once (its clients are cut off and reported
+    as unfinished) and the soak after that round's checks; a second signal ends everything.
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.load: trio.CancelScope | None = None  # the running load, if any
+
+    async def watch_signals(self, everything: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self.signal is not None:
+                    everything.cancel()
+                self.signal = signal.Signals(signum).name
+                if self.load is not None:
+                    self.load.cancel()
+
+
 async def soak(
     args: argparse.Namespace, url: str, watch: ProcessWatch | None
 ) -> tuple[list[dict[str, Any]], str | None]:
     """``--rounds`` rounds of the load against one server: the result of each round that
-    finished, and the name of the signal (SIGINT, SIGTERM) that cut the soak short, if any.
+    ran, and the name of the signal (SIGINT, SIGTERM) that cut the soak short, if any.
     """
     results: list[dict[str, Any]] = []
-    interrupted: str | None = None
+    stopper = Stopper()
     async with trio.open_nursery() as nursery:
-
-        async def stop_on_signal() -> None:
-            nonlocal interrupted
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    interrupted = signal.Signals(signum).name
-                    nursery.cancel_scope.cancel()
-
-        nursery.start_soon(stop_on_signal)
+        nursery.start_soon(stopper.watch_signals, nursery.cancel_scope)
         if watch is not None:
             watch.start()
         for r in range(args.rounds):
-            results.append(await load_round(args, url, watch, r))
+            results.append(await load_round(args, url, watch, r, stopper))
+            if stopper.signal is not None:
+                break
         nursery.cancel_scope.cancel()
-    return results, interrupted
+    return results, stopper.signal
 
 
 async def load_round(
-    args: argparse.Namespace, url: str, watch: ProcessWatch | None, round_index: int
+    args: argparse.Namespace,
+    url: str,
+    watch: ProcessWatch | None,
+    round_index: int,
+    stopper: Stopper,
 ) -> dict[str, Any]:
     """One round: the load with sampling alongside it, then the checks after it."""
     n = args.clients
@@ -660,6 +679,9 @@ async def load_round(
                 await trio.sleep(args.sample_interval)
 
         with trio.move_on_after(args.time_limit) as limit:
+            stopper.load = limit
+            if stopper.signal is not None:
+                limit.cancel()
             async with trio.open_nursery() as side:
                 side.start_soon(poll_metrics, monitor, metrics, args.sample_interval)
                 side.start_soon(measure_lag, lags)
@@ -672,6 +694,8 @@ async def load_round(
                         side.start_soon(sample_processes, watch)
                     fired.set()
                 side.cancel_scope.cancel()
+        stopper.load = None
+        interrupted = stopper.signal if limit.cancelled_caught else None
         wall = clock()
         if watch is not None:
             watch.sample(round_index, wall)
@@ -695,7 +719,8 @@ async def load_round(
     return {
         "records": records,
         "wall_s": wall,
-        "time_limit_hit": limit.cancelled_caught,
+        "time_limit_hit": limit.cancelled_caught and interrupted is None,
+        "interrupted": interrupted,
         "metrics": metrics,
         "client_lag_s": lags,
         "client_cpu_s": client_cpu,
@@ -745,6 +770,7 @@ def analyse(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
         ),
         "hung": len(hung),
         "time_limit_hit": result["time_limit_hit"],
+        "interrupted": result["interrupted"],
         "wrong_length": len(wrong_length),
         "wall_s": result["wall_s"],
         "output_tokens": tokens,
@@ -829,7 +855,12 @@ def round_summary(figures: dict[str, Any]) -> list[tuple[str, Any]]:
     return [
         ("completed", f"{figures['completed']} / {figures['clients']}"),
         ("errors", f"{figures['errors']} {figures['errors_by_kind'] or ''}".strip()),
-        ("hung (no end by the time limit)", figures["hung"]),
+        (
+            f"unfinished when {figures['interrupted']} cut the load short"
+            if figures["interrupted"]
+            else "hung (no end by the time limit)",
+            figures["hung"],
+        ),
         ("completed with other than max-tokens tokens", figures["wrong_length"]),
         ("wall time", f"{figures['wall_s']:.1f} s"),
         ("output tokens", figures["output_tokens"]),
@@ -1027,7 +1058,7 @@ def main() -> None:
         if busy:
             print(f"warning: other trio_llm processes share these CPUs: {busy}", file=sys.stderr)
         results, interrupted = trio.run(soak, args, url, watch)
-        if interrupted:
+        if interrupted and len(results) < args.rounds:
             failures.append(f"{interrupted} stopped the soak after {len(results)} round(s)")
         if server is not None:
             stopped = time.perf_counter()
@@ -1046,7 +1077,12 @@ def main() -> None:
     if watch is not None and watch.server_died_at is not None:
         failures.append(f"the server died {watch.server_died_at}")
     for r, figures in enumerate(rounds, 1):
-        if figures["hung"]:
+        if figures["interrupted"]:
+            failures.append(
+                f"round {r}: {figures['interrupted']} cut the load short with "
+                f"{figures['hung']} clients unfinished"
+            )
+        elif figures["hung"]:
             failures.append(
                 f"round {r}: {figures['hung']} clients hung (no end within {args.time_limit:g} s)"
             )
