@@ -179,6 +179,10 @@ def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     # Our own shutdown (drain, errors, cutting stuck connections) ends every handler
     # before this; hypercorn's deadline is only a backstop.
     hconfig.graceful_timeout = config.shutdown_timeout + FINAL_WRITE_GRACE + 5.0
+    # A burst of connections beyond the listen queue gets SYN cookies, retransmit waits and
+    # resets; 2048 (uvicorn's default; the kernel caps it at net.core.somaxconn) queues a
+    # burst of a thousand clients (docs/benchmarks.md, soak).
+    hconfig.backlog = 2048
     hconfig.accesslog = None
     hconfig.loglevel = "WARNING"
     # A larger WebSocket message is refused with close code 1009 (see docs/websocket.md).
