@@ -323,8 +323,7 @@ def _check_keyboard_interrupt_aborts_the_batch(llm: LLM) -> None:
     def interrupt_once_generating() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # a condition wait with a deadline
-            last = llm.stats.last
-            if llm.stats.num_steps > steps_before and last is not None and last.num_running:
+            if llm.stats.num_steps > steps_before:  # this batch's first step is done
                 signal.pthread_kill(main.ident, signal.SIGINT)
                 return
             time.sleep(0.005)
