@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv = serve.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, default=None)
     kv.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES")
+    serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=CacheConfig.enable_prefix_caching,
+        help="reuse the KV blocks of prompt prefixes computed before (default on)",
+    )
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument(
         "--download-dir",
@@ -224,6 +230,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.num_threads,

@@ -85,11 +85,14 @@ class CacheConfig:
         num_kv_blocks: number of blocks; overrides ``kv_cache_memory``.
         kv_cache_memory: bytes for the KV cache of all layers (keys and values); the block
             count is ``kv_cache_memory // bytes_per_block``. Default `DEFAULT_KV_CACHE_MEMORY`.
+        enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before
+            (on by default, as in vLLM V1; see `trio_llm.engine.block_manager`).
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -158,6 +161,7 @@ def engine_config(
     block_size: int = CacheConfig.block_size,
     num_kv_blocks: int | None = None,
     kv_cache_memory: int | None = None,
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
     max_num_seqs: int = SchedulerConfig.max_num_seqs,
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
     num_threads: int | None = None,
@@ -179,7 +183,10 @@ def engine_config(
             seed=seed,
         ),
         cache=CacheConfig(
-            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens

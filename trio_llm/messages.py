@@ -243,7 +243,11 @@ class RequestOutput(msgspec.Struct, array_like=True):
 
 
 class StepStats(msgspec.Struct, array_like=True):
-    """Scheduler state after one step (counts of requests and tokens)."""
+    """Scheduler state after one step (counts of requests and tokens).
+
+    ``prefix_cache_queries`` and ``prefix_cache_hits`` are running totals since the engine
+    started: prompt tokens looked up in the prefix cache, and tokens found there.
+    """
 
     num_running: int
     num_waiting: int
@@ -253,6 +257,8 @@ class StepStats(msgspec.Struct, array_like=True):
     num_free_blocks: int
     num_preemptions: int
     step_seconds: float
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):

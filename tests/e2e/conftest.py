@@ -28,6 +28,7 @@ INLINE_ONLY_MODULES = {
     "test_chat_page",
     "test_concurrency",
     "test_examples",
+    "test_prefix_caching",
     "test_sampling_params",
     "test_tokenize",
 }

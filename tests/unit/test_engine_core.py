@@ -30,12 +30,17 @@ def _core(
     budget: int = 16,
     max_num_seqs: int = 8,
     max_model_len: int = 128,
+    enable_prefix_caching: bool = True,
 ) -> EngineCore:
     model = build_tiny_model(seed=0)
     model.set_attn_implementation(ATTENTION_NAME)
     config = EngineConfig(
         model=ModelConfig(model="tiny", max_model_len=max_model_len),
-        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
     )
     return EngineCore(model, config, "tiny")
@@ -102,6 +107,45 @@ def test_preemption_and_recompute_keep_outputs_identical(reference: dict[int, li
             outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert preemptions > 0
     assert outputs == {f"r{i}": reference[i] for i in range(len(PROMPTS))}
+
+
+def test_prefix_caching_keeps_outputs_identical_and_counts_hits() -> None:
+    shared = list(range(100, 137))  # 37 tokens: 9 full blocks of 4 are shareable
+    # Token 2 is the tiny model's pad token, which generate() would mask: suffixes avoid it.
+    suffixes = ([11], [12, 13], [14, 15, 16, 17, 18], [], [19] * 11)
+    prompts = [shared + suffix for suffix in suffixes]
+    model = build_tiny_model(seed=0)
+    model.set_attn_implementation("sdpa")
+    reference = [
+        model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+        for prompt in prompts
+    ]
+    results = {}
+    for enabled in (True, False):
+        core = _core(enable_prefix_caching=enabled, budget=64)
+        outputs: dict[str, list[int]] = {}
+        # The first prompt alone, then the others together, then all again.
+        waves = [[0], [1, 2, 3, 4], [0, 1, 2, 3, 4]]
+        for wave_index, wave in enumerate(waves):
+            for i in wave:
+                message = AddRequest(f"w{wave_index}-{i}", prompts[i], _greedy(12))
+                assert core.add_request(message) is None
+            while core.has_unfinished_requests():
+                for output in core.step().outputs:
+                    outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        stats = core.stats()
+        results[enabled] = outputs, stats.prefix_cache_queries, stats.prefix_cache_hits
+    for enabled in (True, False):
+        outputs = results[enabled][0]
+        assert outputs == {f"w{w}-{i}": reference[i] for w, wave in enumerate(waves) for i in wave}
+    _, queries, hits = results[True]
+    assert queries == sum(len(prompts[i]) for wave in waves for i in wave)
+    # Wave 1: four prompts share 9 blocks of the first (36 tokens); wave 2: five prompts
+    # find at least those 9 blocks, most of them more (their own earlier blocks).
+    assert hits >= 4 * 36 + 5 * 36
+    assert results[False][1:] == (0, 0)
 
 
 def test_abort_frees_blocks_and_drops_the_request() -> None:

@@ -144,3 +144,18 @@ def test_abort_removes_waiting_and_running_requests_and_frees_blocks() -> None:
     assert scheduler.running == [] and not scheduler.waiting
     assert scheduler.block_manager.num_free_blocks == 8
     assert scheduler.schedule().is_empty()
+
+
+def test_a_cached_prefix_is_not_recomputed() -> None:
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        BlockManager(64, 4, enable_prefix_caching=True),
+        max_model_len=1000,
+        eos_token_ids=frozenset({EOS}),
+    )
+    scheduler.add(_request("a", 10, max_tokens=1))
+    assert _step(scheduler)[0] == [("a", 10)]
+    scheduler.add(_request("b", 11, max_tokens=1))  # same first 10 tokens, 8 of them cached
+    assert _step(scheduler)[0] == [("b", 3)]
+    scheduler.add(_request("c", 8, max_tokens=1))  # fully cached: the last block is recomputed
+    assert _step(scheduler)[0] == [("c", 4)]

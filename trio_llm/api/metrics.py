@@ -57,6 +57,16 @@ class EngineCollector(Collector):
         )
         yield counter("engine_steps", "Engine steps that computed tokens.", stats.num_steps)
         yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (--enable-prefix-caching).",
+            last.prefix_cache_queries if last else 0,
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache, whose KV was not recomputed.",
+            last.prefix_cache_hits if last else 0,
+        )
+        yield counter(
             "engine_restarts",
             "Engine core children started to replace a failed one (--engine-restart).",
             self.engine.num_restarts,

@@ -98,7 +98,9 @@ class EngineCore:
             dtype=str(dtype).removeprefix("torch."),
         )
         self.kv_cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, max_model_len, self.info.eos_token_ids
         )
@@ -238,6 +240,8 @@ class EngineCore:
             num_free_blocks=self.block_manager.num_free_blocks,
             num_preemptions=batch.num_preemptions if batch is not None else 0,
             step_seconds=step_seconds,
+            prefix_cache_queries=self.block_manager.num_queried_tokens,
+            prefix_cache_hits=self.block_manager.num_hit_tokens,
         )
 
     def warm_up(self) -> None:
@@ -247,6 +251,9 @@ class EngineCore:
         self.scheduler.add(Request("__warmup__", [0] * max(prompt_len, 1), params))
         while self.has_unfinished_requests():
             self.step()
+        manager = self.block_manager
+        manager.reset_prefix_cache()
+        manager.num_queried_tokens = manager.num_hit_tokens = 0
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

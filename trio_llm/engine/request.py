@@ -27,6 +27,10 @@ class Request:
         num_computed_tokens: how many leading tokens have their keys/values in the KV cache.
             Reset to 0 on preemption (the request is recomputed later).
         block_table: KV block ids holding tokens ``[i * block_size, (i + 1) * block_size)``.
+        block_keys: prefix-cache keys of the leading full blocks of ``token_ids``, filled
+            in lazily by the `BlockManager` (32 bytes each; they depend on tokens only).
+        num_registered_blocks: leading blocks of ``block_table`` already offered to the
+            prefix cache.
         generator: per-request RNG when ``params.seed`` is set (CPU), else None.
         arrival_time: ``time.monotonic()`` when the engine received the request (seconds).
         queue_seconds: seconds from arrival to the first scheduling; None until then.
@@ -38,12 +42,14 @@ class Request:
 
     __slots__ = (
         "arrival_time",
+        "block_keys",
         "block_table",
         "finish_reason",
         "generator",
         "next_prompt_logprob",
         "num_computed_tokens",
         "num_prompt_tokens",
+        "num_registered_blocks",
         "params",
         "queue_seconds",
         "queue_time_reported",
@@ -61,6 +67,8 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []
+        self.num_registered_blocks = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None

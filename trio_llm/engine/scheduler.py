@@ -12,6 +12,8 @@ and each step hands out a token budget (``max_num_batched_tokens``):
    or until the request being scheduled is itself the newest.
 2. Then, if nothing was preempted this step, waiting requests join in arrival order while
    the batch has fewer than ``max_num_seqs`` requests, budget remains and blocks are free.
+   With prefix caching, a joining request first takes the cached blocks of its longest
+   cached prefix and only computes the rest (`BlockManager.lookup`).
 
 After the model ran, `Scheduler.update` records the sampled tokens and finishes requests
 (EOS / stop token -> "stop", ``max_tokens`` or a full context -> "length").
@@ -133,15 +135,19 @@ class Scheduler:
 
         if batch.num_preemptions:
             return batch
+        manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(request, num_new):
+            hits = manager.lookup(request)
+            num_cached = len(hits) * manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not manager.can_take(request, hits, num_cached + num_new):
                 break
             self.waiting.popleft()
             if request.queue_seconds is None:
                 request.queue_seconds = time.monotonic() - request.arrival_time
-            self.block_manager.allocate(request, num_new)
+            manager.take(request, hits)
+            manager.allocate(request, num_cached + num_new)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.requests.append((request, num_new))
@@ -176,6 +182,7 @@ class Scheduler:
         finished = []
         for request, num_new in batch.requests:
             request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
