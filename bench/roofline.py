@@ -24,18 +24,31 @@ LM_HEAD_PARAMS = 28_311_552
 SHAPES = [(1024, 576, 1536), (1024, 576, 576), (1024, 1536, 576)]
 
 
-def gemm_gflops(dtype: torch.dtype = torch.float32, repeats: int = 20) -> float:
-    """Measured GFLOP/s of ``x @ W^T`` at the model's shapes (all torch threads)."""
+#: ``--dtype`` names -> torch dtypes (``auto`` is measured as float32).
+DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def gemm_gflops(
+    dtype: torch.dtype = torch.float32, device: str = "cpu", repeats: int = 20
+) -> float:
+    """Measured GFLOP/s of ``x @ W^T`` at the model's shapes (all torch threads, or the GPU)."""
     flops = 0.0
     seconds = 0.0
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     with torch.inference_mode():
         for m, k, n in SHAPES:
-            x = torch.randn(m, k, dtype=dtype)
-            w = torch.randn(n, k, dtype=dtype)
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            w = torch.randn(n, k, dtype=dtype, device=device)
             torch.nn.functional.linear(x, w)  # warm-up
+            sync()
             start = time.perf_counter()
             for _ in range(repeats):
                 torch.nn.functional.linear(x, w)
+            sync()
             seconds += time.perf_counter() - start
             flops += 2.0 * m * k * n * repeats
     return flops / seconds / 1e9

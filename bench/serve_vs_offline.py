@@ -40,6 +40,8 @@ def server_args(args: argparse.Namespace, mode: str) -> list[str]:
     return [
         "--model", args.model,
         "--dtype", args.dtype,
+        "--device", args.device,
+        *(["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory else []),
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--detokenizer-mode", mode,
@@ -51,7 +53,7 @@ def run_server(args: argparse.Namespace, mode: str, profile_dir: Path | None = N
     log = Path(tempfile.mkdtemp(prefix="trio-llm-bench-")) / "server.log"
     with ServerProcess(server_args(args, mode), log_path=log) as server:
         args.base_url = server.url
-        args.label = f"trio_llm server, {MODES[mode]} ({args.dtype})"
+        args.label = f"trio_llm server, {MODES[mode]} ({args.dtype}, {args.device})"
         prompts = serve.load_prompts(args)
         meter = CpuMeter(server.pid)
         profiler = Profiler(server.pid, profile_dir) if profile_dir else None
@@ -86,7 +88,7 @@ def main() -> None:
     args.max_concurrency = 0
     args.request_rate = float("inf")
     args.prompt_format = "tokens"
-    args.tokenizer_dir = None
+    args.tokenizer_dir = args.model if Path(args.model).is_dir() else None
 
     online = {mode: run_server(args, mode) for mode in args.modes}
     offline = throughput.run(args)
@@ -94,7 +96,7 @@ def main() -> None:
     if args.profile:
         for mode in args.modes:
             profiles[mode] = run_server(args, mode, args.profile / mode)["profiles"]
-    gflops = roofline.gemm_gflops()
+    gflops = roofline.gemm_gflops(roofline.DTYPES[args.dtype], args.device)
     prompt_tokens = offline["prompt_tokens"]
     ceiling = roofline.tokens_per_second(gflops, prompt_tokens, offline["output_tokens"])
     output_share = offline["output_tokens"] / (prompt_tokens + offline["output_tokens"])
@@ -119,7 +121,8 @@ def main() -> None:
         used = ", ".join(f"{name} {sec:.1f} s" for name, sec in result["cpu_s"].items())
         print(f"  {MODES[mode]}: {used} (elapsed {result['elapsed_s']:.1f} s)")
     print(
-        f"\nroofline (fp32 GEMM {gflops:.0f} GFLOP/s measured now): {ceiling:.0f} total tok/s = "
+        f"\nroofline ({args.dtype} GEMM on {args.device}, {gflops:.0f} GFLOP/s measured now): "
+        f"{ceiling:.0f} total tok/s = "
         f"{ceiling * output_share:.0f} output tok/s; offline reaches "
         f"{offline['total_tok_per_s'] / ceiling:.0%} of it"
     )

@@ -20,7 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from common import print_table, sonnet_prompts, write_json
 
 from trio_llm import LLM
-from trio_llm.config import DEFAULT_MODEL, SchedulerConfig
+from trio_llm.cli import parse_bytes
+from trio_llm.config import DEFAULT_MODEL, DEVICES, SchedulerConfig
 from trio_llm.messages import SamplingParams
 
 COLUMNS = ["system", "requests", "elapsed_s", "req_per_s", "output_tok_per_s", "total_tok_per_s"]
@@ -30,6 +31,8 @@ def run(args: argparse.Namespace) -> dict:
     with LLM(
         args.model,
         dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     ) as llm:
@@ -44,7 +47,7 @@ def run(args: argparse.Namespace) -> dict:
     output_tokens = sum(len(result.token_ids) for result in results)
     prompt_tokens = sum(len(p) for p in prompts)
     return {
-        "system": f"trio_llm offline ({dtype})",
+        "system": f"trio_llm offline ({dtype}, {args.device})",
         "requests": len(prompts),
         "elapsed_s": elapsed,
         "steps": steps,
@@ -59,6 +62,10 @@ def run(args: argparse.Namespace) -> dict:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", choices=DEVICES, default="cpu")
+    parser.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 8GiB (default 2 GiB)"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=250)
     parser.add_argument("--output-len", type=int, default=128)

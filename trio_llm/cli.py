@@ -12,6 +12,7 @@ from trio_llm.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MODEL,
     DETOKENIZER_MODES,
+    DEVICES,
     DTYPES,
     RESTART_MODES,
     CacheConfig,
@@ -85,7 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=parse_port, default=8000, help="0 picks a free port")
-    serve.add_argument("--dtype", choices=DTYPES, default="auto", help="auto = float32 on CPU")
+    serve.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto = bfloat16 on CUDA or a CPU with native bf16, else float32",
+    )
+    serve.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs")
     serve.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     serve.add_argument(
         "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
@@ -224,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = engine_config(
         model=model,
         dtype=args.dtype,
+        device=args.device,
         max_model_len=args.max_model_len,
         download_dir=args.download_dir,
         seed=args.seed,

@@ -29,6 +29,9 @@ DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 DTYPES = ("auto", "float32", "bfloat16")
 
+#: Where the engine runs the model (``--device``).
+DEVICES = ("cpu", "cuda")
+
 #: Where output tokens become text: in the API server, or in a third process.
 DETOKENIZER_MODES = ("inline", "process")
 
@@ -55,7 +58,11 @@ class ModelConfig:
 
     Attributes:
         model: a local Hugging Face folder, a ``.gguf`` file, or `DEFAULT_MODEL`.
-        dtype: ``auto`` (float32 on CPU), ``float32`` or ``bfloat16``; weights and KV cache.
+        dtype: ``auto``, ``float32`` or ``bfloat16``; weights and KV cache. ``auto`` is
+            bfloat16 on CUDA and on a CPU with native bf16 arithmetic (AVX-512-BF16 or AMX),
+            float32 elsewhere (`trio_llm.model_loader.resolve_dtype`).
+        device: ``cpu`` or ``cuda`` (the first GPU): where weights, KV cache and the
+            forward pass live.
         max_model_len: context length in tokens (prompt + output); ``None`` takes the
             model's ``max_position_embeddings``.
         download_dir: cache folder for converted GGUF weights; ``None`` uses
@@ -68,10 +75,13 @@ class ModelConfig:
     max_model_len: int | None = None
     download_dir: str | None = None
     seed: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
 
@@ -155,6 +165,7 @@ def engine_config(
     model: str = DEFAULT_MODEL,
     *,
     dtype: str = "auto",
+    device: str = "cpu",
     max_model_len: int | None = None,
     download_dir: str | None = None,
     seed: int = 0,
@@ -178,6 +189,7 @@ def engine_config(
         model=ModelConfig(
             model=model,
             dtype=dtype,
+            device=device,
             max_model_len=max_model_len,
             download_dir=download_dir,
             seed=seed,

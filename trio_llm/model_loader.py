@@ -140,24 +140,64 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def load_model(model_dir: Path, dtype: str, attn_implementation: str) -> PreTrainedModel:
-    """Load a causal LM from a local folder for CPU inference (eval mode, no grad).
+#: CPU flags (``/proc/cpuinfo``) of native bf16 matrix arithmetic. Without them torch
+#: emulates bf16 GEMMs, about 10x slower than float32 on an AVX2-only CPU (docs/benchmarks.md).
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of the first CPU in ``/proc/cpuinfo`` (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> str:
+    """The concrete dtype for ``--dtype``: ``float32`` or ``bfloat16``.
+
+    ``auto`` is bfloat16 on CUDA and on a CPU whose ``flags`` (default: this machine's)
+    include native bf16 arithmetic (`NATIVE_BF16_CPU_FLAGS`), else float32.
+    """
+    if dtype != "auto":
+        return dtype
+    if device == "cuda":
+        return "bfloat16"
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if flags & NATIVE_BF16_CPU_FLAGS else "float32"
+
+
+def load_model(
+    model_dir: Path, dtype: str, attn_implementation: str, device: str = "cpu"
+) -> PreTrainedModel:
+    """Load a causal LM from a local folder for inference (eval mode, no grad).
 
     Args:
-        dtype: ``auto`` (float32), ``float32`` or ``bfloat16``.
+        dtype: ``auto`` (see `resolve_dtype`), ``float32`` or ``bfloat16``.
         attn_implementation: a name registered with ``transformers.AttentionInterface``.
+        device: ``cpu`` or ``cuda``.
 
     Returns:
-        The ``transformers.PreTrainedModel``.
+        The ``transformers.PreTrainedModel``, on ``device``.
+
+    Raises:
+        RuntimeError: ``device`` is ``cuda`` and torch sees no GPU.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    _log(f"loading {model_dir} ({torch_dtype})")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA GPU on this machine")
+    torch_dtype = getattr(torch, resolve_dtype(dtype, device))
+    _log(f"loading {model_dir} ({torch_dtype}, {device})")
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch_dtype, attn_implementation=attn_implementation
     )
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model

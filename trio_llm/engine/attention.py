@@ -34,7 +34,7 @@ class KVCache:
     """Per-layer key and value tensors of shape ``[num_blocks * block_size, H_kv, D]``.
 
     A slot is ``block_id * block_size + offset``. Memory: ``2 * layers * num_blocks *
-    block_size * H_kv * D * itemsize`` bytes, allocated once.
+    block_size * H_kv * D * itemsize`` bytes, allocated once on ``device``.
     """
 
     def __init__(
@@ -45,12 +45,13 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(
@@ -89,8 +90,8 @@ class PagedAttentionMetadata:
         num_decode: the first ``num_decode`` packed tokens are single-token requests.
         decode_blocks: int64 ``[num_decode * max_blocks]``, each decode request's block
             table padded with block 0 to ``max_blocks`` entries (row-major).
-        decode_mask: float ``[num_decode, 1, 1, max_blocks * block_size]``; 0 where a key
-            position is inside the request's context, -inf past it.
+        decode_mask: ``[num_decode, 1, 1, max_blocks * block_size]`` in the model dtype;
+            0 where a key position is inside the request's context, -inf past it.
         prefills: the multi-token chunks, in packed order after the decodes.
         workspace: reused buffers for gathered keys/values (grown on demand).
     """
@@ -112,7 +113,7 @@ def _gather_blocks(
     numel = blocks.numel() * row
     buffer = ws.get(out_name)
     if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype:
-        buffer = torch.empty(numel, dtype=cache.dtype)
+        buffer = torch.empty(numel, dtype=cache.dtype, device=cache.device)
         ws[out_name] = buffer
     out = buffer[:numel].view(blocks.numel(), row)
     torch.index_select(cache.view(-1, row), 0, blocks, out=out)
@@ -160,7 +161,7 @@ def paged_attention(
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
 
     num_decode = paged.num_decode
     if num_decode:
@@ -173,7 +174,8 @@ def paged_attention(
         # Gather a few requests at a time so their keys and values are still in the CPU
         # cache when attention reads them (one pass over DRAM instead of three).
         row_bytes = 2 * context * num_kv_heads * head_dim * k_cache.element_size()
-        chunk = max(1, GATHER_CHUNK_BYTES // row_bytes)
+        # On a GPU one gather of every request beats many small launches.
+        chunk = num_decode if k_cache.is_cuda else max(1, GATHER_CHUNK_BYTES // row_bytes)
         for start in range(0, num_decode, chunk):
             end = min(num_decode, start + chunk)
             ids = blocks[start:end].reshape(-1)

@@ -97,7 +97,10 @@ class EngineCore:
             vocab_size=mconf.vocab_size,
             dtype=str(dtype).removeprefix("torch."),
         )
-        self.kv_cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        device = next(model.parameters()).device
+        self.kv_cache = KVCache(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
+        )
         self.block_manager = BlockManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
@@ -120,7 +123,7 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(config.model.model, config.cache_dir())
-        model = load_model(model_dir, config.model.dtype, ATTENTION_NAME)
+        model = load_model(model_dir, config.model.dtype, ATTENTION_NAME, config.model.device)
         return cls(model, config, str(model_dir))
 
     def ready_message(self, pid: int) -> EngineReady:
@@ -223,7 +226,7 @@ class EngineCore:
             hidden = item.hidden[row : row + PROMPT_LOGITS_ROWS]
             first = item.first_target + row
             targets = torch.tensor(request.token_ids[first : first + hidden.shape[0]])
-            logprobs = self.runner.compute_logits(hidden).log_softmax(dim=-1)
+            logprobs = self.runner.compute_logits(hidden).log_softmax(dim=-1).cpu()
             entries += gather_logprobs(logprobs, targets, [k] * hidden.shape[0])
         request.next_prompt_logprob = item.first_target + len(entries)
         return entries

@@ -45,7 +45,8 @@ class ModelOutput:
 
     Attributes:
         requests: the requests that sample a token this step.
-        logits: float32 ``[len(requests), vocab_size]``, row ``i`` for ``requests[i]``.
+        logits: float32 ``[len(requests), vocab_size]``, row ``i`` for ``requests[i]``, on
+            the model's device.
         prompt_hidden: hidden states for prompt logprobs, one entry per request that
             computed such positions this step.
     """
@@ -74,6 +75,9 @@ class ModelRunner:
             raise ValueError("the model's output projection must be a Linear without bias")
         # [vocab, hidden]; tied to the input embeddings for SmolLM2.
         self.lm_head_weight = head.weight
+        #: Where the model lives; the step's index tensors are built on the CPU, then moved.
+        self.device = head.weight.device
+        self.dtype = head.weight.dtype
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
@@ -111,13 +115,14 @@ class ModelRunner:
             for row, request in enumerate(decodes):
                 blocks = request.block_table[:max_blocks]
                 table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-            decode_blocks = table.view(-1)
+            decode_blocks = table.view(-1).to(self.device)
             lengths = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
             key_pos = torch.arange(max_blocks * bs)
-            decode_mask = torch.zeros(len(decodes), 1, 1, max_blocks * bs)
+            decode_mask = torch.zeros(len(decodes), 1, 1, max_blocks * bs, dtype=self.dtype)
             decode_mask.masked_fill_(
                 (key_pos[None, :] >= lengths[:, None])[:, None, None], -torch.inf
             )
+            decode_mask = decode_mask.to(self.device)
 
         spans = []
         chunk_slots = []
@@ -140,7 +145,7 @@ class ModelRunner:
                     start=len(input_ids),
                     num_new=num_new,
                     context_len=end,
-                    slots=context_slots if start > 0 else None,
+                    slots=context_slots.to(self.device) if start > 0 else None,
                 )
             )
             input_ids.extend(request.token_ids[start:end])
@@ -150,6 +155,7 @@ class ModelRunner:
                 sample_requests.append(request)
 
         slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long), *chunk_slots])
+        slot_mapping = slot_mapping.to(self.device)
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slot_mapping,
@@ -160,8 +166,8 @@ class ModelRunner:
             workspace=self._workspace,
         )
         hidden = self.decoder(
-            input_ids=torch.tensor([input_ids]),
-            position_ids=torch.tensor([positions]),
+            input_ids=torch.tensor([input_ids]).to(self.device),
+            position_ids=torch.tensor([positions]).to(self.device),
             use_cache=False,
             paged=metadata,
         ).last_hidden_state[0]
@@ -172,12 +178,15 @@ class ModelRunner:
         if not sample_rows:
             empty = hidden.new_empty(0, self.lm_head_weight.shape[0], dtype=torch.float32)
             return ModelOutput([], empty, prompt_hidden)
-        logits = self.compute_logits(hidden[torch.tensor(sample_rows)])
+        logits = self.compute_logits(hidden[torch.tensor(sample_rows).to(self.device)])
         return ModelOutput(sample_requests, logits, prompt_hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` of final hidden states ``[rows, hidden_size]``."""
+        """Float32 logits ``[rows, vocab]`` of final hidden states ``[rows, hidden_size]``.
+
+        On the model's device; the sampler moves them to the CPU where it needs to.
+        """
         # logits^T = W @ h^T: with torch's BLAS this orientation runs about twice as fast
         # as h @ W^T for a few rows against the 49k-row vocabulary matrix.
         return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous().float()

@@ -60,12 +60,19 @@ class Sampler:
 
         Args:
             logits: float32 ``[N, vocab]``, row ``i`` for ``requests[i]``; modified in place.
+                On a GPU, a batch that is all plain greedy (no logprobs, bias, penalties or
+                ``min_tokens`` mask) takes its argmax there; any other batch is moved to
+                the CPU first, where the per-request generators live.
 
         Returns:
             ``N`` token ids and, where asked for, their logprobs.
         """
         if not requests:
             return SamplerOutput([], [])
+        if logits.device.type != "cpu":
+            if all(self._plain_greedy(r) for r in requests):
+                return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            logits = logits.cpu()
         self._process(logits, requests)
         greedy = [r.params.greedy for r in requests]
         if all(greedy):
@@ -99,6 +106,17 @@ class Sampler:
             for row, entry in zip(wanted, entries, strict=True):
                 logprobs[row] = entry
         return SamplerOutput(tokens.tolist(), logprobs)
+
+    def _plain_greedy(self, request: Request) -> bool:
+        """True when the request's token is the argmax of its raw logits."""
+        params = request.params
+        return (
+            params.greedy
+            and params.logprobs is None
+            and not params.logit_bias
+            and not params.has_penalties
+            and request.num_output_tokens >= params.min_tokens
+        )
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Apply logit_bias, the min_tokens mask and the penalties in place."""
