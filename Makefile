@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint format browser bench clean
+.PHONY: install serve test lint format browser bench bench-peers compare clean
 
 # torch is pinned first so pip takes the CPU build on this disk, not a CUDA build.
 $(STAMP): pyproject.toml
@@ -50,5 +50,19 @@ test: lint browser
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve_vs_offline.py
 
+# Opt-in: the peers bench/compare.py runs against, in their own virtual environment
+# (llama-cpp-python is built from source by pip: about 4 minutes on 2 cores).
+PEERS := .venv-peers
+$(PEERS)/.installed:
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install --quiet torch==2.13.0
+	$(PEERS)/bin/pip install --quiet 'transformers[serving]==5.24.0' 'llama-cpp-python[server]==0.3.36'
+	touch $@
+
+bench-peers: install $(PEERS)/.installed
+
+compare: bench-peers
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/compare.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .pytest_cache .ruff_cache

@@ -71,6 +71,8 @@ async def run(args: argparse.Namespace, log_dir: Path, results: list[TrialResult
     """Run the planned trials (``--jobs`` at a time), appending each result as it ends."""
     faults = tuple(args.faults) if args.faults else FAULTS
     specs = plan_trials(args.trials, args.seed, faults)
+    if args.only:
+        specs = [spec for spec in specs if spec.index in args.only]
     print(f"{len(specs)} trials, seed {args.seed}, logs in {log_dir}", flush=True)
     slots = trio.Semaphore(args.jobs)
 
@@ -123,6 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="trials run at once (each has its own server; 2 fits a 2-core machine)",
+    )
+    parser.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="run only these trials of the plan (by number, e.g. to repeat a failure)",
     )
     parser.add_argument("--log-dir", help="where server logs go (default: a temp folder)")
     parser.add_argument("--json", help="also write every trial's result to this file")

@@ -39,16 +39,24 @@ class RequestResult:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    prompt_tokens: int | None = None
     error: str = ""
 
 
-async def one_request(client: httpx.AsyncClient, body: dict, result: RequestResult) -> None:
+async def one_request(
+    client: httpx.AsyncClient, body: dict, result: RequestResult, path: str = "/v1/completions"
+) -> None:
+    """Send one streaming request to ``path``; fill ``result`` (times in seconds).
+
+    Output tokens come from the usage chunk when the server sends one, else one token per
+    content chunk.
+    """
     start = time.perf_counter()
     last = start
     chunks = 0
     usage_tokens = None
     try:
-        async with open_events(client, "/v1/completions", body) as events:
+        async with open_events(client, path, body) as events:
             async for event in events:
                 if event == DONE:
                     break
@@ -57,6 +65,7 @@ async def one_request(client: httpx.AsyncClient, body: dict, result: RequestResu
                     return
                 if event.get("usage"):
                     usage_tokens = event["usage"].get("completion_tokens")
+                    result.prompt_tokens = event["usage"].get("prompt_tokens")
                 if delta_text(event):
                     now = time.perf_counter()
                     if chunks == 0:

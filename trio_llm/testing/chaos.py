@@ -269,6 +269,8 @@ class _Load:
             with trio.move_on_after(REQUEST_LIMIT):
                 record.outcome, record.detail = await self.one_request(kind)
             record.end = time.monotonic()
+            if record.outcome in ("refused", "no-response", "cut"):
+                record.detail += f" ({record.end - record.start:.1f} s after sending)"
             if record.outcome in ("refused", "no-response"):
                 await self.stop.wait()  # the server is going away; nothing more to send
 

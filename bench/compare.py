@@ -1,0 +1,636 @@
+"""One run, every system, the same workloads: trio_llm against its CPU peers and the roofline.
+
+    make bench-peers                                 # once: the peers' virtual environment
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/compare.py [--quick] [--systems ...]
+
+Systems, one after another on the same prompts and output lengths:
+
+- ``trio-2p`` / ``trio-3p``: ``trio-llm serve`` with 2 or 3 processes, per dtype;
+- ``trio-offline``: the offline engine (`trio_llm.LLM.generate`), per dtype;
+- ``hf-serve``: ``transformers serve --continuous-batching`` on the same model folder;
+- ``llama-cpp``: llama-cpp-python's OpenAI server on the same GGUF file, 2 threads,
+  ``--interrupt_requests False`` (otherwise a new request cuts off the stream in progress).
+
+Dtypes: float32, plus bfloat16 where the CPU has native bf16 arithmetic (``--dtypes``
+overrides; on a CPU without it torch emulates bf16 at a tenth of the float32 speed).
+
+Workloads (all HTTP systems get the same chat requests, streamed, greedy):
+
+- ``seed``: ``--num-prompts`` sonnet prompts of ``--input-len`` tokens, ``--output-len``
+  output tokens, all sent at once;
+- ``sweep``: ``--concurrency`` clients (1, 4, 16, 32, 64), each sending
+  ``--sweep-rounds`` requests back to back, ``--sweep-output-len`` output tokens;
+- ``prefix``: prompts sharing a ``--prefix-len``-token prefix, trio_llm with prefix caching
+  on and off.
+
+The output length is forced with ``ignore_eos`` where a server takes it, else with a
+``logit_bias`` of -100 on the EOS token; where neither is accepted, the tokens actually
+produced are counted and the table says so. The roofline is the float32 and bfloat16
+matrix-product rate measured in the same run at the model's shapes
+(`roofline.gemm_gflops`), turned into tokens/s at 2 x parameters FLOPs per token.
+
+Prints the tables, writes ``--json`` and, with ``--write-docs``, the generated section of
+docs/benchmarks.md and two PNG plots (docs/img/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx
+import roofline
+import trio
+from common import print_table, sonnet_prompts, summary, write_json
+from serve import RequestResult, one_request
+
+from trio_llm.config import DEFAULT_MODEL, default_cache_dir
+from trio_llm.frontend.tokenizer import Tokenizer
+from trio_llm.model_loader import default_gguf_path, resolve_dtype, resolve_model_dir
+from trio_llm.testing.server_process import ServerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".venv-peers" / "bin"
+DOCS = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
+EOS_TOKEN = 2  # SmolLM2's <|im_end|>
+
+
+# ---------------------------------------------------------------- systems
+
+
+@dataclass
+class System:
+    """One thing to benchmark; `serve` yields the base URL of a running server."""
+
+    name: str
+    kind: str  # "server" or "offline"
+    dtype: str = "float32"
+    trio_args: list[str] = field(default_factory=list)
+    start_command: list[str] = field(default_factory=list)
+    model_field: str = DEFAULT_MODEL
+
+    @contextlib.contextmanager
+    def serve(self, log_dir: Path) -> Iterator[str]:
+        if self.trio_args:
+            log = log_dir / f"{self.name}.log"
+            with ServerProcess(self.trio_args, log_path=log) as server:
+                yield server.url
+            return
+        port = _free_port()
+        command = [part.replace("{port}", str(port)) for part in self.start_command]
+        log = open(log_dir / f"{self.name}.log", "wb")  # closed in the finally below
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, process, log_dir / f"{self.name}.log")
+            yield url
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)  # a foreign process: nothing to wait on but its answers
+    raise RuntimeError(f"{process.args[0]} did not answer within {timeout:.0f} s")
+
+
+def build_systems(args: argparse.Namespace, model_dir: Path, gguf: Path) -> dict[str, System]:
+    systems: dict[str, System] = {}
+    for dtype in args.dtypes:
+        short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+        for mode, layout in (("inline", "2p"), ("process", "3p")):
+            systems[f"trio-{layout}-{short}"] = System(
+                f"trio-{layout}-{short}",
+                "server",
+                dtype,
+                trio_args=[*_trio_engine_args(args, dtype), "--detokenizer-mode", mode],
+            )
+        systems[f"trio-offline-{short}"] = System(f"trio-offline-{short}", "offline", dtype)
+    systems["hf-serve"] = System(
+        "hf-serve",
+        "server",
+        start_command=[
+            str(PEERS / "transformers"), "serve", str(model_dir), "--continuous-batching",
+            "--host", "127.0.0.1", "--port", "{port}",
+        ],
+        model_field=str(model_dir),
+    )  # fmt: skip
+    systems["llama-cpp"] = System(
+        "llama-cpp",
+        "server",
+        start_command=[
+            str(PEERS / "python"), "-m", "llama_cpp.server", "--model", str(gguf),
+            "--host", "127.0.0.1", "--port", "{port}", "--n_threads", "2",
+            "--n_ctx", "4096", "--interrupt_requests", "False",
+        ],
+        model_field=gguf.name,
+    )  # fmt: skip
+    return systems
+
+
+def _trio_engine_args(args: argparse.Namespace, dtype: str, prefix_caching: bool = True) -> list:
+    flag = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
+    return [
+        "--dtype", dtype,
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        flag,
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    """Chat prompts (text) and how they are sent."""
+
+    name: str
+    prompts: list[str]
+    output_len: int
+    concurrency: int  # clients sending back to back; len(prompts) = all at once
+
+
+async def _probe_body(client: httpx.AsyncClient, model: str) -> tuple[dict, str]:
+    """The extra fields this server takes to force the output length, and how it was forced."""
+    base = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    variants = [
+        ({"ignore_eos": True, "stream_options": {"include_usage": True}}, "ignore_eos"),
+        ({"logit_bias": {str(EOS_TOKEN): -100}, "stream_options": {"include_usage": True}},
+         "logit_bias"),
+        ({"logit_bias": {str(EOS_TOKEN): -100}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True}}, "counted"),
+        ({}, "counted"),
+    ]  # fmt: skip
+    for extra, how in variants:
+        reply = await client.post("/v1/chat/completions", json={**base, **extra}, timeout=600)
+        if reply.status_code == 200:
+            return extra, how
+    raise RuntimeError(f"the server refused every request form: {reply.status_code} {reply.text}")
+
+
+async def run_http(url: str, system: System, workload: Workload) -> dict[str, Any]:
+    """Send the workload to a running server; req/s, tok/s, TTFT and ITL."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        extra, forced = await _probe_body(client, system.model_field)
+        results = [RequestResult() for _ in workload.prompts]
+        queue = list(range(len(workload.prompts)))
+
+        async def client_loop() -> None:
+            while queue:
+                i = queue.pop(0)
+                body = {
+                    "model": system.model_field,
+                    "messages": [{"role": "user", "content": workload.prompts[i]}],
+                    "max_tokens": workload.output_len,
+                    "temperature": 0.0,
+                    "stream": True,
+                    **extra,
+                }
+                await one_request(client, body, results[i], "/v1/chat/completions")
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(workload.concurrency, len(workload.prompts))):
+                nursery.start_soon(client_loop)
+        elapsed = time.perf_counter() - start
+    done = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in done)
+    prompt = sum(r.prompt_tokens or 0 for r in done)
+    itls = [x for r in done for x in r.itls]
+    return {
+        "system": system.name,
+        "workload": workload.name,
+        "concurrency": workload.concurrency,
+        "requests": len(results),
+        "completed": len(done),
+        "errors": len(results) - len(done),
+        "first_error": next((r.error for r in results if r.error), ""),
+        "output_length": forced,
+        "elapsed_s": elapsed,
+        "req_per_s": len(done) / elapsed,
+        "output_tok_per_s": output / elapsed,
+        "total_tok_per_s": (prompt + output) / elapsed if prompt else None,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "asked_output_tokens": len(results) * workload.output_len,
+        "ttft_s": summary([r.ttft for r in done]),
+        "itl_s": summary(itls),
+    }
+
+
+def run_offline(system: System, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """The offline engine on the same chat prompts, all submitted at once."""
+    from trio_llm import LLM
+    from trio_llm.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
+    with LLM(
+        DEFAULT_MODEL,
+        dtype=system.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    ) as llm:
+        batch = [[{"role": "user", "content": p}] for p in workload.prompts]
+        start = time.perf_counter()
+        results = llm.generate(batch, params)
+        elapsed = time.perf_counter() - start
+    output = sum(len(r.token_ids) for r in results)
+    prompt = sum(len(r.prompt_token_ids) for r in results)
+    return {
+        "system": system.name,
+        "workload": workload.name,
+        "concurrency": len(batch),
+        "requests": len(batch),
+        "completed": len(results),
+        "errors": 0,
+        "output_length": "ignore_eos",
+        "elapsed_s": elapsed,
+        "req_per_s": len(batch) / elapsed,
+        "output_tok_per_s": output / elapsed,
+        "total_tok_per_s": (prompt + output) / elapsed,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "asked_output_tokens": len(batch) * workload.output_len,
+    }
+
+
+def text_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[str]:
+    """Sonnet prompts of ``length`` tokens as text (the chat template adds a few more)."""
+    return [tokenizer.decode(ids) for ids in sonnet_prompts(tokenizer, count, length, seed)]
+
+
+def prefix_prompts(tokenizer: Tokenizer, args: argparse.Namespace) -> list[str]:
+    """``--prefix-prompts`` prompts: one shared sonnet prefix, then a different tail each."""
+    shared = text_prompts(tokenizer, 1, args.prefix_len, seed=args.seed + 1)[0]
+    tails = text_prompts(tokenizer, args.prefix_prompts, args.input_len - args.prefix_len, 7)
+    return [f"{shared}\n{tail}" for tail in tails]
+
+
+# ---------------------------------------------------------------- the run
+
+
+def main() -> None:
+    args = parse_args()
+    log_dir = Path(tempfile.mkdtemp(prefix="trio-llm-compare-"))
+    model_dir = resolve_model_dir(DEFAULT_MODEL, default_cache_dir())
+    gguf = default_gguf_path()
+    tokenizer = Tokenizer.load(model_dir)
+    systems = build_systems(args, model_dir, gguf)
+    chosen = args.systems or [
+        name for name in systems if not name.startswith(("hf", "llama")) or PEERS.is_dir()
+    ]
+    missing = [name for name in chosen if name not in systems]
+    if missing:
+        sys.exit(f"unknown systems {missing}; known: {sorted(systems)}")
+    print(f"systems: {', '.join(chosen)}; logs in {log_dir}", flush=True)
+
+    seed = Workload(
+        "seed",
+        text_prompts(tokenizer, args.num_prompts, args.input_len, args.seed),
+        args.output_len,
+        args.num_prompts,
+    )
+    sweep_prompts = text_prompts(
+        tokenizer, max(args.concurrency) * args.sweep_rounds, args.input_len, args.seed + 2
+    )
+    rows: list[dict[str, Any]] = []
+    for name in chosen:
+        system = systems[name]
+        print(f"\n== {name}", flush=True)
+        if system.kind == "offline":
+            rows.append(run_offline(system, seed, args))
+            _show(rows[-1])
+            continue
+        with system.serve(log_dir) as url:
+            rows.append(trio.run(run_http, url, system, seed))
+            _show(rows[-1])
+            if name in args.sweep_systems or (not args.sweep_systems and "3p" not in name):
+                for clients in args.concurrency:
+                    workload = Workload(
+                        "sweep",
+                        sweep_prompts[: clients * args.sweep_rounds],
+                        args.sweep_output_len,
+                        clients,
+                    )
+                    rows.append(trio.run(run_http, url, system, workload))
+                    _show(rows[-1])
+
+    prefix_rows = []
+    if not args.no_prefix:
+        workload = Workload(
+            "prefix", prefix_prompts(tokenizer, args), args.sweep_output_len, args.prefix_prompts
+        )
+        for caching in (True, False):
+            label = f"trio-2p-fp32, prefix caching {'on' if caching else 'off'}"
+            system = System(
+                label,
+                "server",
+                trio_args=[
+                    *_trio_engine_args(args, "float32", caching),
+                    *("--detokenizer-mode", "inline"),
+                ],
+            )
+            print(f"\n== {label}", flush=True)
+            with system.serve(log_dir) as url:
+                prefix_rows.append(trio.run(run_http, url, system, workload))
+                _show(prefix_rows[-1])
+
+    gemm = {d: roofline.gemm_gflops(roofline.DTYPES[d]) for d in ("float32", "bfloat16")}
+    seed_rows = [r for r in rows if r["workload"] == "seed"]
+    prompt_tokens = args.num_prompts * args.input_len
+    output_tokens = args.num_prompts * args.output_len
+    ceilings = {
+        dtype: roofline.tokens_per_second(rate, prompt_tokens, output_tokens)
+        for dtype, rate in gemm.items()
+    }
+    best = max(ceilings.values())
+    for row in seed_rows:
+        if row.get("total_tok_per_s"):
+            row["of_roofline"] = row["total_tok_per_s"] / best
+    report = {
+        "machine": machine(),
+        "command": " ".join(["bench/compare.py", *sys.argv[1:]]),
+        "args": {k: v for k, v in vars(args).items()},
+        "gemm_gflops": gemm,
+        "roofline_total_tok_per_s": ceilings,
+        "rows": rows,
+        "prefix_rows": prefix_rows,
+    }
+    print_report(report)
+    write_json(args.json, report)
+    if args.write_docs:
+        write_docs(report)
+
+
+def _show(row: dict[str, Any]) -> None:
+    note = "" if row["output_length"] != "counted" else " (EOS not suppressible: counted)"
+    print(
+        f"  {row['workload']} c={row['concurrency']}: {row['completed']}/{row['requests']} ok, "
+        f"{row['output_tok_per_s']:.1f} output tok/s, {row['elapsed_s']:.1f} s{note}",
+        flush=True,
+    )
+    if row.get("first_error"):
+        print(f"  first error: {row['first_error']}", flush=True)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "auto_dtype": resolve_dtype("auto", "cpu"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+# ---------------------------------------------------------------- output
+
+
+def seed_table(report: dict[str, Any]) -> list[dict[str, Any]]:
+    table = []
+    for row in report["rows"]:
+        if row["workload"] != "seed":
+            continue
+        table.append(
+            {
+                "system": row["system"],
+                "req/s": row["req_per_s"],
+                "output tok/s": row["output_tok_per_s"],
+                "total tok/s": row.get("total_tok_per_s"),
+                "of roofline": f"{row['of_roofline']:.0%}" if row.get("of_roofline") else "",
+                "TTFT med/p99 s": _pair(row.get("ttft_s")),
+                "ITL med/p99 ms": _pair(row.get("itl_s"), 1000),
+                "output length": row["output_length"],
+            }
+        )
+    return table
+
+
+def sweep_table(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "system": row["system"],
+            "clients": row["concurrency"],
+            "req/s": row["req_per_s"],
+            "output tok/s": row["output_tok_per_s"],
+            "total tok/s": row.get("total_tok_per_s"),
+            "TTFT med/p99 s": _pair(row["ttft_s"]),
+            "ITL med/p99 ms": _pair(row["itl_s"], 1000),
+            "output length": row["output_length"],
+        }
+        for row in report["rows"]
+        if row["workload"] == "sweep"
+    ]
+
+
+def prefix_table(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "system": row["system"],
+            "output tok/s": row["output_tok_per_s"],
+            "total tok/s": row.get("total_tok_per_s"),
+            "TTFT med/p99 s": _pair(row["ttft_s"]),
+            "elapsed s": row["elapsed_s"],
+        }
+        for row in report["prefix_rows"]
+    ]
+
+
+def _pair(stats: dict[str, float] | None, scale: float = 1.0) -> str:
+    if not stats:
+        return ""
+    return f"{stats['median'] * scale:.2f} / {stats['p99'] * scale:.2f}"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print("\nseed workload:")
+    table = seed_table(report)
+    if table:
+        print_table(table, list(table[0]))
+    table = sweep_table(report)
+    if table:
+        print("\nconcurrency sweep:")
+        print_table(table, list(table[0]))
+    table = prefix_table(report)
+    if table:
+        print("\nshared prefix:")
+        print_table(table, list(table[0]))
+    for dtype, rate in report["gemm_gflops"].items():
+        ceiling = report["roofline_total_tok_per_s"][dtype]
+        print(f"roofline {dtype}: GEMM {rate:.0f} GFLOP/s -> {ceiling:.0f} total tok/s")
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(not run)\n"
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for column in columns:
+            value = row.get(column)
+            if isinstance(value, float):
+                value = f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+            cells.append("" if value is None else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(report: dict[str, Any]) -> None:
+    """Replace the generated section of docs/benchmarks.md and draw the two plots."""
+    plots = plot(report)
+    m = report["machine"]
+    gemm = ", ".join(f"{d} {r:.0f} GFLOP/s" for d, r in report["gemm_gflops"].items())
+    ceilings = ", ".join(
+        f"{d} {c:.0f} tok/s" for d, c in report["roofline_total_tok_per_s"].items()
+    )
+    section = "\n".join(
+        [
+            BEGIN,
+            f"Generated by `{report['command']}` on {m['date']}: {m['cpu']}, {m['cores']} "
+            f"cores, Python {m['python']}, torch {m['torch']}; `--dtype auto` here is "
+            f"{m['auto_dtype']}. Roofline measured in the same run: {gemm}, so at most "
+            f"{ceilings} (prompt + output) for the seed workload.",
+            "",
+            "**Seed workload** (all requests at once):",
+            "",
+            _markdown(seed_table(report)),
+            "**Concurrency sweep:**",
+            "",
+            _markdown(sweep_table(report)),
+            "**Shared prefix** (trio_llm, 2 processes, float32):",
+            "",
+            _markdown(prefix_table(report)),
+            *[f"![{name}](img/{Path(path).name})" for name, path in plots.items()],
+            END,
+        ]
+    )
+    text = DOCS.read_text()
+    if BEGIN in text and END in text:
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        text = head + section + tail
+    else:
+        text = text.rstrip() + "\n\n## Side by side (bench/compare.py)\n\n" + section + "\n"
+    DOCS.write_text(text)
+
+
+def plot(report: dict[str, Any]) -> dict[str, str]:
+    """Throughput and TTFT against concurrency, one line per system; the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = [r for r in report["rows"] if r["workload"] == "sweep"]
+    if not sweep:
+        return {}
+    out = ROOT / "docs" / "img"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for key, label, name in (
+        ("output_tok_per_s", "output tokens/s", "throughput vs concurrency"),
+        ("ttft_median", "TTFT median (s)", "TTFT vs concurrency"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for system in dict.fromkeys(r["system"] for r in sweep):
+            points = [r for r in sweep if r["system"] == system]
+            x = [r["concurrency"] for r in points]
+            y = [r["ttft_s"]["median"] if key == "ttft_median" else r[key] for r in points]
+            ax.plot(x, y, marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        path = out / f"compare_{key}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths[name] = str(path)
+    return paths
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", nargs="+", help="default: every trio_llm system + peers")
+    parser.add_argument("--sweep-systems", nargs="+", default=[], help="default: all but 3p")
+    native = resolve_dtype("auto", "cpu") == "bfloat16"
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        default=["float32", "bfloat16"] if native else ["float32"],
+    )
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=250)
+    parser.add_argument("--output-len", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument("--sweep-rounds", type=int, default=1)
+    parser.add_argument("--sweep-output-len", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=200)
+    parser.add_argument("--prefix-prompts", type=int, default=32)
+    parser.add_argument("--no-prefix", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test)")
+    parser.add_argument("--json", default="bench/results/compare.json")
+    parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_prompts, args.input_len, args.output_len = 4, 64, 8
+        args.concurrency, args.sweep_output_len = [1, 4], 8
+        args.prefix_len, args.prefix_prompts = 48, 4
+    return args
+
+
+if __name__ == "__main__":
+    main()
