@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -278,9 +279,16 @@ class _Load:
         """Send one request of ``kind``; return its outcome and a detail."""
         max_tokens = self.rng.randint(4, 24)
         prompt = f"Story {self.rng.randrange(1000)}:"
+        if kind == "ws":
+            return await self._websocket(prompt, max_tokens)
+        # When each step of the exchange happened (httpcore's trace events), so that a
+        # connection closed without a response tells whose side was slow.
+        seen: dict[str, float] = {}
+
+        async def trace(name: str, info: object) -> None:
+            seen.setdefault(name, time.monotonic())
+
         try:
-            if kind == "ws":
-                return await self._websocket(prompt, max_tokens)
             async with httpx.AsyncClient(
                 base_url=self.url,
                 timeout=REQUEST_LIMIT,
@@ -292,20 +300,30 @@ class _Load:
                         "messages": [{"role": "user", "content": prompt}],
                         "max_tokens": max_tokens,
                     }
-                    response = await client.post("/v1/chat/completions", json=body)
+                    response = await client.post(
+                        "/v1/chat/completions", json=body, extensions={"trace": trace}
+                    )
                     if response.status_code == 200:
                         return "complete", ""
                     return _http_error(response)
-                return await self._stream(client, prompt, max_tokens, leave=kind == "leaver")
+                return await self._stream(
+                    client, prompt, max_tokens, leave=kind == "leaver", trace=trace
+                )
         except httpx.ConnectError as exc:
             return "refused", repr(exc)
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            return "no-response", repr(exc)
+            return "no-response", f"{exc!r}{_timeline(seen)}"
         except OSError as exc:
             return "refused", repr(exc)
 
     async def _stream(
-        self, client: httpx.AsyncClient, prompt: str, max_tokens: int, *, leave: bool
+        self,
+        client: httpx.AsyncClient,
+        prompt: str,
+        max_tokens: int,
+        *,
+        leave: bool,
+        trace: Callable[[str, object], Awaitable[None]],
     ) -> tuple[str, str]:
         body = {
             "model": MODEL,
@@ -314,7 +332,10 @@ class _Load:
             "ignore_eos": True,
             "stream": True,
         }
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        extensions = {"trace": trace}
+        async with client.stream(
+            "POST", "/v1/completions", json=body, extensions=extensions
+        ) as response:
             if response.status_code != 200:
                 await response.aread()
                 return _http_error(response)
@@ -362,6 +383,21 @@ class _Load:
             if type(exc).__name__ in ("HandshakeError", "ConnectionRejected"):
                 return "no-response", repr(exc)
             raise
+
+
+def _timeline(seen: dict[str, float]) -> str:
+    """``" (connected +0.0 s, request sent +5.3 s, ...)"``: trace events after the first."""
+    names = {
+        "connection.connect_tcp.complete": "connected",
+        "http11.send_request_headers.complete": "headers sent",
+        "http11.send_request_body.complete": "request sent",
+        "http11.receive_response_headers.failed": "read failed",
+    }
+    if not seen:
+        return ""
+    start = min(seen.values())
+    parts = [f"{label} +{seen[n] - start:.1f} s" for n, label in names.items() if n in seen]
+    return f" ({', '.join(parts)})"
 
 
 def _http_error(response: httpx.Response) -> tuple[str, str]:
