@@ -60,6 +60,7 @@ $(PEERS)/.installed:
 	touch $@
 
 bench-peers: install $(PEERS)/.installed
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
 
 compare: bench-peers
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/compare.py

@@ -184,6 +184,7 @@ class Workload:
     prompts: list[str]
     output_len: int
     concurrency: int  # clients sending back to back; len(prompts) = all at once
+    prompt_tokens: list[int] = field(default_factory=list)  # after the chat template
 
 
 async def _probe_body(client: httpx.AsyncClient, model: str) -> tuple[dict, str]:
@@ -191,9 +192,9 @@ async def _probe_body(client: httpx.AsyncClient, model: str) -> tuple[dict, str]
     base = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     variants = [
         ({"ignore_eos": True, "stream_options": {"include_usage": True}}, "ignore_eos"),
-        ({"logit_bias": {str(EOS_TOKEN): -100}, "stream_options": {"include_usage": True}},
+        ({"logit_bias": {str(EOS_TOKEN): -100.0}, "stream_options": {"include_usage": True}},
          "logit_bias"),
-        ({"logit_bias": {str(EOS_TOKEN): -100}}, "logit_bias"),
+        ({"logit_bias": {str(EOS_TOKEN): -100.0}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "counted"),
         ({}, "counted"),
     ]  # fmt: skip
@@ -202,6 +203,22 @@ async def _probe_body(client: httpx.AsyncClient, model: str) -> tuple[dict, str]
         if reply.status_code == 200:
             return extra, how
     raise RuntimeError(f"the server refused every request form: {reply.status_code} {reply.text}")
+
+
+def chat_prompt_tokens(model_dir: Path, prompts: list[str]) -> list[int]:
+    """Prompt tokens of each chat request after SmolLM2's chat template (for servers that
+    report no usage)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [
+        len(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for p in prompts
+    ]
 
 
 async def run_http(url: str, system: System, workload: Workload) -> dict[str, Any]:
@@ -232,7 +249,11 @@ async def run_http(url: str, system: System, workload: Workload) -> dict[str, An
         elapsed = time.perf_counter() - start
     done = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in done)
-    prompt = sum(r.prompt_tokens or 0 for r in done)
+    prompt = sum(
+        r.prompt_tokens if r.prompt_tokens is not None else workload.prompt_tokens[i]
+        for i, r in enumerate(results)
+        if r.ok
+    )
     itls = [x for r in done for x in r.itls]
     return {
         "system": system.name,
@@ -246,7 +267,7 @@ async def run_http(url: str, system: System, workload: Workload) -> dict[str, An
         "elapsed_s": elapsed,
         "req_per_s": len(done) / elapsed,
         "output_tok_per_s": output / elapsed,
-        "total_tok_per_s": (prompt + output) / elapsed if prompt else None,
+        "total_tok_per_s": (prompt + output) / elapsed,
         "prompt_tokens": prompt,
         "output_tokens": output,
         "asked_output_tokens": len(results) * workload.output_len,
@@ -321,15 +342,18 @@ def main() -> None:
         sys.exit(f"unknown systems {missing}; known: {sorted(systems)}")
     print(f"systems: {', '.join(chosen)}; logs in {log_dir}", flush=True)
 
+    seed_prompts = text_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
     seed = Workload(
         "seed",
-        text_prompts(tokenizer, args.num_prompts, args.input_len, args.seed),
+        seed_prompts,
         args.output_len,
         args.num_prompts,
+        chat_prompt_tokens(model_dir, seed_prompts),
     )
     sweep_prompts = text_prompts(
         tokenizer, max(args.concurrency) * args.sweep_rounds, args.input_len, args.seed + 2
     )
+    sweep_tokens = chat_prompt_tokens(model_dir, sweep_prompts)
     rows: list[dict[str, Any]] = []
     for name in chosen:
         system = systems[name]
@@ -348,14 +372,20 @@ def main() -> None:
                         sweep_prompts[: clients * args.sweep_rounds],
                         args.sweep_output_len,
                         clients,
+                        sweep_tokens[: clients * args.sweep_rounds],
                     )
                     rows.append(trio.run(run_http, url, system, workload))
                     _show(rows[-1])
 
     prefix_rows = []
     if not args.no_prefix:
+        shared = prefix_prompts(tokenizer, args)
         workload = Workload(
-            "prefix", prefix_prompts(tokenizer, args), args.sweep_output_len, args.prefix_prompts
+            "prefix",
+            shared,
+            args.sweep_output_len,
+            args.prefix_prompts,
+            chat_prompt_tokens(model_dir, shared),
         )
         for caching in (True, False):
             label = f"trio-2p-fp32, prefix caching {'on' if caching else 'off'}"
@@ -446,7 +476,8 @@ def seed_table(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "of roofline": f"{row['of_roofline']:.0%}" if row.get("of_roofline") else "",
                 "TTFT med/p99 s": _pair(row.get("ttft_s")),
                 "ITL med/p99 ms": _pair(row.get("itl_s"), 1000),
-                "output length": row["output_length"],
+                "output tokens": f"{row['output_tokens']} of {row['asked_output_tokens']}",
+                "forced by": row["output_length"],
             }
         )
     return table
@@ -462,7 +493,8 @@ def sweep_table(report: dict[str, Any]) -> list[dict[str, Any]]:
             "total tok/s": row.get("total_tok_per_s"),
             "TTFT med/p99 s": _pair(row["ttft_s"]),
             "ITL med/p99 ms": _pair(row["itl_s"], 1000),
-            "output length": row["output_length"],
+            "output tokens": f"{row['output_tokens']} of {row['asked_output_tokens']}",
+            "forced by": row["output_length"],
         }
         for row in report["rows"]
         if row["workload"] == "sweep"
