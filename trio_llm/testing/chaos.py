@@ -280,7 +280,10 @@ class _Load:
         max_tokens = self.rng.randint(4, 24)
         prompt = f"Story {self.rng.randrange(1000)}:"
         if kind == "ws":
-            return await self._websocket(prompt, max_tokens)
+            try:
+                return await self._websocket(prompt, max_tokens)
+            except OSError as exc:
+                return "refused", repr(exc)
         # When each step of the exchange happened (httpcore's trace events), so that a
         # connection closed without a response tells whose side was slow.
         seen: dict[str, float] = {}
