@@ -292,6 +292,13 @@ def run_offline(system: System, workload: Workload, args: argparse.Namespace) ->
         start = time.perf_counter()
         results = llm.generate(batch, params)
         elapsed = time.perf_counter() - start
+        # Prefill time of one prompt alone (one output token): the floor for TTFT at 1 client.
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        prefill = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            llm.generate(batch[:1], one)
+            prefill.append(time.perf_counter() - t0)
     output = sum(len(r.token_ids) for r in results)
     prompt = sum(len(r.prompt_token_ids) for r in results)
     return {
@@ -309,6 +316,7 @@ def run_offline(system: System, workload: Workload, args: argparse.Namespace) ->
         "prompt_tokens": prompt,
         "output_tokens": output,
         "asked_output_tokens": len(batch) * workload.output_len,
+        "prefill_one_s": sorted(prefill)[1],
     }
 
 
@@ -536,6 +544,9 @@ def print_report(report: dict[str, Any]) -> None:
     for dtype, rate in report["gemm_gflops"].items():
         ceiling = report["roofline_total_tok_per_s"][dtype]
         print(f"roofline {dtype}: GEMM {rate:.0f} GFLOP/s -> {ceiling:.0f} total tok/s")
+    for row in report["rows"]:
+        if "prefill_one_s" in row:
+            print(f"{row['system']}: one prompt's prefill alone {row['prefill_one_s']:.3f} s")
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
@@ -573,6 +584,12 @@ def write_docs(report: dict[str, Any]) -> None:
             "**Seed workload** (all requests at once):",
             "",
             _markdown(seed_table(report)),
+            *[
+                f"One prompt's prefill alone ({r['system']}): {r['prefill_one_s'] * 1000:.0f} ms."
+                for r in report["rows"]
+                if "prefill_one_s" in r
+            ],
+            "",
             "**Concurrency sweep:**",
             "",
             _markdown(sweep_table(report)),

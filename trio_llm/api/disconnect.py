@@ -55,6 +55,22 @@ async def run_while_connected(receive: Receive, work: Callable[[], Awaitable[T]]
 
 Emit = Callable[[str], Awaitable[None]]
 
+#: Characters that JSON leaves raw inside strings but that line splitters such as Python's
+#: ``str.splitlines`` (and so ``httpx.Response.aiter_lines``) treat as line ends: NEL,
+#: LINE SEPARATOR and PARAGRAPH SEPARATOR. A model can generate them.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(data: str) -> bytes:
+    """One server-sent event, ``data: <data>\\n\\n``, in UTF-8.
+
+    ``data`` is one line of JSON (or ``[DONE]``). NEL, U+2028 and U+2029 can only occur
+    inside its strings, where the ``\\uXXXX`` escape means the same: escaping them keeps the
+    JSON equal and the event on one line for clients that split lines more eagerly than
+    the SSE format does.
+    """
+    return f"data: {data.translate(_LINE_BREAKING)}\n\n".encode()
+
 
 class EventStreamResponse(Response):
     """A ``text/event-stream`` response whose events come from ``produce(emit)``.
@@ -78,8 +94,7 @@ class EventStreamResponse(Response):
         )
 
         async def emit(data: str) -> None:
-            body = f"data: {data}\n\n".encode()
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": sse_event(data), "more_body": True})
 
         async def produce() -> bool:
             await self._produce(emit)

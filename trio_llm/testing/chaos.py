@@ -350,7 +350,10 @@ class _Load:
                     data = line.removeprefix("data: ")
                     if data == "[DONE]":
                         return ("error", error) if error else ("complete", "")
-                    event = json.loads(data)
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        return "cut", f"malformed event: {data[:80]!r}"
                     if "error" in event:
                         error = event["error"].get("message", "")
                     elif leave:
