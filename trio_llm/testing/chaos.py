@@ -202,6 +202,7 @@ class Record:
     end: float = 0.0
     outcome: str = "hung"
     detail: str = ""
+    phase: str = "starting"
 
 
 @dataclass
@@ -268,20 +269,25 @@ class _Load:
             record = Record(kind, time.monotonic())
             self.records.append(record)
             with trio.move_on_after(REQUEST_LIMIT):
-                record.outcome, record.detail = await self.one_request(kind)
+                record.outcome, record.detail = await self.one_request(kind, record)
             record.end = time.monotonic()
+            if record.outcome == "hung":
+                record.detail = f"no end after {REQUEST_LIMIT:g} s, while {record.phase}"
             if record.outcome in ("refused", "no-response", "cut"):
                 record.detail += f" ({record.end - record.start:.1f} s after sending)"
             if record.outcome in ("refused", "no-response"):
                 await self.stop.wait()  # the server is going away; nothing more to send
 
-    async def one_request(self, kind: str) -> tuple[str, str]:
-        """Send one request of ``kind``; return its outcome and a detail."""
+    async def one_request(self, kind: str, record: Record) -> tuple[str, str]:
+        """Send one request of ``kind``; return its outcome and a detail.
+
+        ``record.phase`` follows the request, so that one that never ends says where.
+        """
         max_tokens = self.rng.randint(4, 24)
         prompt = f"Story {self.rng.randrange(1000)}:"
         if kind == "ws":
             try:
-                return await self._websocket(prompt, max_tokens)
+                return await self._websocket(prompt, max_tokens, record)
             except OSError as exc:
                 return "refused", repr(exc)
         # When each step of the exchange happened (httpcore's trace events), so that a
@@ -290,6 +296,7 @@ class _Load:
 
         async def trace(name: str, info: object) -> None:
             seen.setdefault(name, time.monotonic())
+            record.phase = name
 
         try:
             async with httpx.AsyncClient(
@@ -362,10 +369,12 @@ class _Load:
                 return ("error", error) if error else ("cut", repr(exc))
             return ("error", error) if error else ("cut", "stream ended without [DONE]")
 
-    async def _websocket(self, prompt: str, max_tokens: int) -> tuple[str, str]:
+    async def _websocket(self, prompt: str, max_tokens: int, record: Record) -> tuple[str, str]:
         url = self.url.replace("http://", "ws://") + "/v1/ws"
         try:
+            record.phase = "ws: connecting and opening handshake"
             async with open_ws_client(url) as ws:
+                record.phase = "ws: waiting for events"
                 generation = ws.generate(
                     "completion",
                     model=MODEL,
@@ -375,8 +384,9 @@ class _Load:
                 )
                 async with generation:
                     async for _ in generation:
-                        pass
-                return "complete", ""
+                        record.phase = "ws: between events"
+                record.phase = "ws: closing"
+            return "complete", ""
         except GenerationError as exc:
             return "error", str(exc)
         except ConnectionClosedError as exc:
@@ -628,7 +638,7 @@ def _check_records(
         result.outcomes[record.outcome] += 1
         if record.outcome == "hung":
             result.hung += 1
-            result.failures.append(f"{record.kind} request never ended")
+            result.failures.append(f"{record.kind} request never ended: {record.detail}")
             continue
         after_fault = record.end >= fault_time
         if record.outcome == "cut" and spec.fault != "sigkill-server":
