@@ -189,7 +189,12 @@ class Workload:
 
 async def _probe_body(client: httpx.AsyncClient, model: str) -> tuple[dict, str]:
     """The extra fields this server takes to force the output length, and how it was forced."""
-    base = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    base = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "stream": True,  # as the real requests: stream_options is only valid with it
+    }
     variants = [
         ({"ignore_eos": True, "stream_options": {"include_usage": True}}, "ignore_eos"),
         ({"logit_bias": {str(EOS_TOKEN): -100.0}, "stream_options": {"include_usage": True}},
