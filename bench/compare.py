@@ -298,11 +298,14 @@ def run_offline(system: System, workload: Workload, args: argparse.Namespace) ->
         results = llm.generate(batch, params)
         elapsed = time.perf_counter() - start
         # Prefill time of one prompt alone (one output token): the floor for TTFT at 1 client.
+        # Each is a prompt not seen before, so the prefix cache holds at most the chat
+        # template's first block, as for a new request to the server.
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         prefill = []
-        for _ in range(3):
+        for k in range(3):
+            fresh = [{"role": "user", "content": f"Variant {k}. {workload.prompts[0]}"}]
             t0 = time.perf_counter()
-            llm.generate(batch[:1], one)
+            llm.generate([fresh], one)
             prefill.append(time.perf_counter() - t0)
     output = sum(len(r.token_ids) for r in results)
     prompt = sum(len(r.prompt_token_ids) for r in results)
@@ -417,7 +420,7 @@ def main() -> None:
 
     gemm = {d: roofline.gemm_gflops(roofline.DTYPES[d]) for d in ("float32", "bfloat16")}
     seed_rows = [r for r in rows if r["workload"] == "seed"]
-    prompt_tokens = args.num_prompts * args.input_len
+    prompt_tokens = sum(seed.prompt_tokens)  # after the chat template
     output_tokens = args.num_prompts * args.output_len
     ceilings = {
         dtype: roofline.tokens_per_second(rate, prompt_tokens, output_tokens)
@@ -527,6 +530,67 @@ def prefix_table(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def targets(report: dict[str, Any]) -> list[str]:
+    """The issue's targets, each as one line with the figures of this run behind it."""
+    rows = report["rows"]
+
+    def find(system: str, workload: str, clients: int | None = None) -> dict[str, Any] | None:
+        for row in rows:
+            if row["system"] == system and row["workload"] == workload:
+                if clients is None or row["concurrency"] == clients:
+                    return row
+        return None
+
+    lines = []
+    ours = find("trio-2p-fp32", "sweep", 32) or find("trio-2p-fp32", "seed", 32)
+    for peer in ("hf-serve", "llama-cpp"):
+        theirs = find(peer, "sweep", 32) or find(peer, "seed", 32)
+        if ours and theirs and theirs["output_tok_per_s"]:
+            ratio = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
+            lines.append(
+                f"Output tok/s at 32 clients, trio-2p-fp32 / {peer}: "
+                f"{ours['output_tok_per_s']:.1f} / {theirs['output_tok_per_s']:.1f} = "
+                f"{ratio:.1f}x (target 10x)."
+            )
+    for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
+        offline = find(f"trio-offline-{short}", "seed")
+        if not offline:
+            continue
+        shares = ", ".join(
+            f"{offline['total_tok_per_s'] / ceiling:.0%} of the {d} roofline"
+            for d, ceiling in report["roofline_total_tok_per_s"].items()
+        )
+        lines.append(
+            f"Offline engine ({dtype}), total tok/s: {offline['total_tok_per_s']:.1f}, "
+            f"{shares} (target 70 % of bfloat16's)."
+        )
+        for layout in ("2p", "3p"):
+            server = find(f"trio-{layout}-{short}", "seed")
+            if server and server.get("output_tok_per_s"):
+                lines.append(
+                    f"Server {layout} / offline ({dtype}), output tok/s: "
+                    f"{server['output_tok_per_s'] / offline['output_tok_per_s']:.3f} "
+                    "(target 0.99)."
+                )
+        single = find(f"trio-2p-{short}", "sweep", 1)
+        if single and single.get("ttft_s"):
+            ttft, prefill = single["ttft_s"]["median"], offline["prefill_one_s"]
+            lines.append(
+                f"TTFT median at 1 client ({dtype}): {ttft * 1000:.0f} ms against one "
+                f"prompt's prefill {prefill * 1000:.0f} ms + 10 ms."
+            )
+    on, off = (report["prefix_rows"] + [None, None])[:2]
+    if on and off:
+        ttft_on, ttft_off = on["ttft_s"]["median"], off["ttft_s"]["median"]
+        rate_on, rate_off = on["total_tok_per_s"], off["total_tok_per_s"]
+        lines.append(
+            f"Prefix caching on / off: TTFT median {ttft_on:.2f} s / {ttft_off:.2f} s "
+            f"({ttft_off / ttft_on:.1f}x faster), total tok/s {rate_on:.1f} / {rate_off:.1f} "
+            f"({rate_on / rate_off:.2f}x)."
+        )
+    return lines
+
+
 def _pair(stats: dict[str, float] | None, scale: float = 1.0) -> str:
     if not stats:
         return ""
@@ -552,6 +616,9 @@ def print_report(report: dict[str, Any]) -> None:
     for row in report["rows"]:
         if "prefill_one_s" in row:
             print(f"{row['system']}: one prompt's prefill alone {row['prefill_one_s']:.3f} s")
+    print("\ntargets:")
+    for line in targets(report):
+        print(f"- {line}")
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
@@ -601,6 +668,10 @@ def write_docs(report: dict[str, Any]) -> None:
             "**Shared prefix** (trio_llm, 2 processes, float32):",
             "",
             _markdown(prefix_table(report)),
+            "**The targets, from this run:**",
+            "",
+            *[f"- {line}" for line in targets(report)],
+            "",
             *[f"![{name}](img/{Path(path).name})" for name, path in plots.items()],
             END,
         ]

@@ -481,8 +481,10 @@ async def _burst(url: str, count: int) -> list[Record]:
 
     async def one(record: Record) -> None:
         with trio.move_on_after(REQUEST_LIMIT):
-            record.outcome, record.detail = await load.one_request("json")
+            record.outcome, record.detail = await load.one_request("json", record)
         record.end = time.monotonic()
+        if record.outcome == "hung":
+            record.detail = f"no end after {REQUEST_LIMIT:g} s, while {record.phase}"
 
     async with trio.open_nursery() as nursery:
         for record in records:
