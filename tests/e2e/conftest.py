@@ -25,6 +25,7 @@ DETOKENIZER_MODES = ["inline", "process"]
 #: within its time budget. test_detokenizer_modes compares the two layouts directly.
 INLINE_ONLY_MODULES = {
     "test_bad_input",
+    "test_chaos_client",
     "test_chat_page",
     "test_concurrency",
     "test_examples",
