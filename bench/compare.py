@@ -366,10 +366,16 @@ def main() -> None:
         args.num_prompts,
         chat_prompt_tokens(model_dir, seed_prompts),
     )
+    # Each level of the sweep gets prompts of its own: a prompt repeated from an earlier
+    # level would be served from trio_llm's prefix cache and inflate its figures.
     sweep_prompts = text_prompts(
-        tokenizer, max(args.concurrency) * args.sweep_rounds, args.input_len, args.seed + 2
+        tokenizer, sum(args.concurrency) * args.sweep_rounds, args.input_len, args.seed + 2
     )
     sweep_tokens = chat_prompt_tokens(model_dir, sweep_prompts)
+    sweep_start = {
+        clients: sum(args.concurrency[:level]) * args.sweep_rounds
+        for level, clients in enumerate(args.concurrency)
+    }
     rows: list[dict[str, Any]] = []
     for name in chosen:
         system = systems[name]
@@ -383,12 +389,15 @@ def main() -> None:
             _show(rows[-1])
             if name in args.sweep_systems or (not args.sweep_systems and "3p" not in name):
                 for clients in args.concurrency:
+                    level = slice(
+                        sweep_start[clients], sweep_start[clients] + clients * args.sweep_rounds
+                    )
                     workload = Workload(
                         "sweep",
-                        sweep_prompts[: clients * args.sweep_rounds],
+                        sweep_prompts[level],
                         args.sweep_output_len,
                         clients,
-                        sweep_tokens[: clients * args.sweep_rounds],
+                        sweep_tokens[level],
                     )
                     rows.append(trio.run(run_http, url, system, workload))
                     _show(rows[-1])
