@@ -61,6 +61,19 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def rates(completed: int, prompt_tokens: int, output_tokens: int, elapsed: float) -> dict:
+    """``req_per_s``, ``output_tok_per_s`` and ``total_tok_per_s`` (prompt + output) of a
+    run that completed ``completed`` requests in ``elapsed`` seconds, plus the counts."""
+    return {
+        "elapsed_s": elapsed,
+        "req_per_s": completed / elapsed,
+        "output_tok_per_s": output_tokens / elapsed,
+        "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     """A plain aligned text table."""
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]

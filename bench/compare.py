@@ -55,7 +55,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx
 import roofline
 import trio
-from common import print_table, sonnet_prompts, summary, write_json
+from common import print_table, rates, sonnet_prompts, summary, write_json
 from serve import RequestResult, one_request
 
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
@@ -269,12 +269,7 @@ async def run_http(url: str, system: System, workload: Workload) -> dict[str, An
         "errors": len(results) - len(done),
         "first_error": next((r.error for r in results if r.error), ""),
         "output_length": forced,
-        "elapsed_s": elapsed,
-        "req_per_s": len(done) / elapsed,
-        "output_tok_per_s": output / elapsed,
-        "total_tok_per_s": (prompt + output) / elapsed,
-        "prompt_tokens": prompt,
-        "output_tokens": output,
+        **rates(len(done), prompt, output, elapsed),
         "asked_output_tokens": len(results) * workload.output_len,
         "ttft_s": summary([r.ttft for r in done]),
         "itl_s": summary(itls),
@@ -317,12 +312,7 @@ def run_offline(system: System, workload: Workload, args: argparse.Namespace) ->
         "completed": len(results),
         "errors": 0,
         "output_length": "ignore_eos",
-        "elapsed_s": elapsed,
-        "req_per_s": len(batch) / elapsed,
-        "output_tok_per_s": output / elapsed,
-        "total_tok_per_s": (prompt + output) / elapsed,
-        "prompt_tokens": prompt,
-        "output_tokens": output,
+        **rates(len(batch), prompt, output, elapsed),
         "asked_output_tokens": len(batch) * workload.output_len,
         "prefill_one_s": sorted(prefill)[1],
     }
