@@ -184,8 +184,10 @@ async def _drain(server: ServerProcess, client: httpx.AsyncClient, port: int) ->
                     await client.get("/health")
                 except httpx.ConnectError:
                     return True
-                except httpx.RemoteProtocolError:
-                    pass  # an idle keep-alive connection closed by the shutdown: retry
+                except (httpx.RemoteProtocolError, httpx.ReadError):
+                    # An idle keep-alive connection closed (or reset) by the shutdown
+                    # before the listener went away: retry until connecting fails.
+                    pass
                 return False
 
             await poll(refused, 5)
