@@ -14,12 +14,14 @@ plain Hugging Face folder (safetensors weights, config, tokenizer and chat templ
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,9 +93,23 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
 
 
 def _cache_key(gguf: Path) -> str:
+    """``<stem>-<first 12 hex digits of the file's SHA-256>``.
+
+    Keyed by content, not by path: a fresh virtual environment installs the same file
+    at a new path, and must find the conversion already made (it takes about 40 s and
+    540 MB of disk for the default model). Hashing the default model's 98 MB takes about
+    0.3 s here; `_content_digest` remembers it for the rest of the process.
+    """
     stat = gguf.stat()
-    ident = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return f"{gguf.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+    digest = _content_digest(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+    return f"{gguf.stem}-{digest[:12]}"
+
+
+@functools.lru_cache(maxsize=8)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 (hex) of the file at ``path``; ``size`` and ``mtime_ns`` key the memo."""
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -111,6 +127,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 
     _log(f"converting {gguf.name} to torch weights (first start only) -> {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_conversions(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         _log("reading the tokenizer from the GGUF file")
@@ -138,6 +155,22 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     _log("conversion cached")
     return target
+
+
+#: A ``.convert-*`` folder older than this (seconds) was left by a conversion that was
+#: killed (a conversion takes under a minute): it is removed by the next one.
+ABANDONED_CONVERSION_AGE = 3600.0
+
+
+def _remove_abandoned_conversions(models_dir: Path) -> None:
+    """Delete ``.convert-*`` folders last modified over `ABANDONED_CONVERSION_AGE` ago."""
+    now = time.time()
+    for folder in models_dir.glob(".convert-*"):
+        try:
+            if now - folder.stat().st_mtime > ABANDONED_CONVERSION_AGE:
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # another process removed it first
 
 
 #: CPU flags (``/proc/cpuinfo``) of native bf16 matrix arithmetic. Without them torch

@@ -1,0 +1,60 @@
+"""The converted-model cache is keyed by the GGUF file's content, not its path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from trio_llm.model_loader import ABANDONED_CONVERSION_AGE, _cache_key, convert_gguf
+
+
+def _gguf(folder: Path, content: bytes) -> Path:
+    folder.mkdir(parents=True)
+    path = folder / "model.Q4_1.gguf"
+    path.write_bytes(content)
+    return path
+
+
+def test_the_same_file_at_another_path_has_the_same_key(tmp_path: Path) -> None:
+    first = _gguf(tmp_path / "venv-a", b"GGUF" + bytes(range(256)) * 64)
+    second = tmp_path / "venv-b" / first.name
+    second.parent.mkdir()
+    shutil.copy(first, second)  # a new mtime and a new path, the same bytes
+    assert _cache_key(first) == _cache_key(second)
+    assert _cache_key(first).startswith("model.Q4_1-")
+
+
+def test_different_content_has_a_different_key(tmp_path: Path) -> None:
+    first = _gguf(tmp_path / "a", b"GGUF" + b"\x00" * 1024)
+    second = _gguf(tmp_path / "b", b"GGUF" + b"\x00" * 1023 + b"\x01")
+    assert _cache_key(first) != _cache_key(second)
+
+
+def test_a_reinstalled_file_finds_the_conversion_already_made(tmp_path: Path) -> None:
+    """A cached folder for these bytes is returned as is: nothing is converted (the fake
+    file is not a loadable GGUF, so a conversion would fail)."""
+    original = _gguf(tmp_path / "old-venv", b"GGUF not really a model")
+    cached = tmp_path / "cache" / "models" / _cache_key(original)
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    reinstalled = _gguf(tmp_path / "new-venv", original.read_bytes())
+    assert convert_gguf(reinstalled, tmp_path / "cache") == cached
+
+
+def test_a_killed_conversion_s_folder_is_removed_by_the_next(tmp_path: Path) -> None:
+    models = tmp_path / "cache" / "models"
+    abandoned, recent = models / ".convert-old", models / ".convert-running"
+    for folder in (abandoned, recent):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"partial")
+    hours_ago = time.time() - 2 * ABANDONED_CONVERSION_AGE
+    os.utime(abandoned, (hours_ago, hours_ago))
+    gguf = _gguf(tmp_path / "venv", b"GGUF not really a model")
+    with pytest.raises(Exception):  # noqa: B017 - the fake file cannot be converted
+        convert_gguf(gguf, tmp_path / "cache")
+    assert not abandoned.exists()
+    assert recent.exists()  # may belong to a conversion still running
