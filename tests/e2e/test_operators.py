@@ -1,4 +1,5 @@
-"""Operator settings on a real server: API key, CORS and the request body limit.
+"""Operator settings on a real server: API key, CORS and the request body limit, over
+HTTP and the WebSocket.
 
 One extra server for the module, started with ``--api-key``, ``--allowed-origins`` and a
 64 KiB body limit. The last tests check the command line and `ServerConfig` alone.
@@ -16,6 +17,7 @@ import pytest
 
 from tests.e2e.conftest import MODEL
 from trio_llm.cli import build_parser, config_from_args
+from trio_llm.client import ConnectionClosedError, DoneEvent, open_ws_client
 from trio_llm.config import API_KEY_ENV, ServerConfig
 from trio_llm.testing.server_process import ServerProcess
 
@@ -245,6 +247,47 @@ def test_bodies_within_the_limit_pass_chunked_or_not(client: httpx.Client) -> No
         response = client.post("/v1/completions", content=content, headers=headers)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "prompt"
+
+
+# ------------------------------------------------------------------ WebSocket
+
+
+async def _ws_generate(url: str, api_key: str | None, **params: object) -> DoneEvent:
+    """One completion over ``/v1/ws`` at ``url``; its `DoneEvent`."""
+    async with open_ws_client(url, api_key=api_key) as ws:
+        events = [e async for e in ws.generate("completion", model=MODEL, **params)]
+    assert isinstance(events[-1], DoneEvent)
+    return events[-1]
+
+
+async def test_the_websocket_needs_the_key(guarded: str) -> None:
+    url = guarded.replace("http://", "ws://") + "/v1/ws"
+    for key in (None, "wrong"):
+        with pytest.raises(ConnectionClosedError) as closed:
+            await _ws_generate(url, key, prompt="Hi", max_tokens=2)
+        assert (closed.value.code, closed.value.reason) == (1008, "invalid or missing API key")
+    for full_url, key in ((url, API_KEY), (f"{url}?api_key={API_KEY}", None)):
+        done = await _ws_generate(full_url, key, prompt="Hi", max_tokens=2)
+        assert done.usage["completion_tokens"] == 2
+
+
+async def test_an_oversized_websocket_message_closes_with_1009(guarded: str) -> None:
+    url = guarded.replace("http://", "ws://") + "/v1/ws"
+    async with open_ws_client(url, api_key=API_KEY) as ws:
+        # `user` is accepted and ignored: it only makes the message long.
+        short = [
+            e
+            async for e in ws.generate(
+                "completion", model=MODEL, prompt="Hi", max_tokens=1, user="x" * (BODY_LIMIT - 1024)
+            )
+        ]
+        assert isinstance(short[-1], DoneEvent)
+        with pytest.raises(ConnectionClosedError) as closed:
+            async for _ in ws.generate(
+                "completion", model=MODEL, prompt="Hi", max_tokens=1, user="x" * BODY_LIMIT
+            ):
+                pass
+    assert closed.value.code == 1009
 
 
 # ------------------------------------------------------------------ command line

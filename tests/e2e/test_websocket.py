@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import socket
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -24,25 +22,13 @@ from trio_llm.client import (
     open_ws_client,
 )
 from trio_llm.testing.metrics_scrape import metric, poll, wait_until_idle
-from trio_llm.testing.server_process import ServerProcess
 
-API_KEY = "sesame"
-MAX_BODY_BYTES = 4096
 LONG = {"max_tokens": 2000, "ignore_eos": True}  # runs far longer than any test waits
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 def ws_url(base_url: str) -> str:
     return base_url.replace("http://", "ws://") + "/v1/ws"
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Iterator[str]:
-    """A server that wants an API key and takes bodies (and messages) of 4 KiB at most."""
-    log = tmp_path_factory.mktemp("keyed-server") / "server.log"
-    args = ["--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES)]
-    with ServerProcess([*args, "--dtype", "float32"], log_path=log) as process:
-        yield ws_url(process.url)
 
 
 async def _open_raw_websocket(
@@ -251,24 +237,3 @@ async def test_invalid_utf8_drops_the_connection(base_url: str) -> None:
             if closes:
                 break
     assert closes[0].code == 1006
-
-
-async def test_the_api_key_is_required(keyed_server: str) -> None:
-    for url, key in ((keyed_server, None), (keyed_server, "wrong")):
-        async with open_ws_client(url, api_key=key) as client:
-            with pytest.raises(ConnectionClosedError) as closed:
-                await _run(client, "completion", prompt="Hi", max_tokens=2)
-        assert (closed.value.code, closed.value.reason) == (1008, "invalid or missing API key")
-    for url, key in ((keyed_server, API_KEY), (f"{keyed_server}?api_key={API_KEY}", None)):
-        async with open_ws_client(url, api_key=key) as client:
-            _, _, done = await _run(client, "completion", prompt="Hi", max_tokens=2)
-            assert done.usage["completion_tokens"] == 2
-
-
-async def test_an_oversized_message_closes_with_1009(keyed_server: str) -> None:
-    async with open_ws_client(keyed_server, api_key=API_KEY) as client:
-        # `user` is accepted and ignored: it only makes the message long.
-        await _run(client, "completion", prompt="Hi", max_tokens=1, user="x" * 3000)
-        with pytest.raises(ConnectionClosedError) as closed:
-            await _run(client, "completion", prompt="Hi", max_tokens=1, user="x" * MAX_BODY_BYTES)
-    assert closed.value.code == 1009
