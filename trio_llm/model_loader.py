@@ -14,7 +14,6 @@ plain Hugging Face folder (safetensors weights, config, tokenizer and chat templ
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import os
@@ -36,6 +35,11 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelNotFoundError(Exception):
     """``--model`` names nothing that can be loaded from local disk."""
+
+
+class ModelConversionError(Exception):
+    """A ``.gguf`` file could not be read and converted (truncated, corrupt, or an
+    architecture transformers cannot de-quantize)."""
 
 
 def _log(message: str) -> None:
@@ -92,24 +96,39 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     return convert_gguf(path, cache_dir) if path.suffix == ".gguf" else path
 
 
-def _cache_key(gguf: Path) -> str:
+def _cache_key(gguf: Path, models_dir: Path) -> str:
     """``<stem>-<first 12 hex digits of the file's SHA-256>``.
 
     Keyed by content, not by path: a fresh virtual environment installs the same file
     at a new path, and must find the conversion already made (it takes about 40 s and
-    540 MB of disk for the default model). Hashing the default model's 98 MB takes about
-    0.3 s here; `_content_digest` remembers it for the rest of the process.
+    540 MB of disk for the default model). The digest is hashed once per file path,
+    size, mtime and inode (0.3 s for the default model's 98 MB, about 3 s per GB) and
+    remembered under ``models_dir/.digests``.
     """
-    stat = gguf.stat()
-    digest = _content_digest(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
-    return f"{gguf.stem}-{digest[:12]}"
+    return f"{gguf.stem}-{_content_digest(gguf, models_dir / '.digests')[:12]}"
 
 
-@functools.lru_cache(maxsize=8)
-def _content_digest(path: str, size: int, mtime_ns: int) -> str:
-    """SHA-256 (hex) of the file at ``path``; ``size`` and ``mtime_ns`` key the memo."""
+def _content_digest(path: Path, memo_dir: Path) -> str:
+    """SHA-256 (64 hex digits) of the file at ``path``, memoized in ``memo_dir``."""
+    stat = path.stat()
+    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    memo = memo_dir / hashlib.sha256(ident.encode()).hexdigest()[:32]
+    try:
+        remembered = memo.read_text().strip()
+    except OSError:
+        remembered = ""
+    if len(remembered) == 64 and all(c in "0123456789abcdef" for c in remembered):
+        return remembered
     with open(path, "rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    try:
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        partial = memo.with_name(f"{memo.name}.{os.getpid()}")
+        partial.write_text(digest)
+        os.replace(partial, memo)  # atomic: a reader sees the whole digest or none
+    except OSError:
+        pass  # a read-only cache only costs the hashing again next time
+    return digest
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -117,8 +136,11 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 
     The folder appears atomically (written beside it, then renamed), so a crash or a
     concurrent start never leaves a half-written cache behind.
+
+    Raises:
+        ModelConversionError: the file is not a GGUF model transformers can read.
     """
-    target = cache_dir / "models" / _cache_key(gguf)
+    target = cache_dir / "models" / _cache_key(gguf, cache_dir / "models")
     if (target / "config.json").is_file():
         return target
     import torch
@@ -130,12 +152,18 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     _remove_abandoned_conversions(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _log("reading the tokenizer from the GGUF file")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _log("de-quantizing weights")
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        try:
+            _log("reading the tokenizer from the GGUF file")
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            _log("de-quantizing weights")
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
+        except Exception as exc:
+            raise ModelConversionError(
+                f"{gguf} could not be read as a GGUF model ({type(exc).__name__}: {exc}); "
+                "is the file complete, and of an architecture transformers reads from GGUF?"
+            ) from exc
         state = model.state_dict()
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm.model_loader import ABANDONED_CONVERSION_AGE, _cache_key, convert_gguf
+from trio_llm.model_loader import (
+    ABANDONED_CONVERSION_AGE,
+    ModelConversionError,
+    _cache_key,
+    convert_gguf,
+)
 
 
 def _gguf(folder: Path, content: bytes) -> Path:
@@ -24,21 +29,21 @@ def test_the_same_file_at_another_path_has_the_same_key(tmp_path: Path) -> None:
     second = tmp_path / "venv-b" / first.name
     second.parent.mkdir()
     shutil.copy(first, second)  # a new mtime and a new path, the same bytes
-    assert _cache_key(first) == _cache_key(second)
-    assert _cache_key(first).startswith("model.Q4_1-")
+    assert _cache_key(first, tmp_path / "cache") == _cache_key(second, tmp_path / "cache")
+    assert _cache_key(first, tmp_path / "cache").startswith("model.Q4_1-")
 
 
 def test_different_content_has_a_different_key(tmp_path: Path) -> None:
     first = _gguf(tmp_path / "a", b"GGUF" + b"\x00" * 1024)
     second = _gguf(tmp_path / "b", b"GGUF" + b"\x00" * 1023 + b"\x01")
-    assert _cache_key(first) != _cache_key(second)
+    assert _cache_key(first, tmp_path / "cache") != _cache_key(second, tmp_path / "cache")
 
 
 def test_a_reinstalled_file_finds_the_conversion_already_made(tmp_path: Path) -> None:
     """A cached folder for these bytes is returned as is: nothing is converted (the fake
     file is not a loadable GGUF, so a conversion would fail)."""
     original = _gguf(tmp_path / "old-venv", b"GGUF not really a model")
-    cached = tmp_path / "cache" / "models" / _cache_key(original)
+    cached = tmp_path / "cache" / "models" / _cache_key(original, tmp_path / "cache" / "models")
     cached.mkdir(parents=True)
     (cached / "config.json").write_text("{}")
     reinstalled = _gguf(tmp_path / "new-venv", original.read_bytes())
@@ -58,3 +63,27 @@ def test_a_killed_conversion_s_folder_is_removed_by_the_next(tmp_path: Path) -> 
         convert_gguf(gguf, tmp_path / "cache")
     assert not abandoned.exists()
     assert recent.exists()  # may belong to a conversion still running
+
+
+def test_a_corrupt_file_is_a_clear_error_and_caches_nothing(tmp_path: Path) -> None:
+    gguf = _gguf(tmp_path / "venv", b"GGUF truncated")
+    with pytest.raises(ModelConversionError) as caught:
+        convert_gguf(gguf, tmp_path / "cache")
+    assert str(gguf) in str(caught.value)
+    left = [p.name for p in (tmp_path / "cache" / "models").iterdir()]
+    assert left == [".digests"]  # no model folder, no partial conversion
+
+
+def test_the_digest_is_hashed_once_per_file_version(tmp_path: Path) -> None:
+    """The memo is what a second start reads (a planted digest shows it is consulted);
+    rewriting the file (a new mtime) hashes it again."""
+    models = tmp_path / "cache"
+    gguf = _gguf(tmp_path / "venv", b"GGUF version 1")
+    first = _cache_key(gguf, models)
+    (memo,) = (models / ".digests").iterdir()
+    memo.write_text("f" * 64)
+    assert _cache_key(gguf, models) == "model.Q4_1-" + "f" * 12
+    gguf.write_bytes(b"GGUF version 2")
+    os.utime(gguf, ns=(gguf.stat().st_mtime_ns + 10**9,) * 2)
+    second = _cache_key(gguf, models)
+    assert second not in (first, "model.Q4_1-" + "f" * 12)

@@ -116,6 +116,7 @@ class EngineCore:
 
         Raises:
             trio_llm.model_loader.ModelNotFoundError: nothing loadable at ``config.model``.
+            trio_llm.model_loader.ModelConversionError: a GGUF file that cannot be read.
             EngineConfigError: the cache or context settings do not fit the model.
         """
         from trio_llm.model_loader import load_model, resolve_model_dir
