@@ -20,7 +20,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -150,7 +149,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     _log(f"converting {gguf.name} to torch weights (first start only) -> {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_conversions(target.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".convert-{os.getpid()}-", dir=target.parent))
     try:
         try:
             _log("reading the tokenizer from the GGUF file")
@@ -185,20 +184,25 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-#: A ``.convert-*`` folder older than this (seconds) was left by a conversion that was
-#: killed (a conversion takes under a minute): it is removed by the next one.
-ABANDONED_CONVERSION_AGE = 3600.0
-
-
 def _remove_abandoned_conversions(models_dir: Path) -> None:
-    """Delete ``.convert-*`` folders last modified over `ABANDONED_CONVERSION_AGE` ago."""
-    now = time.time()
+    """Delete ``.convert-<pid>-*`` folders whose process no longer runs (it was killed
+    mid-conversion, so its ``finally`` never removed them)."""
     for folder in models_dir.glob(".convert-*"):
-        try:
-            if now - folder.stat().st_mtime > ABANDONED_CONVERSION_AGE:
-                shutil.rmtree(folder, ignore_errors=True)
-        except FileNotFoundError:
-            pass  # another process removed it first
+        owner = folder.name.removeprefix(".convert-").split("-", 1)[0]
+        if owner.isdigit() and _is_running(int(owner)):
+            continue  # a conversion still in progress (ours or a concurrent start's)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+    """Whether a process with this id exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    return True
 
 
 #: CPU flags (``/proc/cpuinfo``) of native bf16 matrix arithmetic. Without them torch

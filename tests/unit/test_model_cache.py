@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from trio_llm.model_loader import (
-    ABANDONED_CONVERSION_AGE,
     ModelConversionError,
     _cache_key,
     convert_gguf,
@@ -52,17 +51,20 @@ def test_a_reinstalled_file_finds_the_conversion_already_made(tmp_path: Path) ->
 
 def test_a_killed_conversion_s_folder_is_removed_by_the_next(tmp_path: Path) -> None:
     models = tmp_path / "cache" / "models"
-    abandoned, recent = models / ".convert-old", models / ".convert-running"
-    for folder in (abandoned, recent):
+    finished = subprocess.Popen(["true"])  # a process id that no longer runs
+    finished.wait()
+    dead_pid = finished.pid
+    abandoned = models / f".convert-{dead_pid}-abc123"
+    running = models / f".convert-{os.getpid()}-def456"  # a conversion still going on
+    for folder in (abandoned, running):
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"partial")
-    hours_ago = time.time() - 2 * ABANDONED_CONVERSION_AGE
-    os.utime(abandoned, (hours_ago, hours_ago))
     gguf = _gguf(tmp_path / "venv", b"GGUF not really a model")
-    with pytest.raises(Exception):  # noqa: B017 - the fake file cannot be converted
+    with pytest.raises(ModelConversionError):
         convert_gguf(gguf, tmp_path / "cache")
     assert not abandoned.exists()
-    assert recent.exists()  # may belong to a conversion still running
+    assert running.exists()
+    assert [p.name for p in models.iterdir() if p.name.startswith(".convert-")] == [running.name]
 
 
 def test_a_corrupt_file_is_a_clear_error_and_caches_nothing(tmp_path: Path) -> None:
