@@ -16,6 +16,7 @@ from trio_llm.config import (
     DTYPES,
     RESTART_MODES,
     CacheConfig,
+    RequestLimits,
     RestartPolicy,
     SchedulerConfig,
     ServerConfig,
@@ -217,6 +218,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest logprobs / top_logprobs a request may ask for",
     )
     serve.add_argument(
+        "--max-choices",
+        type=parse_positive_int,
+        default=RequestLimits.max_choices,
+        metavar="N",
+        help="most choices (prompts x n) in one request (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-chat-messages",
+        type=parse_positive_int,
+        default=RequestLimits.max_chat_messages,
+        metavar="N",
+        help="most messages in one chat request (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-stop-strings",
+        type=parse_positive_int,
+        default=RequestLimits.max_stop_strings,
+        metavar="N",
+        help="most stop strings in one request (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-stop-string-length",
+        type=parse_positive_int,
+        default=RequestLimits.max_stop_string_length,
+        metavar="CHARS",
+        help="longest stop string, in characters (default %(default)s)",
+    )
+    serve.add_argument(
         "--detokenizer-mode",
         choices=DETOKENIZER_MODES,
         default=ServerConfig.detokenizer_mode,
@@ -264,6 +293,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
         max_logprobs=args.max_logprobs,
+        limits=RequestLimits(
+            max_choices=args.max_choices,
+            max_chat_messages=args.max_chat_messages,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_length=args.max_stop_string_length,
+        ),
         detokenizer_mode=args.detokenizer_mode,
     )
 

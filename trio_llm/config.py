@@ -243,6 +243,39 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Limits on what one request may ask for, checked before any work that grows with it.
+
+    Each is checked on the raw JSON (counting list items, measuring strings), cheapest
+    first, so an oversized request costs the server almost nothing before its 400, which
+    names the field at fault. The request body size (``max_request_body_bytes``) comes
+    before all of them. The context length limits prompts on top of these.
+
+    Attributes:
+        max_choices: most choices (prompts times ``n``) in one request; each is an engine
+            request.
+        max_chat_messages: most ``messages`` in one chat request.
+        max_stop_strings: most ``stop`` strings in one request (OpenAI allows 4).
+        max_stop_string_length: longest ``stop`` string, in characters.
+    """
+
+    max_choices: int = 1024
+    max_chat_messages: int = 2048
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 256
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_choices",
+            "max_chat_messages",
+            "max_stop_strings",
+            "max_stop_string_length",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The API server's own settings.
 
@@ -271,6 +304,7 @@ class ServerConfig:
         max_num_waiting_requests: most requests waiting for the engine at once before new
             ones are refused; ``None`` means no limit.
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for.
+        limits: per-request limits on choices, messages and stop strings.
         detokenizer_mode: "inline" detokenizes in the API server; "process" runs a third
             process (the detokenizer) between the API server and the engine core.
     """
@@ -291,6 +325,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_num_waiting_requests: int | None = None
     max_logprobs: int = 20
+    limits: RequestLimits = field(default_factory=RequestLimits)
     detokenizer_mode: str = "inline"
 
     def __post_init__(self) -> None:

@@ -20,6 +20,10 @@ import msgspec
 #: Temperatures below this sample greedily: dividing logits by less overflows float32.
 GREEDY_TEMPERATURE = 1e-5
 
+#: Smallest ``repetition_penalty``: positive logits are divided by it, and a much smaller
+#: one overflows float32 (the distribution then turns into NaNs).
+MIN_REPETITION_PENALTY = 0.01
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the engine picks each output token and when it stops (a subset of vLLM's).
@@ -48,7 +52,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         frequency_penalty: subtracted from a token's logit once per occurrence in the
             output, in [-2, 2].
         repetition_penalty: tokens in the prompt or output have positive logits divided
-            and negative logits multiplied by it (CTRL paper); 1 disables it.
+            and negative logits multiplied by it (CTRL paper); 1 disables it. At least
+            `MIN_REPETITION_PENALTY` (the HTTP API also caps it at 2, as vLLM does).
         logit_bias: ``(token_id, bias)`` pairs added to the logits; biases in [-100, 100].
         seed: per-request random seed; with a seed the output does not depend on what
             else is in the batch.
@@ -109,8 +114,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2**31:
-            raise ValueError("repetition_penalty must be positive")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2**31:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2**31]")
         if any(not stop for stop in self.stop):
             raise ValueError("stop strings must not be empty")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):

@@ -31,6 +31,7 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
+from trio_llm.api import connection_guard
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
@@ -106,8 +107,10 @@ async def serve(
                 config.model_names(),
                 max_logprobs=config.max_logprobs,
                 max_num_waiting_requests=config.max_num_waiting_requests,
+                limits=config.limits,
             )
             app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
+            connection_guard.install()  # one connection's protocol error ends only it
             async with trio.open_nursery() as http_nursery:
                 binds = await http_nursery.start(
                     partial(

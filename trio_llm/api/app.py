@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from trio_llm.api import metrics
 from trio_llm.api.chat_page import install_chat_page
@@ -77,13 +79,42 @@ def build_app(
     async def retrieve_model(model: str) -> JSONResponse:
         return JSONResponse(model_card(serving.resolve_model(model)))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    # The bodies are parsed by `serving.parse` (limits first, large ones off the event
+    # loop), not by FastAPI; the OpenAPI document still describes them.
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = await serving.parse(CompletionRequest, request)
         return await serving.completions(body, request.receive)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body = await serving.parse(ChatCompletionRequest, request)
         return await serving.chat(body, request.receive)
+
+    _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
 
     install_chat_page(app)
     return app
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """An OpenAPI ``requestBody`` naming ``model``'s schema (see `_document_bodies`)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
+    """Add ``models``' JSON schemas to the app's OpenAPI components."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = generate()
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -68,7 +68,12 @@ class APIError(Exception):
 def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    """``{"error": {...}}`` as the OpenAI API returns it."""
+    """``{"error": {...}}`` as the OpenAI API returns it.
+
+    A message that quotes the client's input could hold a lone surrogate, which no UTF-8
+    response can carry; such characters are written as ``\\udXXX`` escapes instead.
+    """
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -109,7 +114,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # A field whose value fits none of a union's types gets one error per member; the
+    # ones that say more than "wrong type" (a value out of range, invalid text) come first.
+    first = next(
+        (error for error in errors if not str(error.get("type", "")).endswith("_type")),
+        errors[0],
+    )
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # The top-level field; deeper parts name union members ("str", "list[int]"), not fields.
     param = loc[0] if loc else None

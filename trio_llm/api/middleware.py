@@ -4,9 +4,11 @@ Each piece is plain ASGI (no ``BaseHTTPMiddleware``), so nothing here buffers a 
 a streamed response: the body limit counts bytes as hypercorn hands them over, and the
 server-sent events of a streamed completion pass through untouched.
 
-Order, outermost first: CORS (so a browser can read the 401 and 413 answers too, and a
-preflight never needs a key), then the API key check (an unauthenticated client is refused
-before its body is read), then the body size limit, then the FastAPI app.
+Order, outermost first: the framing check (a request that both ``Content-Length`` and
+``Transfer-Encoding`` frame is refused before anything else reads it), CORS (so a browser
+can read the 401 and 413 answers too, and a preflight never needs a key), then the API key
+check (an unauthenticated client is refused before its body is read), then the body size
+limit, then the FastAPI app.
 """
 
 from __future__ import annotations
@@ -186,9 +188,42 @@ class BodySizeLimitMiddleware:
             await self._refuse(send)
 
 
+class RequestFramingMiddleware:
+    """Refuse requests whose body length is ambiguous (HTTP 400 and ``Connection: close``).
+
+    A request carrying both ``Transfer-Encoding`` and ``Content-Length`` can be read two
+    ways; a proxy in front that trusts the other header would see a different request
+    boundary, so one client could smuggle a request into another's connection. RFC 9112
+    section 6.1 lets a server reject such a request, and then requires it to close the
+    connection; so does this middleware, before any other code reads the body.
+
+    Args:
+        app: the ASGI app.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on, or answer 400 and close the connection."""
+        if scope["type"] == "http":
+            names = {key.lower() for key, _ in scope.get("headers", ())}
+            if b"transfer-encoding" in names and b"content-length" in names:
+                await send_error(
+                    send,
+                    400,
+                    "the request has both Content-Length and Transfer-Encoding; send one",
+                    code="ambiguous_request_framing",
+                    extra_headers=[(b"connection", b"close")],
+                )
+                return
+        await self.app(scope, receive, send)
+
+
 def install_middleware(app: FastAPI, config: ServerConfig) -> None:
-    """Add the body size limit, the API key check (if ``config.api_key``) and CORS (if
-    ``config.allowed_origins``) to ``app``, in that order from the inside out.
+    """Add the body size limit, the API key check (if ``config.api_key``), CORS (if
+    ``config.allowed_origins``) and the framing check to ``app``, in that order from the
+    inside out.
 
     Must be called before the app serves its first request.
     """
@@ -203,3 +238,4 @@ def install_middleware(app: FastAPI, config: ServerConfig) -> None:
             allow_headers=list(config.allowed_headers),
             allow_credentials=config.allow_credentials,
         )
+    app.add_middleware(RequestFramingMiddleware)

@@ -14,6 +14,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,12 +25,36 @@ from pydantic import (
 )
 
 from trio_llm.api.errors import bad_request
-from trio_llm.messages import SamplingParams
+from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams
 
 #: Largest integer accepted where the engine takes a 64-bit or 32-bit value.
 INT32_MAX = 2**31 - 1
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+
+
+def check_unicode(value: str) -> str:
+    """``value`` unchanged if it is valid Unicode text (encodable as UTF-8).
+
+    JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which Python decodes into a
+    string that no UTF-8 encoder accepts: it could cross no process boundary and appear in
+    no response.
+
+    Raises:
+        ValueError: the string holds a lone surrogate (the message says where).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text holds a lone surrogate (U+{ord(value[exc.start]):04X} at character "
+            f"{exc.start}), which is not valid Unicode"
+        ) from None
+    return value
+
+
+#: A JSON string that is valid Unicode (every text field of a request).
+Text = Annotated[StrictStr, AfterValidator(check_unicode)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -37,6 +62,9 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 #: Most samples per prompt (``n``); more is refused with a 400.
 MAX_N = 128
+
+#: Largest ``repetition_penalty`` (vLLM's bound).
+MAX_REPETITION_PENALTY = 2.0
 
 #: ``logit_bias`` values are clamped to this magnitude, as OpenAI documents.
 MAX_LOGIT_BIAS = 100.0
@@ -86,7 +114,7 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: StrictStr | None = None
+    model: Text | None = None
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     temperature: FiniteFloat | None = Field(default=None, ge=0)
     top_p: FiniteFloat | None = Field(default=None, gt=0, le=1)
@@ -94,10 +122,12 @@ class GenerationRequest(BaseModel):
     min_p: FiniteFloat | None = Field(default=None, ge=0, le=1)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: FiniteFloat | None = Field(default=None, gt=0, le=INT32_MAX)
+    repetition_penalty: FiniteFloat | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     logit_bias: dict[str, FiniteFloat] | None = None
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
@@ -105,7 +135,7 @@ class GenerationRequest(BaseModel):
     min_tokens: StrictInt = Field(default=0, ge=0, le=INT32_MAX)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -209,24 +239,24 @@ class CompletionRequest(GenerationRequest):
     default) and may be 0 only with ``echo``.
     """
 
-    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: StrictInt | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
 
 
 class TextContentPart(BaseModel):
     """A ``{"type": "text", "text": ...}`` part of a chat message."""
 
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    name: StrictStr | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         """The content as one string."""
@@ -242,14 +272,14 @@ class PromptMessage(_Message):
     """A system, developer, user or tool message: ``content`` (a string or text parts)."""
 
     role: Literal["system", "developer", "user", "tool"]
-    content: StrictStr | list[TextContentPart]
+    content: Text | list[TextContentPart]
 
 
 class AssistantMessage(_Message):
     """An assistant message; ``content`` may be left out (OpenAI allows it here only)."""
 
     role: Literal["assistant"]
-    content: StrictStr | list[TextContentPart] | None = None
+    content: Text | list[TextContentPart] | None = None
 
 
 #: One chat message, told apart by ``role``.

@@ -14,10 +14,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.types import Receive
 
 from trio_llm.api.choice import Choice
@@ -25,20 +27,21 @@ from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
 from trio_llm.api.errors import APIError, bad_request, engine_error
 from trio_llm.api.generation import CHAT, COMPLETION, Plan, run_choices, usage
 from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
+from trio_llm.api.parsing import parse_body
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.api.streaming import Stream
+from trio_llm.config import RequestLimits
 from trio_llm.frontend.engine_client import Admission, EngineClient, EngineError
 from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 from trio_llm.messages import SamplingParams
+
+_Request = TypeVar("_Request", bound=BaseModel)
 
 #: HTTP status for a request whose client disconnected (nginx's convention; never seen).
 CLIENT_CLOSED_REQUEST = 499
 
 #: Texts shorter than this (characters) are tokenized on the event loop (well under 1 ms).
 INLINE_ENCODE_CHARS = 8192
-
-#: Most choices (prompts x n) in one request; each is an engine request.
-MAX_CHOICES = 1024
 
 
 def _child_seed(seed: int | None, index: int) -> int | None:
@@ -65,6 +68,7 @@ class OpenAIServing:
             ``top_logprobs``); more is a 400.
         max_num_waiting_requests: engine requests allowed to wait for their first output;
             past it new requests get a 503 with ``Retry-After`` at once. None: no limit.
+        limits: per-request limits (choices, messages, stop strings), checked first.
     """
 
     def __init__(
@@ -75,8 +79,10 @@ class OpenAIServing:
         *,
         max_logprobs: int = 20,
         max_num_waiting_requests: int | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.limits = limits or RequestLimits()
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.max_logprobs = max_logprobs
@@ -86,6 +92,22 @@ class OpenAIServing:
         self.eos_token_ids = frozenset(engine.info.eos_token_ids)
 
     # ------------------------------------------------------------ validation
+
+    async def parse(self, model: type[_Request], request: Request) -> _Request:
+        """Read and validate ``request``'s body as ``model`` (`trio_llm.api.parsing`).
+
+        Raises:
+            APIError: 400 naming the field at fault.
+        """
+        body = await request.body()
+        return await parse_body(
+            model,
+            body,
+            request.headers.get("content-type"),
+            self.limits,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+        )
 
     def resolve_model(self, name: str | None) -> str:
         """The served name to report; 404 for a name this server does not serve."""
@@ -198,9 +220,10 @@ class OpenAIServing:
                 "max_tokens must be at least 1 (0 is only allowed with echo=true)", "max_tokens"
             )
         prompts = await self._completion_prompts(request)
-        if len(prompts) * request.n > MAX_CHOICES:
+        if len(prompts) * request.n > self.limits.max_choices:
             raise bad_request(
-                f"{len(prompts)} prompts x n={request.n} is more than {MAX_CHOICES} choices",
+                f"{len(prompts)} prompts x n={request.n} is more than this server's limit of "
+                f"{self.limits.max_choices} choices per request (--max-choices)",
                 "n",
             )
         prompt_logprobs = request.logprobs if request.echo else None
@@ -267,8 +290,12 @@ class OpenAIServing:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self._check_logprobs(request.top_logprobs, "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        render = partial(self.tokenizer.render_chat, messages)
         try:
-            text = self.tokenizer.render_chat(messages)
+            if sum(len(m["content"]) for m in messages) < INLINE_ENCODE_CHARS:
+                text = render()
+            else:  # the template's cost grows with the conversation: keep the loop free
+                text = await trio.to_thread.run_sync(render)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
         prompt_ids = await self._encode(text, "messages", special_tokens=False)

@@ -16,11 +16,11 @@ import trio
 from fastapi import APIRouter, Body
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 import trio_llm
 from trio_llm.api.errors import bad_request
-from trio_llm.api.protocol import ChatMessage, TokenId
+from trio_llm.api.protocol import ChatMessage, Text, TokenId
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.frontend.chat_template import TemplateError, render_chat
 from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError
@@ -47,8 +47,8 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: StrictStr | None = None
-    prompt: StrictStr | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool | None = None
@@ -71,7 +71,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize``: token ids to text."""
 
-    model: StrictStr | None = None
+    model: Text | None = None
     tokens: list[TokenId]
 
 

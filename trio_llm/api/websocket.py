@@ -20,12 +20,12 @@ from __future__ import annotations
 import hmac
 import json
 import traceback
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import trio
 from fastapi import FastAPI, WebSocket
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect
 
 from trio_llm.api.choice import Choice, ChoiceDelta
@@ -34,11 +34,11 @@ from trio_llm.api.errors import (
     bad_request,
     engine_error,
     error_body,
-    validation_message,
 )
 from trio_llm.api.generation import OnDelta, Plan, run_choices, usage
 from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
-from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
+from trio_llm.api.parsing import INLINE_PARSE_BYTES, validate
+from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
 from trio_llm.frontend.engine_client import EngineDeadError, EngineError
@@ -79,11 +79,19 @@ def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig
     With ``config.api_key`` set, a client must present the key in the handshake
     (``Authorization: Bearer KEY``, or the ``api_key`` query parameter for browsers);
     otherwise the connection is accepted and closed at once with code 1008.
+
+    A handshake whose ``Origin`` is not allowed is refused with HTTP 403 before anything
+    else (see `origin_allowed`): a web page on another site cannot drive the server
+    through its visitor's browser.
     """
     key = config.api_key.encode() if config.api_key is not None else None
+    allowed_origins = config.allowed_origins
 
     @app.websocket(WEBSOCKET_PATH)
     async def websocket_endpoint(websocket: WebSocket) -> None:
+        if not origin_allowed(websocket.headers, allowed_origins):
+            await websocket.close(CLOSE_POLICY_VIOLATION)  # before accept: HTTP 403
+            return
         await websocket.accept()
         if key is not None and not _authorized(websocket, key):
             await _close_quietly(websocket, CLOSE_POLICY_VIOLATION, "invalid or missing API key")
@@ -93,6 +101,36 @@ def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig
         except Exception:  # a bug: end this connection, keep the server
             traceback.print_exc()
             await _close_quietly(websocket, CLOSE_INTERNAL_ERROR, "internal error")
+
+
+def origin_allowed(headers: Mapping[str, str], allowed_origins: tuple[str, ...]) -> bool:
+    """Whether a WebSocket handshake with these headers may connect.
+
+    Browsers always send ``Origin``; other clients usually send none, and are allowed.
+    With ``--allowed-origins`` the origin must be one of them (or the list holds ``*``),
+    as for CORS over HTTP. Without it only same-origin pages are allowed: the origin's
+    host and port must be the ``Host`` the browser connected to (the chat page served at
+    ``/`` is such a page).
+    """
+    origin = headers.get("origin")
+    if origin is None:
+        return True
+    if allowed_origins:
+        return "*" in allowed_origins or origin.rstrip("/") in {
+            allowed.rstrip("/") for allowed in allowed_origins
+        }
+    try:
+        parts = urlsplit(origin)
+        origin_host = parts.netloc.lower()
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not origin_host:
+        return False
+    host = headers.get("host", "").lower()
+    default_port = ":443" if parts.scheme == "https" else ":80"
+    return origin_host in (host, host.removesuffix(default_port)) or (
+        f"{origin_host}{default_port}" == host
+    )
 
 
 def _authorized(websocket: WebSocket, key: bytes) -> bool:
@@ -116,8 +154,11 @@ def _error_event(generation_id: str | None, body: dict[str, Any]) -> dict[str, A
     return {"type": "error", "id": generation_id, **body}
 
 
-def _parse_request(kind: str, message: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
-    """Validate a ``completion`` / ``chat`` message as the HTTP routes validate their body.
+def _parse_request(
+    kind: str, message: dict[str, Any], serving: OpenAIServing
+) -> CompletionRequest | ChatCompletionRequest:
+    """Validate a ``completion`` / ``chat`` message as the HTTP routes validate their body
+    (`trio_llm.api.parsing.validate`: the server's limits first, then every field).
 
     Raises:
         APIError: a 400 naming the field at fault, as the HTTP route would answer.
@@ -125,11 +166,13 @@ def _parse_request(kind: str, message: dict[str, Any]) -> CompletionRequest | Ch
     ignored = ("type", "id", "stream", "stream_options")
     fields = {name: value for name, value in message.items() if name not in ignored}
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    try:
-        request = model.model_validate(fields)
-    except ValidationError as exc:
-        text, param = validation_message(RequestValidationError(exc.errors()))
-        raise bad_request(text, param) from exc
+    request = validate(
+        model,
+        fields,
+        serving.limits,
+        max_model_len=serving.max_model_len,
+        vocab_size=serving.vocab_size,
+    )
     if isinstance(request, CompletionRequest) and request.echo:
         raise bad_request("`echo` is not supported over the WebSocket", "echo")
     return request
@@ -178,7 +221,8 @@ class _Connection:
     # ------------------------------------------------------------ tasks
 
     async def _read_loop(self, connection: trio.CancelScope) -> None:
-        """Receive until the client leaves; never wait for anything but the socket."""
+        """Receive until the client leaves; wait for nothing but the socket (and for a
+        worker thread parsing a large message)."""
         while True:
             message = await self.websocket.receive()
             if message["type"] == "websocket.disconnect":
@@ -192,7 +236,7 @@ class _Connection:
                     CLOSE_UNSUPPORTED_DATA, "binary frames are not supported", abort=True
                 )
             else:
-                self._handle(text)
+                await self._handle(text)
 
     async def _write_loop(self, connection: trio.CancelScope) -> None:
         async for text in self._outbox_receive:
@@ -211,10 +255,14 @@ class _Connection:
 
     # ------------------------------------------------------------ messages
 
-    def _handle(self, text: str) -> None:
-        """Act on one client message without blocking (answers go out from other tasks)."""
+    async def _handle(self, text: str) -> None:
+        """Act on one client message (answers go out from other tasks); only parsing a
+        large message waits, in a worker thread."""
         try:
-            message = json.loads(text)
+            if len(text) > INLINE_PARSE_BYTES:
+                message = await trio.to_thread.run_sync(json.loads, text)
+            else:
+                message = json.loads(text)
         except (ValueError, RecursionError):
             self._reply_error(None, bad_request("the message is not valid JSON"))
             return
@@ -225,6 +273,11 @@ class _Connection:
         if not isinstance(generation_id, str) or not 0 < len(generation_id) <= MAX_ID_LENGTH:
             problem = f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} characters"
             self._reply_error(None, bad_request(problem, "id"))
+            return
+        try:
+            check_unicode(generation_id)
+        except ValueError as exc:
+            self._reply_error(None, bad_request(f"`id`: {exc}", "id"))
             return
         kind = message.get("type")
         if kind == "cancel":
@@ -250,7 +303,8 @@ class _Connection:
             scope = trio.CancelScope()
             self.active[generation_id] = scope
             assert self._generations is not None
-            self._generations.start_soon(self._generate, generation_id, kind, message, scope)
+            large = len(text) > INLINE_PARSE_BYTES
+            self._generations.start_soon(self._generate, generation_id, kind, message, scope, large)
 
     def _reply_error(self, generation_id: str | None, error: APIError) -> None:
         if self.num_pending_errors >= MAX_PENDING_ERRORS:
@@ -272,11 +326,16 @@ class _Connection:
     # ------------------------------------------------------------ generations
 
     async def _generate(
-        self, generation_id: str, kind: str, message: dict[str, Any], scope: trio.CancelScope
+        self,
+        generation_id: str,
+        kind: str,
+        message: dict[str, Any],
+        scope: trio.CancelScope,
+        large: bool,
     ) -> None:
         """Run one generation and send its ``done`` or ``error`` event."""
         try:
-            event = await self._run_generation(generation_id, kind, message, scope)
+            event = await self._run_generation(generation_id, kind, message, scope, large)
         except APIError as exc:
             event = _error_event(generation_id, exc.body())
         except EngineError as exc:
@@ -291,10 +350,18 @@ class _Connection:
         await self._send(event)
 
     async def _run_generation(
-        self, generation_id: str, kind: str, message: dict[str, Any], scope: trio.CancelScope
+        self,
+        generation_id: str,
+        kind: str,
+        message: dict[str, Any],
+        scope: trio.CancelScope,
+        large: bool,
     ) -> dict[str, Any]:
         serving = self.serving
-        request = _parse_request(kind, message)
+        if large:  # validation grows with the message: keep the event loop free
+            request = await trio.to_thread.run_sync(_parse_request, kind, message, serving)
+        else:
+            request = _parse_request(kind, message, serving)
         if isinstance(request, ChatCompletionRequest):
             plan = await serving.plan_chat(request)
         else:

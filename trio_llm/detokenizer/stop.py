@@ -14,14 +14,98 @@ one, i.e. the occurrence starting earliest): the output is ``T[: e - len(s)]`` (
 ``e`` the output is ``T`` itself. :class:`StopMatcher` gives exactly this result for any
 split of ``T`` into deltas.
 
-Only the held-back text plus the new delta is searched on each step, so the cost per
-delta does not grow with the length of the generation. All lengths are in Unicode code
-points (Python ``str`` indices).
+The stop strings are compiled once into an Aho–Corasick automaton (cached by the tuple of
+strings, so the ``n`` choices of one request share it). Feeding text advances the automaton
+one character at a time and never looks back, so a delta costs O(len(delta)) amortized,
+whatever the number and length of the stop strings; building costs O(total characters).
+All lengths are in Unicode code points (Python ``str`` indices).
+
+With ``stop_allowed=False`` (vLLM's ``min_tokens``), a stop string that *ends* there is
+text like any other; one that begins there and ends once stopping is allowed matches.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Sequence
+
+#: Keys of the goto table: ``node * _KEY_STRIDE + code point`` (one int per edge).
+_KEY_STRIDE = 0x110000
+
+
+class StopAutomaton:
+    """Aho–Corasick automaton over a fixed tuple of non-empty stop strings (immutable).
+
+    Node 0 is the root (the empty string); every node is a prefix of some stop string.
+
+    Attributes:
+        stops: the stop strings, indexed by the ``match`` table.
+        match: per node, the index of the longest stop string that is a suffix of the
+            node's string, or -1.
+        hold: per node, the length of the longest suffix of the node's string that is a
+            *proper* prefix of some stop string (text that must be held back).
+    """
+
+    __slots__ = ("_fail", "_goto", "hold", "match", "stops")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        goto: dict[int, int] = {}
+        depth = [0]
+        terminal = [-1]
+        children: list[list[tuple[int, int]]] = [[]]
+        for index, stop in enumerate(stops):
+            node = 0
+            for char in stop:
+                code = ord(char)
+                child = goto.get(node * _KEY_STRIDE + code)
+                if child is None:
+                    child = len(depth)
+                    goto[node * _KEY_STRIDE + code] = child
+                    depth.append(depth[node] + 1)
+                    terminal.append(-1)
+                    children[node].append((code, child))
+                    children.append([])
+                node = child
+            if terminal[node] < 0:
+                terminal[node] = index
+        size = len(depth)
+        self._goto = goto
+        self._fail = fail = [0] * size
+        self.match = match = [-1] * size
+        self.hold = hold = [0] * size
+        # Breadth first: a node's failure link is shallower, so it is done before it.
+        queue = deque([0])
+        while queue:
+            node = queue.popleft()
+            for code, child in children[node]:
+                link = 0 if node == 0 else self._next(fail[node], code)
+                fail[child] = link
+                match[child] = terminal[child] if terminal[child] >= 0 else match[link]
+                hold[child] = depth[child] if children[child] else hold[link]
+                queue.append(child)
+
+    def _next(self, node: int, code: int) -> int:
+        goto = self._goto
+        fail = self._fail
+        while True:
+            child = goto.get(node * _KEY_STRIDE + code)
+            if child is not None:
+                return child
+            if node == 0:
+                return 0
+            node = fail[node]
+
+    def step(self, node: int, char: str) -> int:
+        """The node after reading ``char`` in ``node`` (amortized O(1) over a text)."""
+        return self._next(node, ord(char))
+
+
+@functools.lru_cache(maxsize=256)
+def compile_stops(stops: tuple[str, ...]) -> StopAutomaton:
+    """The automaton of ``stops`` (non-empty, distinct), built once per distinct tuple."""
+    return StopAutomaton(stops)
 
 
 class StopMatcher:
@@ -41,6 +125,8 @@ class StopMatcher:
     def __init__(self, stop: Sequence[str], *, include_stop_str_in_output: bool = False) -> None:
         # dict.fromkeys dedupes while keeping the caller's order (only for readable reprs).
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
+        self._automaton = compile_stops(self._stops) if self._stops else None
+        self._node = 0
         self._include = include_stop_str_in_output
         self._held = ""
         self.stop_string: str | None = None
@@ -84,57 +170,26 @@ class StopMatcher:
         """
         if self.stop_string is not None:
             return ""
-        if not self._stops:
+        automaton = self._automaton
+        if automaton is None:
             return text
         buffer = self._held + text
-        match = self._first_match(buffer) if stop_allowed else None
-        if match is not None:
-            start, stop = match
-            self.stop_string = stop
-            self._held = ""
-            return buffer[: start + len(stop)] if self._include else buffer[:start]
+        base = len(self._held)
+        node = self._node
+        match = automaton.match
+        for offset, char in enumerate(text):
+            node = automaton.step(node, char)
+            if stop_allowed and match[node] >= 0:
+                stop = automaton.stops[match[node]]
+                end = base + offset + 1
+                self.stop_string = stop
+                self._held = ""
+                return buffer[:end] if self._include else buffer[: end - len(stop)]
         if finished:
             self._held = ""
+            self._node = 0
             return buffer
-        keep_from = self._hold_start(buffer)
+        self._node = node
+        keep_from = len(buffer) - automaton.hold[node]
         self._held = buffer[keep_from:]
         return buffer[:keep_from]
-
-    def _first_match(self, buffer: str) -> tuple[int, str] | None:
-        """The occurrence in ``buffer`` that ends first (then starts first), if any.
-
-        Returns ``(start index, stop string)``. ``buffer`` is the held text plus the new
-        delta; the held text alone never contains a whole stop string (it would have
-        matched on the previous call), and any occurrence overlapping already released
-        text would have made that text be held, so searching ``buffer`` suffices.
-        """
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = buffer.find(stop)
-            if start < 0:
-                continue
-            candidate = (start + len(stop), start, stop)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-        if best is None:
-            return None
-        return best[1], best[2]
-
-    def _hold_start(self, buffer: str) -> int:
-        """Start index of the longest suffix of ``buffer`` that is a proper prefix of a stop.
-
-        Returns ``len(buffer)`` when no suffix qualifies (nothing needs holding back).
-        """
-        keep_from = len(buffer)
-        for stop in self._stops:
-            # Only suffixes shorter than the stop string itself and longer than the best
-            # so far are worth checking; they must begin with the stop's first character.
-            lowest = max(0, len(buffer) - len(stop) + 1)
-            first = stop[0]
-            index = buffer.find(first, lowest, keep_from)
-            while index >= 0:
-                if stop.startswith(buffer[index:]):
-                    keep_from = index
-                    break
-                index = buffer.find(first, index + 1, keep_from)
-        return keep_from

@@ -1,0 +1,122 @@
+"""One connection's failure ends that connection, never the server.
+
+Hypercorn's Trio worker runs each accepted connection as ``TCPServer(...).run()`` in the
+server's handler nursery. ``run`` only expects ``OSError``: any other exception from the
+protocol stack (h11, h2, wsproto, or hypercorn's glue between them) propagates into that
+nursery and ends ``hypercorn.trio.serve`` — and with it the whole server. One known
+trigger: bytes that arrive in the same packet as a WebSocket upgrade request, before the
+handshake is answered. Hypercorn answers 400, and then h11 raises ``LocalProtocolError``
+("Can't send data when our state is ERROR") while ending that response (the family of
+hypercorn issue #225).
+
+`install` makes the worker build `GuardedTCPServer` instead: the same connection
+handling, with every ``Exception`` from one connection caught at the connection's edge,
+logged on one line, and the connection's socket closed. Cancellation (and anything else
+that is not an ``Exception``) still propagates, so shutdown is unchanged.
+
+It also fixes that known trigger at its source (`EarlyDataWSStream`): WebSocket bytes that
+arrive before the handshake is answered wait until the app accepts, and are then read as
+the connection's first frames, so a client that writes its first frame right behind the
+upgrade request is served.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import hypercorn.protocol.h2
+import hypercorn.protocol.h11
+import hypercorn.trio.run
+import trio
+from hypercorn.protocol.events import Body, Data
+from hypercorn.protocol.ws_stream import ASGIWebsocketState, WSStream
+from hypercorn.trio.tcp_server import TCPServer
+
+#: Connections ended by a protocol error since start-up (read by tests and logs).
+num_connection_errors = 0
+
+
+class GuardedTCPServer(TCPServer):
+    """Hypercorn's per-connection handler with its failures contained (see module doc)."""
+
+    async def run(self) -> None:
+        """Serve the connection; an exception inside it closes only this connection."""
+        global num_connection_errors
+        try:
+            await super().run()
+        except* Exception as group:
+            num_connection_errors += 1
+            first = _first_leaf(group)
+            print(
+                "trio-llm: a client connection ended with a protocol error "
+                f"({type(first).__name__}: {first}); the server goes on",
+                file=sys.stderr,
+                flush=True,
+            )
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+
+class EarlyDataWSStream(WSStream):
+    """Hypercorn's WebSocket stream, holding bytes that arrive before the handshake ends.
+
+    RFC 6455 has a client wait for the server's handshake response before it sends a
+    frame; some send their first frame at once, in the same packet as the request.
+    Hypercorn answers such bytes with a 400 that h11 can no longer send. Here they are kept
+    (up to ``websocket_max_message_size`` bytes; past that, hypercorn's own handling) and
+    handed to the connection once the app accepts; if the app refuses, they are dropped.
+    """
+
+    _early: bytearray | None = None
+
+    async def handle(self, event: Any) -> None:
+        """Hypercorn's handling, except for data before the handshake is answered."""
+        if (
+            isinstance(event, Body | Data)
+            and not self.closed
+            and self.state is ASGIWebsocketState.HANDSHAKE
+        ):
+            early = self._early if self._early is not None else bytearray()
+            if len(early) + len(event.data) <= self.config.websocket_max_message_size:
+                early.extend(event.data)
+                self._early = early
+                return
+        await super().handle(event)
+
+    async def _accept(self, message: Any) -> None:
+        await super()._accept(message)
+        if self._early:
+            data, self._early = bytes(self._early), None
+            # Another task: the app's queue is bounded, and this runs in the app's task.
+            self.task_group.spawn(self.handle, Data(stream_id=self.stream_id, data=data))
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def install() -> None:
+    """Make hypercorn's Trio worker use `GuardedTCPServer` and `EarlyDataWSStream`
+    (idempotent).
+
+    Raises:
+        RuntimeError: this hypercorn version does not build its connections the way this
+            guard expects (so the guard would silently not apply).
+    """
+    patches = [
+        (hypercorn.trio.run, "TCPServer", TCPServer, GuardedTCPServer),
+        (hypercorn.protocol.h11, "WSStream", WSStream, EarlyDataWSStream),
+        (hypercorn.protocol.h2, "WSStream", WSStream, EarlyDataWSStream),
+    ]
+    for module, name, original, replacement in patches:
+        current = getattr(module, name, None)
+        if current is not original and current is not replacement:
+            raise RuntimeError(
+                f"{module.__name__}.{name} is not what trio_llm's connection guard expects: "
+                "this hypercorn version is not supported"
+            )
+    for module, name, _, replacement in patches:
+        setattr(module, name, replacement)

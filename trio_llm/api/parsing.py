@@ -1,0 +1,184 @@
+"""From a raw request body to a validated request, cheapest checks first.
+
+A request's cost to the server must not grow with what it asks for before it is refused.
+So the generation routes (HTTP and WebSocket) parse their bodies here rather than through
+FastAPI's automatic validation, in this order:
+
+1. the body size (`trio_llm.api.middleware.BodySizeLimitMiddleware`, before this module);
+2. the content type, then JSON parsing;
+3. `check_limits` on the raw JSON: counts and lengths only (number of prompts times ``n``,
+   token-id prompt lengths against the context, messages, stop strings and their length),
+   each a 400 naming the field;
+4. pydantic validation of every field.
+
+Steps 2-4 run in a worker thread when the body is larger than `INLINE_PARSE_BYTES`, so a
+large (valid or not) request never stalls the event loop that streams everyone else's
+tokens. Later, costly work (chat templates, tokenizing) is also sized first, in
+`trio_llm.api.serving`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import trio
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from trio_llm.api.errors import bad_request, validation_message
+from trio_llm.config import RequestLimits
+
+#: Bodies up to this size (bytes) are parsed and validated on the event loop (well under
+#: a millisecond); larger ones in a worker thread.
+INLINE_PARSE_BYTES = 16 * 1024
+
+_Request = TypeVar("_Request", bound=BaseModel)
+
+
+def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_size: int) -> None:
+    """Refuse a request whose size is out of bounds, looking only at counts and lengths.
+
+    Runs before field validation; fields of the wrong type are left for it to report.
+
+    Args:
+        data: the parsed JSON body.
+        limits: the server's `RequestLimits`.
+        max_model_len: context length in tokens (a token-id prompt must be shorter).
+        vocab_size: ``logit_bias`` and ``stop_token_ids`` cannot usefully hold more
+            distinct entries than this.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    if not isinstance(data, dict):
+        return
+    num_prompts = 1
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], list):  # a batch of token-id prompts
+            num_prompts = len(prompt)
+            for item in prompt[: limits.max_choices]:
+                _check_token_prompt(item, max_model_len)
+        elif isinstance(prompt[0], str):  # a batch of text prompts
+            num_prompts = len(prompt)
+        else:  # one token-id prompt
+            _check_token_prompt(prompt, max_model_len)
+    n = data.get("n")
+    n = n if isinstance(n, int) and n >= 1 else 1
+    if num_prompts > limits.max_choices or num_prompts * n > limits.max_choices:
+        param = "prompt" if num_prompts > limits.max_choices else "n"
+        raise bad_request(
+            f"{num_prompts} prompts x n={n} is more than this server's limit of "
+            f"{limits.max_choices} choices per request (--max-choices)",
+            param,
+        )
+    messages = data.get("messages")
+    if isinstance(messages, list) and len(messages) > limits.max_chat_messages:
+        raise bad_request(
+            f"{len(messages)} messages is more than this server's limit of "
+            f"{limits.max_chat_messages} (--max-chat-messages)",
+            "messages",
+        )
+    stop = data.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stops) > limits.max_stop_strings:
+        raise bad_request(
+            f"{len(stops)} stop strings is more than this server's limit of "
+            f"{limits.max_stop_strings} (--max-stop-strings)",
+            "stop",
+        )
+    for item in stops:
+        if isinstance(item, str) and len(item) > limits.max_stop_string_length:
+            raise bad_request(
+                f"a stop string of {len(item)} characters is longer than this server's limit "
+                f"of {limits.max_stop_string_length} (--max-stop-string-length)",
+                "stop",
+            )
+    for name in ("logit_bias", "stop_token_ids"):
+        value = data.get(name)
+        if isinstance(value, dict | list) and len(value) > vocab_size:
+            raise bad_request(
+                f"{name} has {len(value)} entries, more than the vocabulary's {vocab_size} tokens",
+                name,
+            )
+
+
+def _check_token_prompt(item: Any, max_model_len: int) -> None:
+    if isinstance(item, list) and len(item) >= max_model_len:
+        raise bad_request(
+            f"the prompt has {len(item)} tokens, but this model's context is {max_model_len} "
+            "tokens and at least one must remain for the output",
+            "prompt",
+        )
+
+
+def validate(
+    model: type[_Request],
+    data: Any,
+    limits: RequestLimits,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+) -> _Request:
+    """`check_limits`, then ``model``'s pydantic validation of ``data`` (parsed JSON).
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    check_limits(data, limits, max_model_len=max_model_len, vocab_size=vocab_size)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(RequestValidationError(exc.errors()))
+        raise bad_request(message, param) from exc
+
+
+def parse_json(body: bytes | str) -> Any:
+    """The JSON value of ``body``.
+
+    Raises:
+        APIError: 400 when the body is not valid JSON (or not UTF-8).
+    """
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request("the request body is not valid JSON") from exc
+
+
+def _is_json(content_type: str | None) -> bool:
+    if content_type is None:
+        return True  # as FastAPI: no content type is read as JSON
+    main = content_type.split(";", 1)[0].strip().lower()
+    return main == "application/json" or (
+        main.startswith("application/") and main.endswith("+json")
+    )
+
+
+async def parse_body(
+    model: type[_Request],
+    body: bytes,
+    content_type: str | None,
+    limits: RequestLimits,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+) -> _Request:
+    """Parse and validate an HTTP request body as ``model`` (see the module docstring).
+
+    Raises:
+        APIError: 400 for a non-JSON content type, invalid JSON, a limit exceeded or an
+            invalid field (naming it).
+    """
+    if not _is_json(content_type):
+        raise bad_request(
+            f"the request body must be JSON (Content-Type: application/json), not {content_type}"
+        )
+
+    def run() -> _Request:
+        data = parse_json(body)
+        return validate(model, data, limits, max_model_len=max_model_len, vocab_size=vocab_size)
+
+    if len(body) <= INLINE_PARSE_BYTES:
+        return run()
+    return await trio.to_thread.run_sync(run)
