@@ -9,6 +9,7 @@ import sys
 from trio_llm.config import (
     API_KEY_ENV,
     CACHE_DIR_ENV,
+    DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MODEL,
     DETOKENIZER_MODES,
@@ -98,6 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
     )
+    serve.add_argument(
+        "--long-prefill-token-threshold",
+        type=parse_non_negative_int,
+        default=None,
+        metavar="TOKENS",
+        help="a prompt with more tokens than this left to prefill computes at most this many "
+        "per step, so running streams keep flowing (0: off; default "
+        f"{DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD} on the CPU, off on CUDA)",
+    )
+    serve.add_argument(
+        "--max-num-partial-prefills",
+        type=parse_positive_int,
+        default=SchedulerConfig.max_num_partial_prefills,
+        metavar="N",
+        help="most long prompts prefilled in one step (default %(default)s)",
+    )
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     kv = serve.add_mutually_exclusive_group()
@@ -179,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ORIGIN",
         help="CORS: origins allowed to call the API from a browser ('*' for any; default: "
-        "CORS off)",
+        "CORS off); also the origins whose pages may open /v1/ws (default: same origin only)",
     )
     serve.add_argument(
         "--allowed-methods",
@@ -270,6 +287,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
         num_threads=args.num_threads,
     )
     return ServerConfig(

@@ -5,7 +5,8 @@ Each is tagged so one decoder reads the union of what a peer may send. The only 
 payload is the start-up `EngineConfig`, sent once over the same private socket.
 
 Direction          Messages
-server -> engine   `AddRequest`, `AbortRequests`, `Shutdown`
+server -> engine   `AddRequest`, `AbortRequests`, `PauseRequests`, `ResumeRequests`,
+                   `Shutdown`
 engine -> server   `EngineReady`, `StepOutputs`, `Heartbeat`, `EngineFailed`
 
 In 3-process mode (``--detokenizer-mode process``) the detokenizer child sits between the
@@ -151,11 +152,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    """Queue a new request. ``prompt_token_ids`` is non-empty and fits the context."""
+    """Queue a new request. ``prompt_token_ids`` is non-empty and fits the context.
+
+    Attributes:
+        group: shared by the engine requests of one API request (its ``n`` choices and
+            batch prompts); the scheduler shares batch slots fairly between groups. None:
+            a group of its own.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    group: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -163,6 +171,23 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
     Unknown or already finished ids are ignored.
     """
+
+    request_ids: list[str]
+
+
+class PauseRequests(msgspec.Struct, tag="pause", array_like=True):
+    """Stop scheduling these requests: their consumer is not reading its output.
+
+    A paused request leaves the running batch at once (its KV blocks are freed; with
+    prefix caching their full blocks stay reusable) and is recomputed when resumed. It
+    still counts as unfinished; `AbortRequests` ends it. Unknown ids are ignored.
+    """
+
+    request_ids: list[str]
+
+
+class ResumeRequests(msgspec.Struct, tag="resume", array_like=True):
+    """Schedule these paused requests again (their consumer read its output)."""
 
     request_ids: list[str]
 
@@ -252,6 +277,7 @@ class StepStats(msgspec.Struct, array_like=True):
 
     ``prefix_cache_queries`` and ``prefix_cache_hits`` are running totals since the engine
     started: prompt tokens looked up in the prefix cache, and tokens found there.
+    ``num_paused``: requests paused because their consumer is not reading (`PauseRequests`).
     """
 
     num_running: int
@@ -264,6 +290,7 @@ class StepStats(msgspec.Struct, array_like=True):
     step_seconds: float
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_paused: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -294,5 +321,5 @@ class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequests | Shutdown
+ToEngine = AddRequest | AbortRequests | PauseRequests | ResumeRequests | Shutdown
 FromEngine = EngineReady | StepOutputs | Heartbeat | EngineFailed

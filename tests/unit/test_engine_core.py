@@ -320,3 +320,38 @@ def test_sampling_params_reach_the_sampler(reference: dict[int, list[int]]) -> N
     assert not set(penalized) & set(PROMPTS[2])
     plain = reference[2]  # repeats tokens and reuses prompt tokens: the penalty must act
     assert len(set(plain)) < len(plain) and set(plain) & set(PROMPTS[2])
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_pausing_and_resuming_does_not_change_the_output(
+    reference: dict[int, list[int]], enable_prefix_caching: bool
+) -> None:
+    """A request paused mid-generation (its consumer stopped reading) and resumed later
+    is recomputed and continues exactly: greedy as generate(), seeded as when never paused."""
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    plain = _core(enable_prefix_caching=enable_prefix_caching)
+    plain.add_request(AddRequest("seeded", PROMPTS[4], seeded))
+    expected_seeded = _run(plain)["seeded"]
+
+    core = _core(enable_prefix_caching=enable_prefix_caching)
+    core.add_request(AddRequest("greedy", PROMPTS[2], _greedy()))
+    core.add_request(AddRequest("seeded", PROMPTS[4], seeded))
+    core.add_request(AddRequest("other", PROMPTS[0], _greedy()))
+    outputs: dict[str, list[int]] = {}
+    for step in range(200):
+        if step == 6:
+            core.pause(["greedy", "seeded"])
+        if step == 12:
+            assert not outputs.get("greedy") or len(outputs["greedy"]) < 24
+            core.resume(["greedy", "seeded"])
+        if not core.has_unfinished_requests():
+            break
+        result = core.step()
+        for output in result.outputs:
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if 6 <= step < 12:
+            assert {o.request_id for o in result.outputs} <= {"other"}
+            assert result.stats.num_paused == 2
+    assert outputs["greedy"] == reference[2]
+    assert outputs["other"] == reference[0]
+    assert outputs["seeded"] == expected_seeded

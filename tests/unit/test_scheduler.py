@@ -5,7 +5,7 @@ from __future__ import annotations
 from trio_llm.config import SchedulerConfig
 from trio_llm.engine.block_manager import BlockManager
 from trio_llm.engine.request import Request, RequestStatus
-from trio_llm.engine.scheduler import Scheduler
+from trio_llm.engine.scheduler import Scheduler, fair_shares
 from trio_llm.messages import SamplingParams
 
 EOS = 2
@@ -159,3 +159,161 @@ def test_a_cached_prefix_is_not_recomputed() -> None:
     assert _step(scheduler)[0] == [("b", 3)]
     scheduler.add(_request("c", 8, max_tokens=1))  # fully cached: the last block is recomputed
     assert _step(scheduler)[0] == [("c", 4)]
+
+
+# ------------------------------------------------------------------ fairness (issue 14)
+
+
+def _grouped(rid: str, group: str, prompt_len: int = 2, max_tokens: int = 100) -> Request:
+    return Request(
+        rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens), group
+    )
+
+
+def _fair(
+    *,
+    max_num_seqs: int = 8,
+    budget: int = 64,
+    num_blocks: int = 256,
+    threshold: int = 0,
+    partial: int = 1,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_num_partial_prefills=partial,
+        ),
+        BlockManager(num_blocks, 4),
+        max_model_len=1000,
+        eos_token_ids=frozenset({EOS}),
+        long_prefill_token_threshold=threshold,
+    )
+
+
+def test_fair_shares_are_max_min_fair() -> None:
+    assert fair_shares({"a": 128}, 128) == {"a": 128}
+    assert fair_shares({"a": 128, "b": 1}, 128) == {"a": 127, "b": 1}
+    assert fair_shares({"a": 128, "b": 128}, 128) == {"a": 64, "b": 64}
+    shares = fair_shares({"a": 100, "b": 3, "c": 100}, 10)
+    assert shares["b"] == 3 and sorted([shares["a"], shares["c"]]) == [3, 4]
+    assert sum(fair_shares({"a": 5, "b": 6, "c": 7}, 8).values()) == 8
+    assert fair_shares({"a": 2, "b": 3}, 100) == {"a": 2, "b": 3}  # room for every demand
+
+
+def test_one_request_with_many_choices_cannot_keep_a_newcomer_out() -> None:
+    scheduler = _fair(max_num_seqs=8)
+    for i in range(8):
+        scheduler.add(_grouped(f"big{i}", "big"))
+    _step(scheduler)
+    assert len(scheduler.running) == 8
+    scheduler.add(_grouped("small", "small"))
+    scheduled, _ = _step(scheduler)
+    # The newest choice of the big request gave its slot back at once.
+    assert ("small", 2) in scheduled
+    assert "big7" not in [rid for rid, _ in scheduled]
+    assert [r.request_id for r in scheduler.waiting] == ["big7"]
+    # Balanced now: nothing more is preempted while both keep running.
+    for _ in range(3):
+        scheduled, _ = _step(scheduler)
+        assert len(scheduled) == 8 and ("small", 1) in scheduled
+
+
+def test_two_groups_with_many_choices_share_the_batch_evenly() -> None:
+    scheduler = _fair(max_num_seqs=8)
+    for i in range(8):
+        scheduler.add(_grouped(f"a{i}", "a"))
+    _step(scheduler)
+    for i in range(8):
+        scheduler.add(_grouped(f"b{i}", "b"))
+    _step(scheduler)
+    _step(scheduler)
+    groups = [r.group for r in scheduler.running]
+    assert groups.count("a") == 4 and groups.count("b") == 4
+
+
+def test_without_groups_the_waiting_line_stays_first_come_first_served() -> None:
+    scheduler = _fair(max_num_seqs=2)
+    for name in "abcd":
+        scheduler.add(_request(name, 2))
+    _step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a", "b"]
+    assert [r.request_id for r in scheduler.waiting] == ["c", "d"]
+    scheduler.abort(["a"])
+    _step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["b", "c"]
+
+
+def test_a_long_prefill_takes_at_most_the_threshold_per_step() -> None:
+    scheduler = _fair(budget=64, threshold=8)
+    scheduler.add(_grouped("decode", "d", prompt_len=3))
+    _step(scheduler)
+    scheduler.add(_grouped("long", "l", prompt_len=40))
+    scheduled, _ = _step(scheduler)
+    assert scheduled == [("decode", 1), ("long", 8)]
+    scheduler.add(_grouped("short", "s", prompt_len=5))
+    scheduled, _ = _step(scheduler)
+    # The newcomer's whole prompt goes in the same step as the next chunk.
+    assert scheduled == [("decode", 1), ("long", 8), ("short", 5)]
+
+
+def test_only_max_num_partial_prefills_long_prompts_prefill_per_step() -> None:
+    scheduler = _fair(budget=64, threshold=8, partial=1)
+    scheduler.add(_grouped("long1", "1", prompt_len=30))
+    scheduler.add(_grouped("long2", "2", prompt_len=30))
+    scheduler.add(_grouped("short", "3", prompt_len=4))
+    scheduled, _ = _step(scheduler)
+    # long2 waits for the long place; the short prompt goes ahead of it.
+    assert scheduled == [("long1", 8), ("short", 4)]
+    assert [r.request_id for r in scheduler.waiting] == ["long2"]
+    for _ in range(3):
+        _step(scheduler)  # long1: 16, 24, 30 (done; the last chunk is short)
+    scheduled, _ = _step(scheduler)
+    assert ("long2", 8) in scheduled
+
+
+def test_out_of_blocks_the_largest_group_gives_way_not_the_newcomer() -> None:
+    # 10 blocks of 4 tokens; each request holds 1 block until its 5th token.
+    scheduler = _fair(max_num_seqs=16, num_blocks=10)
+    for i in range(8):
+        scheduler.add(_grouped(f"big{i}", "big", prompt_len=3))
+    _step(scheduler)
+    scheduler.add(_grouped("small", "small", prompt_len=3))
+    _step(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 1
+    _step(scheduler)  # every request now holds 4 tokens in 1 block... and grows to a 2nd
+    running = {r.request_id for r in scheduler.running}
+    assert "small" in running
+    assert {r.request_id for r in scheduler.waiting} <= {f"big{i}" for i in range(8)}
+
+
+def test_a_paused_request_is_not_scheduled_and_frees_its_blocks_until_resumed() -> None:
+    scheduler = _fair()
+    scheduler.add(_grouped("a", "a", prompt_len=5))
+    scheduler.add(_grouped("b", "b", prompt_len=5))
+    _step(scheduler)
+    _step(scheduler)
+    free = scheduler.block_manager.num_free_blocks
+    assert [r.request_id for r in scheduler.pause(["b", "unknown"])] == ["b"]
+    assert scheduler.block_manager.num_free_blocks == free + 2
+    assert scheduler.pause(["b"]) == []  # already paused
+    for _ in range(3):
+        scheduled, _ = _step(scheduler)
+        assert scheduled == [("a", 1)]
+    paused = scheduler.paused["b"]
+    assert paused.status is RequestStatus.PAUSED and paused.num_output_tokens == 2
+    assert scheduler.num_unfinished == 2 and scheduler.has_work
+    scheduler.resume(["b"])
+    scheduled, _ = _step(scheduler)
+    assert scheduled == [("a", 1), ("b", 7)]  # prompt + its 2 outputs recomputed
+    scheduler.pause(["b"])
+    assert [r.request_id for r in scheduler.abort(["b"])] == ["b"]
+    assert not scheduler.paused and scheduler.num_unfinished == 1
+
+
+def test_only_paused_requests_left_means_no_work() -> None:
+    scheduler = _fair()
+    scheduler.add(_grouped("a", "a"))
+    scheduler.pause(["a"])
+    assert not scheduler.has_work and scheduler.num_unfinished == 1
+    assert scheduler.schedule().is_empty()

@@ -50,10 +50,22 @@ class EngineCollector(Collector):
         yield gauge("num_requests_running", "Requests in the running batch.", running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
         yield gauge(
+            "num_requests_paused",
+            "Requests paused in the engine because their client is not reading.",
+            last.num_paused if last else 0,
+        )
+        yield counter(
+            "request_pauses",
+            "Times a request was paused because its client left output unread.",
+            self.engine.num_pauses,
+        )
+        yield gauge(
             "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", 1 - free / num_blocks
         )
         yield counter(
-            "num_preemptions", "Requests preempted (no KV blocks).", stats.num_preemptions
+            "num_preemptions",
+            "Requests preempted (no KV blocks, or a fair share of the batch for others).",
+            stats.num_preemptions,
         )
         yield counter("engine_steps", "Engine steps that computed tokens.", stats.num_steps)
         yield counter(

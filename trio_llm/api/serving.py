@@ -31,6 +31,7 @@ from trio_llm.api.parsing import parse_body
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.config import RequestLimits
+from trio_llm.detokenizer.stop import compile_stops
 from trio_llm.frontend.engine_client import Admission, EngineClient, EngineError
 from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 from trio_llm.messages import SamplingParams
@@ -42,6 +43,9 @@ CLIENT_CLOSED_REQUEST = 499
 
 #: Texts shorter than this (characters) are tokenized on the event loop (well under 1 ms).
 INLINE_ENCODE_CHARS = 8192
+
+#: Stop strings with more characters than this in all are compiled in a worker thread.
+INLINE_STOP_CHARS = 1024
 
 
 def _child_seed(seed: int | None, index: int) -> int | None:
@@ -163,10 +167,14 @@ class OpenAIServing:
                 param,
             )
 
-    def _check_common(self, request: GenerationRequest) -> None:
+    async def _check_common(self, request: GenerationRequest) -> None:
         request.check_supported()
         if request.stop_token_ids:
             self._check_token_ids(request.stop_token_ids, "stop_token_ids")
+        stops = request.stop_strings
+        if sum(map(len, stops)) > INLINE_STOP_CHARS:
+            # Build the automaton off the loop; the choices then find it in the cache.
+            await trio.to_thread.run_sync(compile_stops, tuple(dict.fromkeys(stops)))
 
     def _params(
         self,
@@ -211,7 +219,7 @@ class OpenAIServing:
             APIError: the request is invalid (400) or names an unknown model (404).
         """
         model = self.resolve_model(request.model)
-        self._check_common(request)
+        await self._check_common(request)
         if request.suffix:
             raise bad_request("`suffix` (insertion) is not supported by this model", "suffix")
         self._check_logprobs(request.logprobs, "logprobs")
@@ -285,7 +293,7 @@ class OpenAIServing:
             APIError: the request is invalid (400) or names an unknown model (404).
         """
         model = self.resolve_model(request.model)
-        self._check_common(request)
+        await self._check_common(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self._check_logprobs(request.top_logprobs, "top_logprobs")

@@ -105,7 +105,13 @@ class EngineCore:
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, max_model_len, self.info.eos_token_ids
+            config.scheduler,
+            self.block_manager,
+            max_model_len,
+            self.info.eos_token_ids,
+            long_prefill_token_threshold=config.scheduler.resolved_long_prefill_token_threshold(
+                device.type
+            ),
         )
         self.runner = ModelRunner(model, self.kv_cache)
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
@@ -148,7 +154,9 @@ class EngineCore:
         error = self._check(message)
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
-        self.scheduler.add(Request(message.request_id, message.prompt_token_ids, message.params))
+        self.scheduler.add(
+            Request(message.request_id, message.prompt_token_ids, message.params, message.group)
+        )
         return None
 
     def _check(self, message: AddRequest) -> str | None:
@@ -174,9 +182,21 @@ class EngineCore:
         """Drop requests and free their KV blocks; unknown ids are ignored."""
         self.scheduler.abort(request_ids)
 
+    def pause(self, request_ids: list[str]) -> None:
+        """Stop scheduling these requests until `resume` (their KV blocks are freed)."""
+        self.scheduler.pause(request_ids)
+
+    def resume(self, request_ids: list[str]) -> None:
+        """Schedule paused requests again; unknown ids are ignored."""
+        self.scheduler.resume(request_ids)
+
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
+        """True while any request is waiting, running or paused."""
         return self.scheduler.num_unfinished > 0
+
+    def has_work(self) -> bool:
+        """True while a step would compute something (a request is waiting or running)."""
+        return self.scheduler.has_work
 
     # ------------------------------------------------------------ the step
 
@@ -238,6 +258,7 @@ class EngineCore:
         return StepStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_paused=len(self.scheduler.paused),
             num_scheduled_reqs=len(requests),
             num_scheduled_tokens=sum(n for _, n in requests),
             num_prefill_tokens=sum(n for _, n in requests if n > 1),

@@ -27,6 +27,8 @@ from trio_llm.messages import (
     AddRequest,
     EngineFailed,
     Heartbeat,
+    PauseRequests,
+    ResumeRequests,
     Shutdown,
     StepOutputs,
     ToEngine,
@@ -128,9 +130,9 @@ async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -
         nursery.start_soon(outbox.heartbeats, heartbeat_interval)
         reported_idle = True
         while True:
-            if not core.has_unfinished_requests():
+            if not core.has_work():  # idle, or only paused requests left
                 if not reported_idle:
-                    # Aborts can empty the engine without a step; say so (frees show up).
+                    # Aborts and pauses can empty the batch without a step; say so.
                     await outbox.send(StepOutputs([], core.stats()))
                     reported_idle = True
                 try:
@@ -141,7 +143,7 @@ async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -
                     break
             if not await _apply_pending(core, outbox, inbox):
                 break
-            if core.has_unfinished_requests():
+            if core.has_work():
                 await outbox.run_step(core)
                 reported_idle = False
         nursery.cancel_scope.cancel()
@@ -177,6 +179,10 @@ async def _apply(core: EngineCore, outbox: _Outbox, message: ToEngine) -> bool:
             await outbox.send(StepOutputs([rejected], core.stats()))
     elif isinstance(message, AbortRequests):
         core.abort(message.request_ids)
+    elif isinstance(message, PauseRequests):
+        core.pause(message.request_ids)
+    elif isinstance(message, ResumeRequests):
+        core.resume(message.request_ids)
     elif isinstance(message, Shutdown):
         return False
     return True

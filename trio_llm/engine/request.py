@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
 
     WAITING = "waiting"
     RUNNING = "running"
+    PAUSED = "paused"  # its consumer stopped reading: not scheduled until resumed
     FINISHED = "finished"
 
 
@@ -22,6 +23,8 @@ class Request:
     """A request inside the engine core.
 
     Attributes:
+        group: the requests of one API request (its ``n`` choices, its batch of prompts)
+            share a group; the scheduler shares batch slots fairly between groups.
         token_ids: prompt followed by every sampled token (the sequence the model sees).
         num_prompt_tokens: length of the prompt part of ``token_ids``.
         num_computed_tokens: how many leading tokens have their keys/values in the KV cache.
@@ -46,6 +49,7 @@ class Request:
         "block_table",
         "finish_reason",
         "generator",
+        "group",
         "next_prompt_logprob",
         "num_computed_tokens",
         "num_prompt_tokens",
@@ -59,9 +63,14 @@ class Request:
     )
 
     def __init__(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        group: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.group = group if group is not None else request_id
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

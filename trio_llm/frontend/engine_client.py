@@ -3,7 +3,11 @@
 One reader task (`EngineClient.route_outputs`) receives every `StepOutputs` message and
 hands each request's tokens to that request's mailbox; handlers consume them through
 `EngineClient.open_request`. A mailbox coalesces tokens, so a slow consumer never blocks
-the reader (and with it every other request); it holds at most the request's own output.
+the reader (and with it every other request). Once a mailbox holds
+`PAUSE_AFTER_UNREAD_TOKENS` unread tokens, the request is paused in the engine
+(`PauseRequests`: it leaves the batch and frees its KV blocks) until its consumer reads
+them (`ResumeRequests`), so a client that stops reading costs a bounded buffer here and
+no batch slot there.
 
 Timing (time to first token, inter-token latency, end-to-end latency) is measured here,
 when outputs arrive, with this process's monotonic clock, and reported to an optional
@@ -38,12 +42,17 @@ from trio_llm.messages import (
     EngineReady,
     FromEngine,
     Heartbeat,
+    PauseRequests,
+    ResumeRequests,
     SamplingParams,
     Shutdown,
     StepOutputs,
     StepStats,
     TokenLogprobs,
 )
+
+#: Unread output tokens after which a request is paused in the engine (see the module doc).
+PAUSE_AFTER_UNREAD_TOKENS = 64
 
 
 class EngineError(Exception):
@@ -136,6 +145,7 @@ class _Mailbox:
         "error",
         "finish_reason",
         "logprobs",
+        "paused",
         "prompt_logprobs",
         "record",
         "started",
@@ -155,6 +165,7 @@ class _Mailbox:
         self.error: EngineError | None = None
         self.wakeup = trio.Event()
         self.started = False
+        self.paused = False
         self.record = record
 
 
@@ -223,6 +234,12 @@ class RequestStream:
         if delta.finish_reason is not None:
             self.finished = True
             self.finish_reason = delta.finish_reason
+        elif box.paused:
+            box.paused = False
+            # Shielded: a consumer that goes on reading after a cancelled wait must not
+            # find its request paused for ever.
+            with trio.CancelScope(shield=True):
+                await self._client._send_quietly(ResumeRequests([self.request_id]))
         return delta
 
 
@@ -275,6 +292,8 @@ class EngineClient:
         self.num_restarts = 0
         #: Times the engine was found hung (for metrics).
         self.num_hangs = 0
+        #: Requests paused because their consumer left output unread (for metrics).
+        self.num_pauses = 0
         self._channel = channel
         self._send_lock = trio.Lock()
         self._mailboxes: dict[str, _Mailbox] = {}
@@ -415,7 +434,7 @@ class EngineClient:
                 raise EngineShutdownError("the server is shutting down")
             await self._wait_ready()
             now = time.monotonic()
-            streams = []
+            streams: list[RequestStream] = []
             for prompt_token_ids, _ in requests:
                 request_id = f"{self._prefix}{next(self._ids)}"
                 mailbox = _Mailbox(RequestRecord(len(prompt_token_ids), now))
@@ -424,9 +443,12 @@ class EngineClient:
         finally:
             if admission is not None:
                 self.release(admission)  # the mailboxes now count as waiting
+        # The choices of one API request share a group: the engine shares batch slots
+        # fairly between groups, not between choices.
+        group = streams[0].request_id if len(streams) > 1 else None
         try:
             for stream, (prompt_token_ids, params) in zip(streams, requests, strict=True):
-                await self._send(AddRequest(stream.request_id, prompt_token_ids, params))
+                await self._send(AddRequest(stream.request_id, prompt_token_ids, params, group))
             yield streams
         finally:
             unfinished = []
@@ -451,14 +473,18 @@ class EngineClient:
             with trio.CancelScope(shield=True):
                 await self._send_quietly(AbortRequests([request_id]))
 
-    async def _send(self, message: AddRequest | AbortRequests | Shutdown) -> None:
+    async def _send(
+        self, message: AddRequest | AbortRequests | PauseRequests | ResumeRequests | Shutdown
+    ) -> None:
         try:
             async with self._send_lock:
                 await self._channel.send(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise self._error or EngineDeadError("the engine connection is closed") from exc
 
-    async def _send_quietly(self, message: AbortRequests | Shutdown) -> None:
+    async def _send_quietly(
+        self, message: AbortRequests | PauseRequests | ResumeRequests | Shutdown
+    ) -> None:
         try:
             await self._send(message)
         except EngineError:
@@ -482,7 +508,9 @@ class EngineClient:
                     if message is None:
                         break
                     if isinstance(message, StepOutputs):
-                        self._deliver(message)
+                        unread = self._deliver(message)
+                        if unread and self._error is None:
+                            await self._send_quietly(PauseRequests(unread))
                     elif isinstance(message, EngineFailed):
                         reason = message.message
                     elif isinstance(message, Heartbeat) and message.step_seconds > timeout:
@@ -505,7 +533,10 @@ class EngineClient:
                 else:
                     self.fail_all(error_type(reason))
 
-    def _deliver(self, message: StepOutputs) -> None:
+    def _deliver(self, message: StepOutputs) -> list[str]:
+        """Hand each output to its mailbox; returns the ids of requests to pause (their
+        consumer left `PAUSE_AFTER_UNREAD_TOKENS` or more tokens unread)."""
+        to_pause: list[str] = []
         stats = self.stats
         step = message.stats
         stats.last = step
@@ -538,7 +569,12 @@ class EngineClient:
                 box.finish_reason = output.finish_reason
                 del self._mailboxes[output.request_id]
                 self._finished(box, output.finish_reason)
+            elif not box.paused and len(box.token_ids) >= PAUSE_AFTER_UNREAD_TOKENS:
+                box.paused = True
+                self.num_pauses += 1
+                to_pause.append(output.request_id)
             box.wakeup.set()
+        return to_pause
 
     def _count_tokens(self, record: RequestRecord, count: int, now: float) -> None:
         previous = record.last_token_time
