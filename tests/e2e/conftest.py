@@ -29,6 +29,7 @@ INLINE_ONLY_MODULES = {
     "test_chat_page",
     "test_concurrency",
     "test_examples",
+    "test_hostile_clients",
     "test_prefix_caching",
     "test_sampling_params",
     "test_tokenize",

@@ -36,6 +36,11 @@ from hypercorn.trio.tcp_server import TCPServer
 #: Connections ended by a protocol error since start-up (read by tests and logs).
 num_connection_errors = 0
 
+#: Lingering close: after the last response, unread request bytes are read and dropped
+#: for up to this long (seconds) and this much (bytes) before the socket is closed.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 256 * 1024
+
 
 class GuardedTCPServer(TCPServer):
     """Hypercorn's per-connection handler with its failures contained (see module doc)."""
@@ -56,6 +61,34 @@ class GuardedTCPServer(TCPServer):
             )
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
+
+    async def _close(self) -> None:
+        """Close after a *lingering* drain (RFC 9112 section 9.6).
+
+        Closing a socket with unread bytes in its receive queue makes the kernel reset
+        the connection, and a reset can destroy the response the client has not read
+        yet: a 400 or 413 sent to a client that sent more than was read, or pipelined
+        another request. So the write side is shut first, then what the client still
+        sends is read and dropped (bounded in time and bytes) until it closes its side.
+        """
+        try:
+            await self.stream.send_eof()
+            with trio.move_on_after(LINGER_SECONDS):
+                drained = 0
+                while drained < LINGER_BYTES:
+                    data = await self.stream.receive_some(65536)
+                    if not data:
+                        break
+                    drained += len(data)
+        except (
+            trio.BrokenResourceError,
+            trio.BusyResourceError,  # the connection's reader is reading: nothing unread
+            trio.ClosedResourceError,
+            AttributeError,  # a TLS stream has no send_eof
+        ):
+            pass
+        finally:
+            await self.stream.aclose()
 
 
 class EarlyDataWSStream(WSStream):
