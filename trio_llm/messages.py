@@ -56,8 +56,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             and negative logits multiplied by it (CTRL paper); 1 disables it. At least
             `MIN_REPETITION_PENALTY` (the HTTP API also caps it at 2, as vLLM does).
         logit_bias: ``(token_id, bias)`` pairs added to the logits; biases in [-100, 100].
-        seed: per-request random seed; with a seed the output does not depend on what
-            else is in the batch.
+        seed: per-request random seed: the draws do not depend on what else is in the
+            batch. In float32 on the CPU the output then does not either; in bfloat16 the
+            logits can (docs/api.md, "Batch invariance").
         stop_token_ids: token ids that end generation (finish_reason "stop"), in addition
             to the model's EOS ids.
         ignore_eos: keep generating past EOS (benchmarks use it for a fixed output length).

@@ -176,3 +176,25 @@ def test_a_stop_string_ending_after_min_tokens_is_found(client: OpenAI, baseline
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].text == baseline.text[: span.cut]
     assert reply.choices[0].stop_reason == stop
+
+
+def test_the_most_and_longest_stop_strings_allowed_still_match_right(
+    client: OpenAI, baseline: Baseline
+) -> None:
+    """64 stop strings of 256 characters (the default limits), each a long near-miss of the
+    output, plus the spanning stop: only the real one matches, streamed and not (the
+    automaton's cost does not grow with them; before, 1,000 of 2,000 characters froze the
+    server for half a minute)."""
+    span = spanning_stop(baseline)
+    text = baseline.text
+    near_misses = [(text[: i % len(text)] + "#" + str(i)).ljust(256, "~") for i in range(63)]
+    stops = [*near_misses, span.stop]
+    assert len(stops) == 64 and max(map(len, stops)) == 256
+    whole, (pieces, last) = parallel(
+        lambda: _complete(client, stop=stops),
+        lambda: _streamed(client, stop=stops),
+    )
+    assert whole.choices[0].text == text[: span.cut]
+    assert whole.choices[0].stop_reason == span.stop
+    assert "".join(pieces) == text[: span.cut]
+    assert last.stop_reason == span.stop

@@ -66,6 +66,18 @@ FAULTS = (
     "sigstop-engine",
     "stuck-client",
     "burst",
+    "hostile-client",
+)
+
+#: What a "hostile-client" fault does (the trial's seed picks one; issue 14's triggers).
+HOSTILE_TRIGGERS = (
+    "ws-early-byte",  # a byte behind a WebSocket upgrade (killed the server once)
+    "smuggling",  # Content-Length and Transfer-Encoding together
+    "many-prompts",  # 1.5 M prompts in one 7.5 MB body
+    "stop-strings",  # the most and longest stop strings allowed
+    "surrogate",  # a lone surrogate in a stop string
+    "hog",  # n = --max-num-seqs with a long output, never read
+    "long-prompt",  # a prompt almost as long as the context
 )
 
 #: Server settings of every trial (seconds, counts). Steps stay short (a small token
@@ -155,8 +167,15 @@ class TrialSpec:
             return 1
         return 0  # a signal to the server, or a survivor stopped with SIGTERM at the end
 
+    @property
+    def hostile_trigger(self) -> str:
+        """For a "hostile-client" fault: which trigger (`HOSTILE_TRIGGERS`)."""
+        return HOSTILE_TRIGGERS[self.seed % len(HOSTILE_TRIGGERS)]
+
     def describe(self) -> str:
         extra = f" stop {self.stop_seconds:.1f}s" if self.fault == "sigstop-engine" else ""
+        if self.fault == "hostile-client":
+            extra = f" {self.hostile_trigger}"
         restart = "restart" if self.restart else "no-restart"
         return (
             f"#{self.index} {self.fault}{extra} ({self.detokenizer_mode}, {restart}, "
@@ -474,6 +493,85 @@ async def _stuck_client(port: int, opened: trio.Event, done: trio.Event) -> None
         await done.wait()
 
 
+_UPGRADE = (
+    b"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+def _http_request(path: str, body: dict[str, Any], extra_headers: bytes = b"") -> bytes:
+    payload = json.dumps(body).encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + f"Content-Length: {len(payload)}\r\n".encode()
+        + extra_headers
+        + b"\r\n"
+        + payload
+    )
+
+
+def hostile_request(trigger: str) -> tuple[bytes, bytes | None]:
+    """The bytes a hostile client of ``trigger`` sends, and the start of the answer it
+    must get (None: the answer does not matter, only that the server is unharmed)."""
+    if trigger == "ws-early-byte":
+        return _UPGRADE + b"X", None
+    if trigger == "smuggling":
+        chunked = b"0\r\n\r\n"
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        return head + chunked, b"HTTP/1.1 400"
+    if trigger == "many-prompts":
+        return _http_request("/v1/completions", {"prompt": ["a"] * 1_500_000}), b"HTTP/1.1 400"
+    if trigger == "stop-strings":
+        stops = [f"{i:03d}" + "z" * 253 for i in range(64)]
+        body = {"prompt": "Story:", "max_tokens": 24, "stop": stops, "stream": True}
+        return _http_request("/v1/completions", body), b"HTTP/1.1 200"
+    if trigger == "surrogate":
+        return _http_request("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}), (
+            b"HTTP/1.1 400"
+        )
+    if trigger == "hog":
+        body = {"prompt": "Count:", "n": 16, "max_tokens": 900, "ignore_eos": True}
+        return _http_request("/v1/completions", body | {"stream": True}), b"HTTP/1.1 200"
+    if trigger == "long-prompt":
+        body = {"prompt": list(range(1000, 2000)), "max_tokens": 4, "stream": True}
+        return _http_request("/v1/completions", body), b"HTTP/1.1 200"
+    raise ValueError(f"unknown hostile trigger {trigger!r}")
+
+
+async def _hostile_client(
+    port: int, trigger: str, opened: trio.Event, done: trio.Event, result: TrialResult
+) -> None:
+    """Send one hostile request, check the start of its answer, then hold the connection
+    open without reading until ``done`` (a careless client)."""
+    data, expected = hostile_request(trigger)
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+        async with stream:
+            await stream.send_all(data)
+            answer = b""
+            with trio.move_on_after(REQUEST_LIMIT):
+                while expected is not None and len(answer) < len(expected):
+                    chunk = await stream.receive_some(len(expected) - len(answer))
+                    if not chunk:
+                        break
+                    answer += chunk
+            if expected is not None and not answer.startswith(expected):
+                result.failures.append(
+                    f"hostile client {trigger}: got {answer[:80]!r}, expected {expected!r}"
+                )
+            opened.set()
+            await done.wait()
+    except OSError as exc:
+        result.failures.append(f"hostile client {trigger}: {exc!r}")
+        opened.set()
+
+
 async def _burst(url: str, count: int) -> list[Record]:
     """``count`` short non-streaming requests at once (past the waiting limit)."""
     load = _Load(url, random.Random(count))
@@ -567,6 +665,7 @@ async def _load_and_fault(
     """Load the server, inject the fault, wait for its consequence, check the requests."""
     load = _Load(server.url, random.Random(spec.seed))
     burst: list[Record] = []
+    hostile_done = trio.Event()  # the hostile client leaves once the server proved unharmed
     async with trio.open_nursery() as nursery:
         nursery.start_soon(load.run, {"sse": 4, "json": 2, "ws": 2, "leaver": 1})
         await trio.sleep(spec.fault_delay)
@@ -579,6 +678,13 @@ async def _load_and_fault(
             await opened.wait()
         elif spec.fault == "burst":
             burst = await _burst(server.url, 3 * MAX_WAITING)
+        elif spec.fault == "hostile-client":
+            opened = trio.Event()
+            port = int(server.url.rsplit(":", 1)[1])
+            stuck_nursery.start_soon(
+                _hostile_client, port, spec.hostile_trigger, opened, hostile_done, result
+            )
+            await opened.wait()
         else:
             target = _fault_target(spec, server)
             name = spec.fault.split("-")[0].upper()
@@ -600,6 +706,7 @@ async def _load_and_fault(
                 result.recovery_seconds = recovered - fault_time
         elif not await _normal_request(server.url):
             result.failures.append("the server stopped serving after a harmless fault")
+        hostile_done.set()
         load.stop.set()
     if result.exit_code is None:
         tree |= descendants(server.pid)

@@ -1,0 +1,303 @@
+"""Fairness: what one heavy or careless client costs everyone else (issue 14).
+
+    python bench/fairness.py [--cases prefill,choices,nonreaders] [--long-prompt-len 6000]
+        [--n 128] [--ws-clients 200] [--window 20] [--json out.json] [-- SERVER FLAGS...]
+
+Starts ``trio-llm serve`` (default flags unless given after ``--``), then for each case:
+four *running streams* (short prompts, ``ignore_eos``) decode; the case's load starts; a
+short *newcomer* request (8 prompt tokens, 4 output tokens) is sent; and the load ends.
+
+- ``prefill``: one prompt of ``--long-prompt-len`` tokens (``max_tokens`` 1) arrives, and
+  the newcomer 1 s after it.
+- ``choices``: one request with ``n = --n`` (``max_tokens`` 4000, ``ignore_eos``) runs,
+  and the newcomer is sent once n - 4 of its choices have produced a token (the batch is
+  full).
+- ``nonreaders``: ``--ws-clients`` WebSocket connections each start a long generation and
+  never read (4 KiB receive buffers); once /metrics shows them all paused (or after
+  ``--pause-wait`` seconds) the newcomer is sent.
+
+Printed per case: the newcomer's time to first token (TTFT) and end-to-end latency; the
+largest gap between two tokens of any running stream from the start of the load until
+``--window`` seconds after the newcomer finished (or the long prompt's first token, if
+later); for ``prefill`` the long prompt's TTFT; for ``nonreaders`` how long the pauses
+took and the paused count. Targets on a 2-core CPU (issue 14): newcomer TTFT <= 2 s and
+largest gap <= 1.5 s. Figures only; nothing is asserted.
+
+``--pythonpath DIR`` runs the server from another checkout (say, a worktree of an older
+commit) for a before/after comparison in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx
+import trio
+from common import print_table, write_json
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Request, TextMessage
+
+from trio_llm.testing.server_process import ServerProcess
+
+MODEL_FIELD: dict[str, Any] = {}  # the server's default model: no "model" field needed
+STREAM_PROMPT = "Write a long story about a lighthouse keeper."
+NEWCOMER_PROMPT = "The capital of France is"
+
+
+class Streams:
+    """Four decoding streams; token arrival times (perf_counter seconds) per stream."""
+
+    def __init__(self, count: int = 4) -> None:
+        self.times: list[list[float]] = [[] for _ in range(count)]
+        self._all_started = trio.Event()
+
+    async def run(self, client: httpx.AsyncClient, task_status: trio.TaskStatus[None]) -> None:
+        async with trio.open_nursery() as nursery:
+            for index in range(len(self.times)):
+                nursery.start_soon(self._one, client, index)
+            await self._all_started.wait()
+            task_status.started()
+
+    async def _one(self, client: httpx.AsyncClient, index: int) -> None:
+        body = {
+            "prompt": f"{STREAM_PROMPT} ({index})",
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0.8,
+            "seed": index,
+        }
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    self.times[index].append(time.perf_counter())
+                    if min(len(t) for t in self.times) >= 3:
+                        self._all_started.set()
+
+    def largest_gap(self, start: float, end: float) -> float:
+        """Largest time between two tokens (or from ``start`` to the first token after it)
+        of any stream, within [start, end]."""
+        largest = 0.0
+        for times in self.times:
+            previous = start
+            for t in times:
+                if t <= start:
+                    continue
+                if t > end:
+                    largest = max(largest, end - previous) if previous < end else largest
+                    break
+                largest = max(largest, t - previous)
+                previous = t
+            else:
+                largest = max(largest, end - previous)
+        return largest
+
+
+async def newcomer(client: httpx.AsyncClient) -> dict[str, float]:
+    """Send the short request; its TTFT and latency in seconds."""
+    body = {"prompt": NEWCOMER_PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    sent = time.perf_counter()
+    first = None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and first is None:
+                first = time.perf_counter()
+    done = time.perf_counter()
+    return {"sent": sent, "ttft": (first or done) - sent, "latency": done - sent, "done": done}
+
+
+async def metric(client: httpx.AsyncClient, name: str) -> float:
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith(f"trio_llm:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+async def case_prefill(client: httpx.AsyncClient, streams: Streams, args: argparse.Namespace):
+    prompt = [1000 + (i % 40000) for i in range(args.long_prompt_len)]
+    result: dict[str, Any] = {}
+    start = time.perf_counter()
+
+    async def long_request() -> None:
+        body = {"prompt": prompt, "max_tokens": 1, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and "long_ttft" not in result:
+                    result["long_ttft"] = time.perf_counter() - start
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(long_request)
+        await trio.sleep(1.0)
+        result["newcomer"] = await newcomer(client)
+    end = max(result["newcomer"]["done"], start + result.get("long_ttft", 0.0)) + args.window
+    await trio.sleep_until(end)
+    result["gap"] = streams.largest_gap(start, end)
+    return result
+
+
+async def case_choices(client: httpx.AsyncClient, streams: Streams, args: argparse.Namespace):
+    body = {
+        "prompt": "Count:",
+        "n": args.n,
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    result: dict[str, Any] = {}
+    start = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        seen: set[int] = set()
+        lines = response.aiter_lines()
+        # The running streams hold 4 slots: with --max-num-seqs equal to n, the fair share
+        # leaves the request n - 4 (and the rest of its choices wait).
+        while len(seen) < args.n - len(streams.times):
+            line = await anext(lines)
+            if line.startswith("data: {"):
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+        result["batch_full_after"] = time.perf_counter() - start
+        result["newcomer"] = await newcomer(client)
+        end = result["newcomer"]["done"] + args.window
+        async for _ in lines:
+            if time.perf_counter() >= end:
+                break
+    result["gap"] = streams.largest_gap(start, end)
+    return result
+
+
+async def _non_reader(address: tuple[str, int], index: int, ready: trio.MemorySendChannel):
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect(address)
+    stream = trio.SocketStream(sock)
+    connection = WSConnection(ConnectionType.CLIENT)
+    host = f"{address[0]}:{address[1]}"
+    await stream.send_all(connection.send(Request(host=host, target="/v1/ws")))
+    while not any(isinstance(e, AcceptConnection) for e in connection.events()):
+        connection.receive_data(await stream.receive_some())
+    message = {
+        "type": "completion",
+        "id": f"g{index}",
+        "prompt": f"Tell me everything about the number {index}.",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "logprobs": 20,
+    }
+    await stream.send_all(connection.send(TextMessage(json.dumps(message))))
+    await ready.send(index)
+    async with stream:
+        await trio.sleep_forever()  # never reads
+
+
+async def case_nonreaders(client: httpx.AsyncClient, streams: Streams, args: argparse.Namespace):
+    host, port = str(client.base_url).removeprefix("http://").rstrip("/").rsplit(":", 1)
+    result: dict[str, Any] = {}
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        send, receive = trio.open_memory_channel[int](args.ws_clients)
+        for index in range(args.ws_clients):
+            nursery.start_soon(_non_reader, (host, int(port)), index, send)
+        for _ in range(args.ws_clients):
+            await receive.receive()
+        result["connected_after"] = time.perf_counter() - start
+        with trio.move_on_after(args.pause_wait):
+            while await metric(client, "num_requests_paused") < args.ws_clients:  # noqa: ASYNC110
+                await trio.sleep(0.5)  # /metrics can only be polled
+        result["paused"] = await metric(client, "num_requests_paused")
+        result["paused_after"] = time.perf_counter() - start
+        measure_from = time.perf_counter()
+        result["newcomer"] = await newcomer(client)
+        end = result["newcomer"]["done"] + args.window
+        await trio.sleep_until(end)
+        result["gap_while_loading"] = streams.largest_gap(start, measure_from)
+        result["gap"] = streams.largest_gap(measure_from, end)
+        nursery.cancel_scope.cancel()
+    return result
+
+
+CASES = {"prefill": case_prefill, "choices": case_choices, "nonreaders": case_nonreaders}
+
+
+async def run_case(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        streams = Streams()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(streams.run, client)
+            result = await CASES[name](client, streams, args)
+            nursery.cancel_scope.cancel()
+        # Let the aborts land before the next case.
+        with trio.move_on_after(60):
+            while await metric(client, "num_requests_running") > 0:  # noqa: ASYNC110
+                await trio.sleep(0.2)  # /metrics can only be polled
+    return result
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor()
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="prefill,choices,nonreaders")
+    parser.add_argument("--long-prompt-len", type=int, default=6000)
+    parser.add_argument("--n", type=int, default=128)
+    parser.add_argument("--ws-clients", type=int, default=200)
+    parser.add_argument("--pause-wait", type=float, default=600.0)
+    parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument("--pythonpath", default=None, help="run the server from this checkout")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("server_flags", nargs="*", help="flags for trio-llm serve (after --)")
+    args = parser.parse_args()
+    env = {"PYTHONPATH": str(Path(args.pythonpath).resolve())} if args.pythonpath else None
+    print(f"CPU: {cpu_model()}; server flags: {args.server_flags or '(defaults)'}", flush=True)
+    rows = []
+    results: dict[str, Any] = {"cpu": cpu_model(), "flags": args.server_flags, "cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(args.server_flags, log_path=Path(tmp) / "server.log", env=env)
+        with server:
+            for name in args.cases.split(","):
+                print(f"case {name} ...", flush=True)
+                result = trio.run(run_case, server.url, name, args)
+                results["cases"][name] = result
+                row = {
+                    "case": name,
+                    "newcomer_ttft_s": result["newcomer"]["ttft"],
+                    "newcomer_latency_s": result["newcomer"]["latency"],
+                    "largest_gap_s": result["gap"],
+                }
+                if "long_ttft" in result:
+                    row["long_prompt_ttft_s"] = result["long_ttft"]
+                if "paused" in result:
+                    row["paused"] = int(result["paused"])
+                    row["all_paused_after_s"] = result["paused_after"]
+                    row["gap_before_pauses_s"] = result["gap_while_loading"]
+                rows.append(row)
+                print_table([row], list(row))
+    print()
+    columns = sorted({key for row in rows for key in row}, key=lambda k: (k != "case", k))
+    print_table(rows, columns)
+    write_json(args.json, results)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
