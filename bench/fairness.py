@@ -24,7 +24,8 @@ took and the paused count. Targets on a 2-core CPU (issue 14): newcomer TTFT <= 
 largest gap <= 1.5 s. Figures only; nothing is asserted.
 
 ``--pythonpath DIR`` runs the server from another checkout (say, a worktree of an older
-commit) for a before/after comparison in one run.
+commit) for a before/after comparison in one run; start the script from outside the
+repository, as ``python -m`` puts the current folder first on the server's path.
 """
 
 from __future__ import annotations
@@ -105,17 +106,29 @@ class Streams:
         return largest
 
 
+#: Seconds the newcomer waits at most (``--newcomer-timeout``); set by `main`.
+NEWCOMER_TIMEOUT = 120.0
+
+
 async def newcomer(client: httpx.AsyncClient) -> dict[str, float]:
-    """Send the short request; its TTFT and latency in seconds."""
+    """Send the short request; its TTFT and latency in seconds (``inf`` when it got no
+    token, or did not finish, within `NEWCOMER_TIMEOUT` seconds)."""
     body = {"prompt": NEWCOMER_PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
     sent = time.perf_counter()
-    first = None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and first is None:
-                first = time.perf_counter()
-    done = time.perf_counter()
-    return {"sent": sent, "ttft": (first or done) - sent, "latency": done - sent, "done": done}
+    first = done = None
+    with trio.move_on_after(NEWCOMER_TIMEOUT):
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and first is None:
+                    first = time.perf_counter()
+        done = time.perf_counter()
+    inf = float("inf")
+    return {
+        "sent": sent,
+        "ttft": inf if first is None else first - sent,
+        "latency": inf if done is None else done - sent,
+        "done": time.perf_counter() if done is None else done,
+    }
 
 
 async def metric(client: httpx.AsyncClient, name: str) -> float:
@@ -142,7 +155,7 @@ async def case_prefill(client: httpx.AsyncClient, streams: Streams, args: argpar
         await trio.sleep(1.0)
         result["newcomer"] = await newcomer(client)
     end = max(result["newcomer"]["done"], start + result.get("long_ttft", 0.0)) + args.window
-    await trio.sleep_until(end)
+    await trio.sleep(max(0.0, end - time.perf_counter()))
     result["gap"] = streams.largest_gap(start, end)
     return result
 
@@ -219,7 +232,7 @@ async def case_nonreaders(client: httpx.AsyncClient, streams: Streams, args: arg
         measure_from = time.perf_counter()
         result["newcomer"] = await newcomer(client)
         end = result["newcomer"]["done"] + args.window
-        await trio.sleep_until(end)
+        await trio.sleep(max(0.0, end - time.perf_counter()))
         result["gap_while_loading"] = streams.largest_gap(start, measure_from)
         result["gap"] = streams.largest_gap(measure_from, end)
         nursery.cancel_scope.cancel()
@@ -256,6 +269,7 @@ def cpu_model() -> str:
 
 
 def main() -> None:
+    global NEWCOMER_TIMEOUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="prefill,choices,nonreaders")
     parser.add_argument("--long-prompt-len", type=int, default=6000)
@@ -263,10 +277,12 @@ def main() -> None:
     parser.add_argument("--ws-clients", type=int, default=200)
     parser.add_argument("--pause-wait", type=float, default=600.0)
     parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument("--newcomer-timeout", type=float, default=120.0)
     parser.add_argument("--pythonpath", default=None, help="run the server from this checkout")
     parser.add_argument("--json", default=None)
     parser.add_argument("server_flags", nargs="*", help="flags for trio-llm serve (after --)")
     args = parser.parse_args()
+    NEWCOMER_TIMEOUT = args.newcomer_timeout
     env = {"PYTHONPATH": str(Path(args.pythonpath).resolve())} if args.pythonpath else None
     print(f"CPU: {cpu_model()}; server flags: {args.server_flags or '(defaults)'}", flush=True)
     rows = []

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     ) as llm:
         prompts = sonnet_prompts(llm.tokenizer, args.num_prompts, args.input_len, seed=args.seed)
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -72,6 +73,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
+    )
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="tokens (0: off; default: the engine's, 128 on the CPU)",
     )
     parser.add_argument("--seed", type=int, default=0)
 

@@ -22,6 +22,7 @@ upgrade request is served.
 
 from __future__ import annotations
 
+import socket
 import sys
 from typing import Any
 
@@ -41,6 +42,9 @@ num_connection_errors = 0
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 256 * 1024
 
+#: Kernel send buffer of each client connection (bytes; Linux doubles it for bookkeeping).
+SEND_BUFFER_BYTES = 64 * 1024
+
 
 class GuardedTCPServer(TCPServer):
     """Hypercorn's per-connection handler with its failures contained (see module doc)."""
@@ -48,6 +52,7 @@ class GuardedTCPServer(TCPServer):
     async def run(self) -> None:
         """Serve the connection; an exception inside it closes only this connection."""
         global num_connection_errors
+        _bound_send_buffer(self.stream)
         try:
             await super().run()
         except* Exception as group:
@@ -123,6 +128,23 @@ class EarlyDataWSStream(WSStream):
             data, self._early = bytes(self._early), None
             # Another task: the app's queue is bounded, and this runs in the app's task.
             self.task_group.spawn(self.handle, Data(stream_id=self.stream_id, data=data))
+
+
+def _bound_send_buffer(stream: object) -> None:
+    """Cap the kernel's send buffer of a client connection at `SEND_BUFFER_BYTES`.
+
+    Linux grows a connection's send buffer up to 4 MiB (``net.ipv4.tcp_wmem``). For a
+    client that stops reading, that is thousands of tokens of output the engine computes
+    before the server's writes block and the request is paused (see
+    `trio_llm.frontend.engine_client`). A fixed buffer keeps that bounded; token streams
+    need far less bandwidth than it allows.
+    """
+    sock = getattr(stream, "socket", None)  # a TLS stream: left as it is
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        except OSError:
+            pass
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
