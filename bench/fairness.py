@@ -12,6 +12,9 @@ short *newcomer* request (8 prompt tokens, 4 output tokens) is sent; and the loa
 - ``choices``: one request with ``n = --n`` (``max_tokens`` 4000, ``ignore_eos``) runs,
   and the newcomer is sent once n - 4 of its choices have produced a token (the batch is
   full).
+- ``payloads``: issue 14's oversized and crafted bodies, one after the other (not in the
+  default ``--cases``); per payload its status, how long its answer took, the streams'
+  largest gap and the slowest /health answer meanwhile.
 - ``nonreaders``: ``--ws-clients`` WebSocket connections each start a long generation and
   never read (4 KiB receive buffers); once /metrics shows them all paused (or after
   ``--pause-wait`` seconds) the newcomer is sent.
@@ -239,7 +242,89 @@ async def case_nonreaders(client: httpx.AsyncClient, streams: Streams, args: arg
     return result
 
 
-CASES = {"prefill": case_prefill, "choices": case_choices, "nonreaders": case_nonreaders}
+def hostile_payloads() -> dict[str, tuple[str, bytes]]:
+    """Issue 14's large or crafted request bodies (path, body), as a client sends them."""
+
+    def body(data: dict[str, Any]) -> bytes:
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    return {
+        "1.5 M prompts (7.5 MB)": ("/v1/completions", body({"prompt": ["a"] * 1_500_000})),
+        "1.3 M token ids": ("/v1/completions", body({"prompt": [1] * 1_300_000})),
+        "250 k messages": (
+            "/v1/chat/completions",
+            body({"messages": [{"role": "user", "content": "a"}] * 250_000}),
+        ),
+        "1,000 stops of 2,000 chars": (
+            "/v1/completions",
+            body({"prompt": "hi", "stop": ["ab" * 1000] * 1000}),
+        ),
+        "64 stops of 256 chars, streamed": (
+            "/v1/completions",
+            body(
+                {
+                    "prompt": "Once upon a time",
+                    "max_tokens": 32,
+                    "stop": [f"{i:02d}" + "x" * 254 for i in range(64)],
+                    "stream": True,
+                }
+            ),
+        ),
+        "a chat of 2,048 long messages": (
+            "/v1/chat/completions",
+            body(
+                {
+                    "messages": [{"role": "user", "content": "word " * 700}] * 2048,
+                    "max_tokens": 1,
+                }
+            ),
+        ),
+    }
+
+
+async def _probe_health(client: httpx.AsyncClient, latencies: list[float]) -> None:
+    """Ask /health every 50 ms until cancelled, recording how long each answer took."""
+    while True:
+        sent = time.perf_counter()
+        await client.get("/health")
+        latencies.append(time.perf_counter() - sent)
+        await trio.sleep(0.05)
+
+
+async def case_payloads(client: httpx.AsyncClient, streams: Streams, args: argparse.Namespace):
+    """Each payload in turn: its answer's time, and what the 4 streams and /health saw
+    meanwhile (the event loop is shared by every request)."""
+    result: dict[str, Any] = {"payloads": {}}
+    for name, (path, data) in hostile_payloads().items():
+        health: list[float] = []
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_probe_health, client, health)
+            response = await client.post(
+                path, content=data, headers={"content-type": "application/json"}
+            )
+            await response.aread()
+            answered = time.perf_counter()
+            nursery.cancel_scope.cancel()
+        result["payloads"][name] = {
+            "status": response.status_code,
+            "answer_s": answered - start,
+            "largest_gap_s": streams.largest_gap(start, answered),
+            "slowest_health_s": max(health, default=0.0),
+            "bytes": len(data),
+        }
+    worst = max(result["payloads"].values(), key=lambda r: r["largest_gap_s"])
+    result["gap"] = worst["largest_gap_s"]
+    result["newcomer"] = await newcomer(client)
+    return result
+
+
+CASES = {
+    "prefill": case_prefill,
+    "choices": case_choices,
+    "nonreaders": case_nonreaders,
+    "payloads": case_payloads,
+}
 
 
 async def run_case(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -302,6 +387,9 @@ def main() -> None:
                 }
                 if "long_ttft" in result:
                     row["long_prompt_ttft_s"] = result["long_ttft"]
+                if "payloads" in result:
+                    table = [{"payload": k, **v} for k, v in result["payloads"].items()]
+                    print_table(table, list(table[0]))
                 if "paused" in result:
                     row["paused"] = int(result["paused"])
                     row["all_paused_after_s"] = result["paused_after"]
