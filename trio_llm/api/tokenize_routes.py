@@ -10,13 +10,12 @@ live outside ``/v1`` and so are not covered by ``--api-key``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Any
 
 import trio
-from fastapi import APIRouter, Body
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 import trio_llm
 from trio_llm.api.errors import bad_request
@@ -75,19 +74,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
-_Model = TypeVar("_Model", bound=BaseModel)
-
-#: A JSON object body, validated by hand: a pydantic union would name its members, not
-#: the field at fault, in the 400's ``param``.
-_JSONObject = Annotated[dict[str, Any], Body()]
-
-
-def _validated(model: type[_Model], data: Any) -> _Model:
-    """``data`` as ``model``; a `RequestValidationError` (an OpenAI 400) if it does not fit."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from exc
+#: The OpenAPI ``requestBody`` of both routes: a JSON object (`OpenAIServing.parse` reads
+#: and validates it, limits first and large bodies off the event loop).
+_OBJECT_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
+}
 
 
 def tokenize_router(serving: OpenAIServing) -> APIRouter:
@@ -132,9 +126,9 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
         except (ChatTemplateError, TemplateError) as exc:
             raise bad_request(str(exc), "messages") from exc
 
-    @router.post("/tokenize")
-    async def tokenize(body: _JSONObject) -> JSONResponse:
-        request = _validated(TokenizeRequest, body)
+    @router.post("/tokenize", openapi_extra=_OBJECT_BODY)
+    async def tokenize(http_request: Request) -> JSONResponse:
+        request = await serving.parse(TokenizeRequest, http_request)
         serving.resolve_model(request.model)
         request.check_supported()
         if request.prompt is not None:
@@ -142,7 +136,12 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
             tokens = await encode(request.prompt, add_special_tokens=special, param="prompt")
         else:
             special = bool(request.add_special_tokens)
-            tokens = await encode(render(request), add_special_tokens=special, param="messages")
+            assert request.messages is not None
+            if sum(len(m.text()) for m in request.messages) < INLINE_LIMIT:
+                text = render(request)
+            else:  # the template's cost grows with the conversation: keep the loop free
+                text = await trio.to_thread.run_sync(render, request)
+            tokens = await encode(text, add_special_tokens=special, param="messages")
         token_strs = None
         if request.return_token_strs:
             token_strs = [tokenizer.backend.id_to_token(t) or "" for t in tokens]
@@ -155,9 +154,9 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
             }
         )
 
-    @router.post("/detokenize")
-    async def detokenize(body: _JSONObject) -> JSONResponse:
-        request = _validated(DetokenizeRequest, body)
+    @router.post("/detokenize", openapi_extra=_OBJECT_BODY)
+    async def detokenize(http_request: Request) -> JSONResponse:
+        request = await serving.parse(DetokenizeRequest, http_request)
         serving.resolve_model(request.model)
         tokens = request.tokens
         if tokens and max(tokens) >= vocab_size:
