@@ -75,9 +75,17 @@ class GuardedTCPServer(TCPServer):
         yet: a 400 or 413 sent to a client that sent more than was read, or pipelined
         another request. So the write side is shut first, then what the client still
         sends is read and dropped (bounded in time and bytes) until it closes its side.
+        A write in progress finishes first.
         """
         try:
-            await self.stream.send_eof()
+            # Under the send lock: a response being written (by the app's task) is not
+            # cut mid-write by this task's end-of-file (hypercorn closes from the reading
+            # task when a client sends more after a "Connection: close" answer).
+            if self.send_lock.statistics().owner is trio.lowlevel.current_task():
+                await self.stream.send_eof()  # closing from inside a failed write
+            else:
+                async with self.send_lock:
+                    await self.stream.send_eof()
             with trio.move_on_after(LINGER_SECONDS):
                 drained = 0
                 while drained < LINGER_BYTES:
