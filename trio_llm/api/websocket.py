@@ -10,8 +10,9 @@ on anything else, so hypercorn can always hand over the next message or the hang
 writer that drains a bounded channel of outgoing events into the socket, a watcher that
 notices the engine dying or the server stopping, and one task per generation. Generation
 tasks wait when the channel is full, so a client that stops reading stalls only its own
-generations; their engine output coalesces in the `EngineClient` mailbox, bounded by
-``max_tokens``. A client that leaves cancels the nursery, which aborts every engine
+generations; their engine output coalesces in the `EngineClient` mailbox, which pauses
+them in the engine once 64 tokens are unread (no batch slot is held for a client that
+does not read). A client that leaves cancels the nursery, which aborts every engine
 request of the connection (``open_requests`` sends one `AbortRequests` on the way out).
 """
 
