@@ -235,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest logprobs / top_logprobs a request may ask for",
     )
     serve.add_argument(
+        "--request-body-timeout",
+        type=parse_seconds,
+        default=ServerConfig.request_body_timeout,
+        metavar="SECONDS",
+        help="a request body that takes longer to arrive gets 408 and its connection is "
+        "closed (default %(default)s)",
+    )
+    serve.add_argument(
         "--max-choices",
         type=parse_positive_int,
         default=RequestLimits.max_choices,
@@ -312,6 +320,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
         max_logprobs=args.max_logprobs,
+        request_body_timeout=args.request_body_timeout,
         limits=RequestLimits(
             max_choices=args.max_choices,
             max_chat_messages=args.max_chat_messages,

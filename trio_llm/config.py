@@ -333,6 +333,8 @@ class ServerConfig:
             ones are refused; ``None`` means no limit.
         max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for.
         limits: per-request limits on choices, messages and stop strings.
+        request_body_timeout: seconds a request body may take to arrive before a 408 (and
+            the connection is closed).
         detokenizer_mode: "inline" detokenizes in the API server; "process" runs a third
             process (the detokenizer) between the API server and the engine core.
     """
@@ -354,6 +356,7 @@ class ServerConfig:
     max_num_waiting_requests: int | None = None
     max_logprobs: int = 20
     limits: RequestLimits = field(default_factory=RequestLimits)
+    request_body_timeout: float = 30.0
     detokenizer_mode: str = "inline"
 
     def __post_init__(self) -> None:
@@ -379,6 +382,8 @@ class ServerConfig:
             raise ValueError("max_request_body_bytes must be at least 1 byte")
         if self.max_num_waiting_requests is not None and self.max_num_waiting_requests < 1:
             raise ValueError("max_num_waiting_requests must be at least 1 (or None for no limit)")
+        if not self.request_body_timeout > 0:
+            raise ValueError("request_body_timeout must be positive")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must not be negative")
         if self.engine_restart not in RESTART_MODES:

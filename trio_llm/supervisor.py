@@ -108,6 +108,7 @@ async def serve(
                 max_logprobs=config.max_logprobs,
                 max_num_waiting_requests=config.max_num_waiting_requests,
                 limits=config.limits,
+                request_body_timeout=config.request_body_timeout,
             )
             app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
             connection_guard.install()  # one connection's protocol error ends only it

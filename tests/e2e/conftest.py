@@ -70,6 +70,8 @@ def server(
     once per mode per test session)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     flags = ["--max-num-seqs", "32", "--dtype", "float32", "--detokenizer-mode", detokenizer_mode]
+    # A short body timeout, so the hostile-client test of a withheld body is quick.
+    flags += ["--request-body-timeout", "3"]
     process = ServerProcess(flags, log_path=log)
     with process:
         yield process

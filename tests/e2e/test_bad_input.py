@@ -136,6 +136,14 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "messages",
     ),
     ("best_of", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("best_of true is not 1", "/v1/completions", {"prompt": "hi", "best_of": True}, 400, "best_of"),
+    (
+        "use_beam_search 0 is not false",
+        "/v1/completions",
+        {"prompt": "hi", "use_beam_search": 0},
+        400,
+        "use_beam_search",
+    ),
     (
         "min_tokens above max_tokens",
         "/v1/completions",

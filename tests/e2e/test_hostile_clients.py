@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import trio
-from wsproto.events import TextMessage
+from wsproto.events import CloseConnection, TextMessage
 
 from tests.e2e.conftest import MODEL
 from tests.e2e.test_websocket import _open_raw_websocket, ws_url
@@ -207,6 +207,100 @@ def test_without_allowed_origins_only_same_origin_pages_open_the_websocket(
         sock.sendall(headers)
         status = sock.recv(65536).split(b"\r\n", 1)[0]
     assert status.startswith(b"HTTP/1.1 101" if accepted else b"HTTP/1.1 403"), status
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        # DNS rebinding: a page of evil.example whose name now resolves to this machine.
+        b"Host: evil.example\r\nOrigin: http://evil.example\r\n",
+        b"Host: evil.example:80\r\nOrigin: http://evil.example\r\n",
+        # Two origins, the first one harmless.
+        b"Host: HOST\r\nOrigin: http://HOST\r\nOrigin: http://evil.example\r\n",
+    ],
+    ids=["rebound name", "rebound name with port", "two origins"],
+)
+def test_rebound_or_doubled_origins_cannot_open_the_websocket(
+    same_server: ServerProcess, headers: bytes
+) -> None:
+    host = same_server.url.removeprefix("http://").encode()
+    request = UPGRADE.replace(b"Host: x\r\n", headers.replace(b"HOST", host))
+    with socket.create_connection(_address(same_server), timeout=10) as sock:
+        sock.sendall(request)
+        status = sock.recv(65536).split(b"\r\n", 1)[0]
+    assert status.startswith(b"HTTP/1.1 403"), status
+
+
+def test_a_message_split_into_thousands_of_frames_is_refused_and_dropped(
+    same_server: ServerProcess,
+) -> None:
+    """Each frame costs the event loop some microseconds whatever its size: a message of
+    5,000 one-byte frames (past the 4,096 allowed) gets close code 1009, then the TCP
+    connection is closed, and the frames after it are never parsed."""
+
+    def frame(opcode: int, fin: bool, payload: bytes) -> bytes:
+        return bytes([(0x80 if fin else 0) | opcode, 0x80 | len(payload)]) + b"\0" * 4 + payload
+
+    start = b'{"type": "completion", "id": "a", "prompt": "'
+    frames = [frame(1, False, start)] + [frame(0, False, b"a")] * 5000
+    frames.append(frame(0, True, b'", "max_tokens": 1}'))
+
+    async def run() -> tuple[int | None, bool]:
+        stream, connection = await _open_raw_websocket(ws_url(same_server.url))
+        async with stream:
+            try:
+                await stream.send_all(b"".join(frames))
+            except trio.BrokenResourceError:
+                pass  # the server may close before it has read everything
+            code = None
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        data = await stream.receive_some()
+                    except trio.BrokenResourceError:
+                        data = b""
+                    connection.receive_data(data or None)
+                    for event in connection.events():
+                        if isinstance(event, CloseConnection):
+                            code = event.code
+                    if not data:
+                        return code, True
+
+    code, closed = trio.run(run)
+    assert closed
+    assert code in (1009, 1006)  # 1006: the reset came before the close frame was read
+
+
+def test_a_withheld_request_body_gets_408_and_the_connection_is_closed(
+    same_server: ServerProcess,
+) -> None:
+    """Headers, then one byte of a 1,000-byte body, then silence: the shared server runs
+    with --request-body-timeout 3, so the connection is not held for ever."""
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n{"
+    )
+    with socket.create_connection(_address(same_server), timeout=30) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), received
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_a_client_that_leaves_mid_body_is_not_a_server_error(same_server: ServerProcess) -> None:
+    before = same_server.log().count("Traceback")
+    for _ in range(5):
+        with socket.create_connection(_address(same_server), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"
+            )
+    # The normal request of `same_server` runs after these: by then they were handled.
+    response = httpx.post(f"{same_server.url}/v1/completions", json=NORMAL, timeout=60)
+    assert response.status_code == 200
+    assert same_server.log().count("Traceback") == before, same_server.log()[-3000:]
 
 
 # ------------------------------------------------------------------ invalid requests
@@ -470,3 +564,6 @@ def test_the_hostile_suite_left_no_paused_or_running_request(server: ServerProce
             assert await metric(client, "num_requests_paused") == 0
 
     trio.run(check)
+    # Nothing a client did was logged as a server error (hypercorn's "Error in ASGI
+    # Framework" with a traceback); protocol errors get one line each.
+    assert "Error in ASGI Framework" not in server.log(), server.log()[-5000:]

@@ -17,7 +17,8 @@ that is not an ``Exception``) still propagates, so shutdown is unchanged.
 It also fixes that known trigger at its source (`EarlyDataWSStream`): WebSocket bytes that
 arrive before the handshake is answered wait until the app accepts, and are then read as
 the connection's first frames, so a client that writes its first frame right behind the
-upgrade request is served.
+upgrade request is served. And it refuses a WebSocket message split into more than
+`MAX_FRAGMENTS` frames (close code 1009, then the connection is dropped).
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ import hypercorn.protocol.h2
 import hypercorn.protocol.h11
 import hypercorn.trio.run
 import trio
-from hypercorn.protocol.events import Body, Data
-from hypercorn.protocol.ws_stream import ASGIWebsocketState, WSStream
+from hypercorn.protocol.events import Body, Data, StreamClosed
+from hypercorn.protocol.ws_stream import (
+    ASGIWebsocketState,
+    FrameTooLargeError,
+    WebsocketBuffer,
+    WSStream,
+)
 from hypercorn.trio.tcp_server import TCPServer
+from wsproto.events import CloseConnection
+from wsproto.frame_protocol import CloseReason
 
 #: Connections ended by a protocol error since start-up (read by tests and logs).
 num_connection_errors = 0
@@ -41,6 +49,9 @@ num_connection_errors = 0
 #: for up to this long (seconds) and this much (bytes) before the socket is closed.
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 256 * 1024
+
+#: Most frames one WebSocket message may be split into (a larger one is refused, 1009).
+MAX_FRAGMENTS = 4096
 
 #: Kernel send buffer of each client connection (bytes; Linux doubles it for bookkeeping).
 SEND_BUFFER_BYTES = 64 * 1024
@@ -104,35 +115,77 @@ class GuardedTCPServer(TCPServer):
             await self.stream.aclose()
 
 
+class _FragmentCountingBuffer(WebsocketBuffer):
+    """Hypercorn's message buffer, refusing a message of more than `MAX_FRAGMENTS` frames.
+
+    Each frame costs the server a few microseconds of parsing on the event loop whatever
+    its size: 400,000 one-byte frames of one message stalled every client for seconds.
+    The refusal is hypercorn's own for an oversized message (close code 1009).
+    """
+
+    def __init__(self, max_length: int) -> None:
+        super().__init__(max_length)
+        self.num_fragments = 0
+        self.too_fragmented = False
+
+    def extend(self, event: Any) -> None:
+        self.num_fragments += 1
+        if self.num_fragments > MAX_FRAGMENTS:
+            self.too_fragmented = True
+            raise FrameTooLargeError()
+        super().extend(event)
+
+    def clear(self) -> None:
+        super().clear()
+        self.num_fragments = 0
+
+
 class EarlyDataWSStream(WSStream):
     """Hypercorn's WebSocket stream, holding bytes that arrive before the handshake ends.
 
     RFC 6455 has a client wait for the server's handshake response before it sends a
     frame; some send their first frame at once, in the same packet as the request.
     Hypercorn answers such bytes with a 400 that h11 can no longer send. Here they are kept
-    (up to ``websocket_max_message_size`` bytes; past that, hypercorn's own handling) and
-    handed to the connection once the app accepts; if the app refuses, they are dropped.
+    (up to ``websocket_max_message_size`` bytes; past that, the connection is closed with
+    1009 once accepted) and handed to the connection once the app accepts; if the app
+    refuses, they are dropped.
     """
 
     _early: bytearray | None = None
+    _early_overflow = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.buffer = _FragmentCountingBuffer(self.config.websocket_max_message_size)
+
+    async def _handle_events(self) -> None:
+        await super()._handle_events()
+        if self.buffer.too_fragmented and not self.closed:
+            # Hypercorn sent close code 1009; drop the connection too, so the client
+            # cannot go on making the server parse frames that lead nowhere.
+            await self.send(StreamClosed(stream_id=self.stream_id))
 
     async def handle(self, event: Any) -> None:
-        """Hypercorn's handling, except for data before the handshake is answered."""
-        if (
-            isinstance(event, Body | Data)
-            and not self.closed
-            and self.state is ASGIWebsocketState.HANDSHAKE
-        ):
-            early = self._early if self._early is not None else bytearray()
-            if len(early) + len(event.data) <= self.config.websocket_max_message_size:
-                early.extend(event.data)
+        """Hypercorn's handling, except for data before the handshake is accepted: held
+        while the app decides, dropped once it refused (hypercorn would answer a second
+        HTTP response in the middle of the first)."""
+        if isinstance(event, Body | Data) and not self.closed and not self.handshake.accepted:
+            if self.state is ASGIWebsocketState.HANDSHAKE:
+                early = self._early if self._early is not None else bytearray()
+                if len(early) + len(event.data) <= self.config.websocket_max_message_size:
+                    early.extend(event.data)
+                else:
+                    self._early_overflow = True
                 self._early = early
-                return
+            return
         await super().handle(event)
 
     async def _accept(self, message: Any) -> None:
         await super()._accept(message)
-        if self._early:
+        if self._early_overflow:
+            await self._send_wsproto_event(CloseConnection(code=CloseReason.MESSAGE_TOO_BIG))
+            await self.send(StreamClosed(stream_id=self.stream_id))
+        elif self._early:
             data, self._early = bytes(self._early), None
             # Another task: the app's queue is bounded, and this runs in the app's task.
             self.task_group.spawn(self.handle, Data(stream_id=self.stream_id, data=data))

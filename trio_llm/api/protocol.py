@@ -99,6 +99,12 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of the ``neutral`` values, of the same JSON type too
+    (``true`` is not ``1``, ``0`` is not ``false``)."""
+    return any(value == n and type(value) is type(n) for n in neutral)
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: with ``include_usage`` a final chunk carries the token counts."""
 
@@ -163,7 +169,7 @@ class GenerationRequest(BaseModel):
         extra = self.model_extra or {}
         for name, value in extra.items():
             neutral = _NEUTRAL_VALUES.get(name)
-            if neutral is not None and value not in neutral:
+            if neutral is not None and not is_neutral(value, neutral):
                 raise bad_request(f"`{name}` is not supported by this server", name)
 
     def parsed_logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -20,6 +20,7 @@ import trio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from trio_llm.api.choice import Choice
@@ -27,6 +28,7 @@ from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
 from trio_llm.api.errors import APIError, bad_request, engine_error
 from trio_llm.api.generation import CHAT, COMPLETION, Plan, run_choices, usage
 from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
+from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.api.streaming import Stream
@@ -73,6 +75,9 @@ class OpenAIServing:
         max_num_waiting_requests: engine requests allowed to wait for their first output;
             past it new requests get a 503 with ``Retry-After`` at once. None: no limit.
         limits: per-request limits (choices, messages, stop strings), checked first.
+        request_body_timeout: seconds a request body may take to arrive (a client that
+            sends its headers and then trickles or withholds the body holds a connection
+            only this long).
     """
 
     def __init__(
@@ -84,9 +89,11 @@ class OpenAIServing:
         max_logprobs: int = 20,
         max_num_waiting_requests: int | None = None,
         limits: RequestLimits | None = None,
+        request_body_timeout: float = 30.0,
     ) -> None:
         self.engine = engine
         self.limits = limits or RequestLimits()
+        self.request_body_timeout = request_body_timeout
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.max_logprobs = max_logprobs
@@ -101,9 +108,27 @@ class OpenAIServing:
         """Read and validate ``request``'s body as ``model`` (`trio_llm.api.parsing`).
 
         Raises:
-            APIError: 400 naming the field at fault.
+            APIError: 400 naming the field at fault; 408 when the body takes longer than
+                ``request_body_timeout`` to arrive (the connection is then closed).
         """
-        body = await request.body()
+        try:
+            with trio.fail_after(self.request_body_timeout):
+                body = await request.body()
+        except trio.TooSlowError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {self.request_body_timeout:g} s "
+                "(--request-body-timeout)",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None
+        except ClientDisconnect:
+            # A client that leaves mid-body is no error of the server's: no traceback.
+            raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the request") from None
+        except RequestBodyTooLarge as exc:
+            # Answered by BodySizeLimitMiddleware with its 413; raised as an APIError so
+            # that it is not logged as a server error on the way.
+            raise APIError(413, str(exc), code="request_too_large") from None
         return await parse_body(
             model,
             body,

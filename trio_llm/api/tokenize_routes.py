@@ -10,16 +10,17 @@ live outside ``/v1`` and so are not covered by ``--api-key``.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import trio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 import trio_llm
 from trio_llm.api.errors import bad_request
-from trio_llm.api.protocol import ChatMessage, Text, TokenId
+from trio_llm.api.protocol import ChatMessage, Text, TokenId, is_neutral
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.frontend.chat_template import TemplateError, render_chat
 from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError
@@ -63,7 +64,7 @@ class TokenizeRequest(BaseModel):
             raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
         for name, value in (self.model_extra or {}).items():
             neutral = _NEUTRAL_VALUES.get(name)
-            if neutral is not None and value not in neutral:
+            if neutral is not None and not is_neutral(value, neutral):
                 raise bad_request(f"`{name}` is not supported by this server yet", name)
 
 
@@ -142,17 +143,22 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
             else:  # the template's cost grows with the conversation: keep the loop free
                 text = await trio.to_thread.run_sync(render, request)
             tokens = await encode(text, add_special_tokens=special, param="messages")
-        token_strs = None
-        if request.return_token_strs:
-            token_strs = [tokenizer.backend.id_to_token(t) or "" for t in tokens]
-        return JSONResponse(
-            {
+
+        def answer() -> bytes:
+            token_strs = None
+            if request.return_token_strs:
+                token_strs = [tokenizer.backend.id_to_token(t) or "" for t in tokens]
+            body = {
                 "count": len(tokens),
                 "max_model_len": serving.max_model_len,
                 "tokens": tokens,
                 "token_strs": token_strs,
             }
-        )
+            return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+        # A long text's answer is large (megabytes): build it off the event loop.
+        content = answer() if len(tokens) <= INLINE_LIMIT else await trio.to_thread.run_sync(answer)
+        return Response(content, media_type="application/json")
 
     @router.post("/detokenize", openapi_extra=_OBJECT_BODY)
     async def detokenize(http_request: Request) -> JSONResponse:

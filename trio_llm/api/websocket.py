@@ -19,14 +19,15 @@ request of the connection (``open_requests`` sends one `AbortRequests` on the wa
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import traceback
-from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import trio
 from fastapi import FastAPI, WebSocket
+from starlette.datastructures import Headers
 from starlette.websockets import WebSocketDisconnect
 
 from trio_llm.api.choice import Choice, ChoiceDelta
@@ -104,18 +105,24 @@ def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig
             await _close_quietly(websocket, CLOSE_INTERNAL_ERROR, "internal error")
 
 
-def origin_allowed(headers: Mapping[str, str], allowed_origins: tuple[str, ...]) -> bool:
+def origin_allowed(headers: Headers, allowed_origins: tuple[str, ...]) -> bool:
     """Whether a WebSocket handshake with these headers may connect.
 
-    Browsers always send ``Origin``; other clients usually send none, and are allowed.
-    With ``--allowed-origins`` the origin must be one of them (or the list holds ``*``),
-    as for CORS over HTTP. Without it only same-origin pages are allowed: the origin's
-    host and port must be the ``Host`` the browser connected to (the chat page served at
-    ``/`` is such a page).
+    Browsers always send one ``Origin``; other clients usually send none, and are
+    allowed; more than one is refused. With ``--allowed-origins`` the origin must be one
+    of them (or the list holds ``*``), as for CORS over HTTP. Without it only same-origin
+    pages are allowed (the chat page served at ``/``): the origin's host and port must be
+    the ``Host`` the browser connected to, and that host must be an IP address or
+    ``localhost``. A page can rebind its own domain name to 127.0.0.1 (DNS rebinding) and
+    then looks same-origin to the server; naming a server by a domain therefore takes
+    ``--allowed-origins``.
     """
-    origin = headers.get("origin")
-    if origin is None:
+    origins = headers.getlist("origin")
+    if not origins:
         return True
+    if len(origins) > 1:
+        return False
+    origin = origins[0]
     if allowed_origins:
         return "*" in allowed_origins or origin.rstrip("/") in {
             allowed.rstrip("/") for allowed in allowed_origins
@@ -123,15 +130,27 @@ def origin_allowed(headers: Mapping[str, str], allowed_origins: tuple[str, ...])
     try:
         parts = urlsplit(origin)
         origin_host = parts.netloc.lower()
+        hostname = parts.hostname or ""
     except ValueError:
         return False
-    if parts.scheme not in ("http", "https") or not origin_host:
+    if parts.scheme not in ("http", "https") or not origin_host or not _is_local_name(hostname):
         return False
     host = headers.get("host", "").lower()
     default_port = ":443" if parts.scheme == "https" else ":80"
     return origin_host in (host, host.removesuffix(default_port)) or (
         f"{origin_host}{default_port}" == host
     )
+
+
+def _is_local_name(hostname: str) -> bool:
+    """An IP address literal or ``localhost``: names no other site can point at us."""
+    if hostname == "localhost" or hostname.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(hostname)
+    except ValueError:
+        return False
+    return True
 
 
 def _authorized(websocket: WebSocket, key: bytes) -> bool:

@@ -141,6 +141,9 @@ async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -
                     break
                 if not await _apply(core, outbox, message):
                     break
+                # An abort of a paused request changes the stats without any step: the
+                # next idle turn reports them.
+                reported_idle = False
             if not await _apply_pending(core, outbox, inbox):
                 break
             if core.has_work():
