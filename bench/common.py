@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT.parent) not in sys.path:
     sys.path.insert(0, str(ROOT.parent))
 
-from trio_llm.frontend.tokenizer import Tokenizer  # noqa: E402
+from trio_llm.text.tokenizer import Tokenizer  # noqa: E402
 
 SONNETS = ROOT / "data" / "sonnet.txt"
 

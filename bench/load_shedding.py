@@ -51,11 +51,11 @@ import trio
 from common import print_table, sonnet_prompts, write_json
 
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.frontend.tokenizer import Tokenizer
 from trio_llm.model_loader import resolve_model_dir
 from trio_llm.testing.procfs import engine_children, is_running
 from trio_llm.testing.server_process import ServerProcess
 from trio_llm.testing.sse import DONE, delta_text
+from trio_llm.text.tokenizer import Tokenizer
 
 _GAUGE = re.compile(
     r"^trio_llm:(num_requests_waiting|num_requests_running|num_preemptions)\S*\s+(\S+)$"

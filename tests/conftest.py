@@ -31,6 +31,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Pat
 @pytest.fixture(scope="session")
 def smol_tokenizer(real_model_dir: Path):
     """The SmolLM2 tokenizer (byte-level BPE with a ChatML template)."""
-    from trio_llm.frontend.tokenizer import Tokenizer
+    from trio_llm.text.tokenizer import Tokenizer
 
     return Tokenizer.load(real_model_dir)

@@ -18,12 +18,26 @@ from trio_llm.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from trio_llm.errors import (
+    ChatTemplateError,
+    EngineConfigError,
+    EngineDeadError,
+    EngineError,
+    EngineHungError,
+    EngineOverloadedError,
+    EngineRestartingError,
+    EngineShutdownError,
+    EngineStartupError,
+    InvalidRequest,
+    InvalidTextError,
+    ModelConversionError,
+    ModelNotFoundError,
+    RequestRejectedError,
+)
 from trio_llm.messages import SamplingParams
 
 if TYPE_CHECKING:
     from trio_llm.async_engine import AsyncEngine, GenerationOutput, open_engine
-    from trio_llm.frontend.engine_client import EngineDeadError
-    from trio_llm.frontend.engine_process import EngineStartupError
     from trio_llm.llm import LLM, CompletionResult
 
 try:
@@ -37,12 +51,24 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "CacheConfig",
+    "ChatTemplateError",
     "CompletionResult",
     "EngineConfig",
+    "EngineConfigError",
     "EngineDeadError",
+    "EngineError",
+    "EngineHungError",
+    "EngineOverloadedError",
+    "EngineRestartingError",
+    "EngineShutdownError",
     "EngineStartupError",
     "GenerationOutput",
+    "InvalidRequest",
+    "InvalidTextError",
     "ModelConfig",
+    "ModelConversionError",
+    "ModelNotFoundError",
+    "RequestRejectedError",
     "SamplingParams",
     "SchedulerConfig",
     "ServerConfig",
@@ -56,8 +82,6 @@ _LAZY = {
     "AsyncEngine": "trio_llm.async_engine",
     "GenerationOutput": "trio_llm.async_engine",
     "open_engine": "trio_llm.async_engine",
-    "EngineDeadError": "trio_llm.frontend.engine_client",
-    "EngineStartupError": "trio_llm.frontend.engine_process",
     "LLM": "trio_llm.llm",
     "CompletionResult": "trio_llm.llm",
 }

@@ -32,17 +32,13 @@ from typing import Any
 
 import trio
 
-from trio_llm.api.choice import Choice
 from trio_llm.config import DEFAULT_MODEL, DETOKENIZER_MODES, EngineConfig, engine_config
-from trio_llm.frontend.engine_client import (
-    EngineClient,
-    EngineDeadError,
-    RequestStream,
-    TokenDelta,
-)
+from trio_llm.errors import EngineDeadError
+from trio_llm.frontend.engine_client import EngineClient, RequestStream, TokenDelta
 from trio_llm.frontend.engine_process import run_engine_process
-from trio_llm.frontend.tokenizer import Tokenizer
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
+from trio_llm.text.choice import Choice
+from trio_llm.text.tokenizer import Tokenizer
 
 #: One prompt: a text (tokenized with the tokenizer's special tokens, like
 #: /v1/completions), chat messages ``[{"role": ..., "content": ...}]`` (rendered with the

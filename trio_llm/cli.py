@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import trio
 
-    from trio_llm.frontend.engine_client import EngineDeadError
-    from trio_llm.model_loader import ModelNotFoundError, locate_model
+    from trio_llm.errors import EngineDeadError, ModelNotFoundError
+    from trio_llm.model_loader import locate_model
     from trio_llm.supervisor import check_bindable, serve
 
     try:

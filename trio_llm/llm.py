@@ -35,9 +35,10 @@ from trio_llm.async_engine import (
     resolve_engine_config,
 )
 from trio_llm.config import DEFAULT_MODEL
-from trio_llm.frontend.engine_client import EngineDeadError, EngineError, EngineStats
-from trio_llm.frontend.tokenizer import Tokenizer
+from trio_llm.errors import EngineDeadError, EngineError
+from trio_llm.frontend.request_timing import EngineStats
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
+from trio_llm.text.tokenizer import Tokenizer
 
 #: Name of the thread that runs the engine's event loop.
 THREAD_NAME = "trio-llm-engine"

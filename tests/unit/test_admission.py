@@ -14,7 +14,8 @@ import trio.testing
 from trio_llm import ipc
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.frontend.engine_client import EngineClient, EngineOverloadedError
+from trio_llm.errors import EngineOverloadedError
+from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import (
     AbortRequests,
     AddRequest,

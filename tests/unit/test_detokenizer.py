@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from trio_llm.detokenizer import IncrementalDetokenizer
-from trio_llm.detokenizer.incremental import PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR
+from trio_llm.text.incremental import (
+    PROMPT_CONTEXT_TOKENS,
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+)
 
 OUTPUTS = [
     " Paris is the capital of France.",

@@ -16,8 +16,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders
 
 from tests.unit.conftest import stop_reference
-from trio_llm.detokenizer import IncrementalDetokenizer, StopMatcher
-from trio_llm.detokenizer.incremental import PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR
+from trio_llm.text.incremental import (
+    PROMPT_CONTEXT_TOKENS,
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+)
+from trio_llm.text.stop import StopMatcher
 
 PROPERTY_SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None)
 

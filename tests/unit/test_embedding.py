@@ -20,9 +20,8 @@ import pytest
 import trio
 
 import trio_llm
-from trio_llm import LLM, AsyncEngine, EngineDeadError, SamplingParams, open_engine
-from trio_llm.frontend.engine_client import EngineShutdownError
-from trio_llm.frontend.engine_process import EngineStartupError
+from trio_llm import LLM, AsyncEngine, SamplingParams, open_engine
+from trio_llm.errors import EngineDeadError, EngineShutdownError, EngineStartupError
 from trio_llm.testing.procfs import is_running, parent_pid, server_children
 
 MODES = ("inline", "process")

@@ -12,8 +12,9 @@ import pytest
 import trio
 
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig
-from trio_llm.frontend.engine_client import EngineClient, EngineDeadError
-from trio_llm.frontend.engine_process import EngineStartupError, run_engine_process
+from trio_llm.errors import EngineDeadError, EngineStartupError
+from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.messages import SamplingParams
 from trio_llm.testing.procfs import (
     detokenizer_children,
@@ -125,7 +126,7 @@ async def test_the_detokenizer_child_sends_text_with_stop_strings_applied(
 ) -> None:
     """Process mode: outputs carry the text an inline `RequestDetokenizer` would produce,
     and a stop string finishes the request in the child (aborted in the engine)."""
-    from trio_llm.detokenizer import RequestDetokenizer
+    from trio_llm.text.output import RequestDetokenizer
 
     prompt = smol_tokenizer.encode("Once upon a time", add_special_tokens=False)
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)

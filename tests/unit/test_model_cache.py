@@ -9,11 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm.model_loader import (
-    ModelConversionError,
-    _cache_key,
-    convert_gguf,
-)
+from trio_llm.errors import ModelConversionError
+from trio_llm.model_loader import _cache_key, convert_gguf
 
 
 def _gguf(folder: Path, content: bytes) -> Path:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.conftest import stop_reference
-from trio_llm.detokenizer import StopMatcher
+from trio_llm.text.stop import StopMatcher
 
 PROPERTY_SETTINGS = settings(max_examples=400, deadline=None, derandomize=True, database=None)
 

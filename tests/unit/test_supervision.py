@@ -13,13 +13,13 @@ import trio.testing
 from tests.unit.test_admission import INFO, FakeEngine
 from trio_llm import ipc
 from trio_llm.config import RestartPolicy
-from trio_llm.frontend.engine_client import (
-    EngineClient,
+from trio_llm.errors import (
     EngineDeadError,
     EngineHungError,
     EngineRestartingError,
     EngineShutdownError,
 )
+from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import Heartbeat, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=5)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm.frontend.tokenizer import ChatTemplateError, Tokenizer
+from trio_llm.errors import ChatTemplateError
+from trio_llm.text.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -68,7 +69,7 @@ def test_a_model_without_template_is_refused(smol_tokenizer: Tokenizer) -> None:
 
 
 def test_a_lone_surrogate_is_named_in_the_error(smol_tokenizer) -> None:
-    from trio_llm.frontend.tokenizer import InvalidTextError
+    from trio_llm.errors import InvalidTextError
 
     with pytest.raises(InvalidTextError, match=r"surrogate .* at character 2"):
         smol_tokenizer.encode("hi\ud800 there")

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from trio_llm.frontend.engine_client import (
+from trio_llm.errors import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,

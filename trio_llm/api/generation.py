@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import trio
 
-from trio_llm.api.choice import Choice, ChoiceDelta
-from trio_llm.frontend.engine_client import Admission, EngineClient, EngineError, RequestStream
+from trio_llm.errors import EngineError
+from trio_llm.frontend.engine_client import Admission, EngineClient, RequestStream
 from trio_llm.messages import SamplingParams
+from trio_llm.text.choice import Choice, ChoiceDelta
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from trio_llm.frontend.tokenizer import Tokenizer
 from trio_llm.messages import TokenLogprobs
+from trio_llm.text.tokenizer import Tokenizer
 
 #: What a ``-inf`` logprob is sent as.
 NEG_INF_LOGPROB = -9999.0

@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from trio_llm.frontend.engine_client import EngineClient, RequestRecord
+from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.request_timing import RequestRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

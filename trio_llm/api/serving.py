@@ -23,7 +23,6 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from trio_llm.api.choice import Choice
 from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
 from trio_llm.api.errors import APIError, bad_request, engine_error
 from trio_llm.api.generation import CHAT, COMPLETION, Plan, run_choices, usage
@@ -33,10 +32,12 @@ from trio_llm.api.parsing import parse_body
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.config import RequestLimits
-from trio_llm.detokenizer.stop import compile_stops
-from trio_llm.frontend.engine_client import Admission, EngineClient, EngineError
-from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
+from trio_llm.errors import ChatTemplateError, EngineError, InvalidTextError
+from trio_llm.frontend.engine_client import Admission, EngineClient
 from trio_llm.messages import SamplingParams
+from trio_llm.text.choice import Choice
+from trio_llm.text.stop import compile_stops
+from trio_llm.text.tokenizer import Tokenizer
 
 _Request = TypeVar("_Request", bound=BaseModel)
 

@@ -16,13 +16,14 @@ from typing import Any
 
 import trio
 
-from trio_llm.api.choice import Choice, ChoiceDelta
 from trio_llm.api.disconnect import Emit
 from trio_llm.api.errors import engine_error, error_body
 from trio_llm.api.generation import Plan, run_choices, usage
 from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
-from trio_llm.frontend.engine_client import Admission, EngineClient, EngineError
-from trio_llm.frontend.tokenizer import Tokenizer
+from trio_llm.errors import EngineError
+from trio_llm.frontend.engine_client import Admission, EngineClient
+from trio_llm.text.choice import Choice, ChoiceDelta
+from trio_llm.text.tokenizer import Tokenizer
 
 
 class Stream:

@@ -22,8 +22,8 @@ import trio_llm
 from trio_llm.api.errors import bad_request
 from trio_llm.api.protocol import ChatMessage, Text, TokenId, is_neutral
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.frontend.chat_template import TemplateError, render_chat
-from trio_llm.frontend.tokenizer import ChatTemplateError, InvalidTextError
+from trio_llm.errors import ChatTemplateError, InvalidTextError
+from trio_llm.text.chat_template import TemplateError, render_chat
 
 #: Work on more items than this (characters or token ids) runs in a worker thread.
 INLINE_LIMIT = 8192

@@ -30,7 +30,6 @@ from fastapi import FastAPI, WebSocket
 from starlette.datastructures import Headers
 from starlette.websockets import WebSocketDisconnect
 
-from trio_llm.api.choice import Choice, ChoiceDelta
 from trio_llm.api.errors import (
     APIError,
     bad_request,
@@ -43,7 +42,8 @@ from trio_llm.api.parsing import INLINE_PARSE_BYTES, validate
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
-from trio_llm.frontend.engine_client import EngineDeadError, EngineError
+from trio_llm.errors import EngineDeadError, EngineError
+from trio_llm.text.choice import Choice, ChoiceDelta
 
 #: The endpoint's path.
 WEBSOCKET_PATH = "/v1/ws"

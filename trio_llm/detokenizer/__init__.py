@@ -1,13 +1,6 @@
-"""Incremental detokenization.
+"""The detokenizer child of 3-process mode (``python -m trio_llm.detokenizer``).
 
-``incremental``, ``stop`` and ``output`` are pure (no I/O) and shared by every process
-layout; ``process`` is the detokenizer child of 3-process mode (``python -m
-trio_llm.detokenizer``), which runs the same `RequestDetokenizer` between the engine
-core and the API server.
+It sits between the engine core and the API server and runs the same per-request output
+assembly as inline mode (`trio_llm.text.output.RequestDetokenizer`); the text code itself
+lives in `trio_llm.text`.
 """
-
-from trio_llm.detokenizer.incremental import IncrementalDetokenizer
-from trio_llm.detokenizer.output import RequestDetokenizer, TextDelta
-from trio_llm.detokenizer.stop import StopMatcher
-
-__all__ = ["IncrementalDetokenizer", "RequestDetokenizer", "StopMatcher", "TextDelta"]

@@ -24,8 +24,6 @@ import sys
 import trio
 
 from trio_llm import ipc
-from trio_llm.detokenizer.output import RequestDetokenizer
-from trio_llm.frontend.tokenizer import Tokenizer
 from trio_llm.messages import (
     AbortRequests,
     AddRequest,
@@ -37,6 +35,8 @@ from trio_llm.messages import (
     StepOutputs,
     ToEngine,
 )
+from trio_llm.text.output import RequestDetokenizer
+from trio_llm.text.tokenizer import Tokenizer
 
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError)
 

@@ -15,6 +15,7 @@ from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, Prompt
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
+from trio_llm.errors import EngineConfigError
 from trio_llm.messages import (
     AddRequest,
     EngineReady,
@@ -24,10 +25,6 @@ from trio_llm.messages import (
     StepStats,
     TokenLogprobs,
 )
-
-
-class EngineConfigError(Exception):
-    """The engine configuration cannot work with this model (e.g. KV cache too small)."""
 
 
 @dataclass(frozen=True)

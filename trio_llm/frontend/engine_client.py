@@ -30,11 +30,20 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import trio
 
 from trio_llm import ipc
+from trio_llm.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineHungError,
+    EngineOverloadedError,
+    EngineRestartingError,
+    EngineShutdownError,
+    RequestRejectedError,
+)
+from trio_llm.frontend.request_timing import EngineStats, RequestObserver, RequestRecord
 from trio_llm.messages import (
     AbortRequests,
     AddRequest,
@@ -47,40 +56,11 @@ from trio_llm.messages import (
     SamplingParams,
     Shutdown,
     StepOutputs,
-    StepStats,
     TokenLogprobs,
 )
 
 #: Unread output tokens after which a request is paused in the engine (see the module doc).
 PAUSE_AFTER_UNREAD_TOKENS = 64
-
-
-class EngineError(Exception):
-    """A request cannot be served by the engine (base class)."""
-
-
-class EngineDeadError(EngineError):
-    """The engine core process has exited or failed; nothing more will be generated."""
-
-
-class EngineShutdownError(EngineError):
-    """The server is shutting down; in-flight requests are ended with this."""
-
-
-class EngineHungError(EngineDeadError):
-    """The engine core stopped answering (no heartbeat, or a step ran past its timeout)."""
-
-
-class EngineRestartingError(EngineError):
-    """The engine core is being restarted and was not ready in time; retry later."""
-
-
-class RequestRejectedError(EngineError):
-    """The engine refused this one request (the message says why); others are unaffected."""
-
-
-class EngineOverloadedError(EngineError):
-    """Too many requests are already waiting (``--max-num-waiting-requests``); retry later."""
 
 
 @dataclass
@@ -104,40 +84,6 @@ class TokenDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None
     text: str | None = None
     stop_reason: str | int | None = None
-
-
-@dataclass
-class RequestRecord:
-    """Timing and counts of one engine request, for metrics (seconds, monotonic clock).
-
-    Attributes:
-        finish_reason: "stop", "length" or "abort" (abort: the engine or the client ended
-            it before it finished).
-        first_token_seconds: arrival -> first output token, None if there was none.
-        queue_seconds: arrival in the engine -> first scheduled (measured by the engine).
-    """
-
-    num_prompt_tokens: int
-    arrival: float
-    num_output_tokens: int = 0
-    first_token_seconds: float | None = None
-    last_token_time: float | None = None
-    queue_seconds: float | None = None
-    finish_reason: str | None = None
-    e2e_seconds: float = 0.0
-
-
-class RequestObserver(Protocol):
-    """Receives per-request timing as it happens (implemented by the metrics)."""
-
-    def on_first_token(self, record: RequestRecord) -> None:
-        """The first output token arrived (``record.first_token_seconds`` is set)."""
-
-    def on_tokens(self, interval: float, count: int) -> None:
-        """``count`` tokens arrived ``interval`` seconds after the previous one(s)."""
-
-    def on_finished(self, record: RequestRecord) -> None:
-        """The request ended (``finish_reason`` and ``e2e_seconds`` are set)."""
 
 
 class _Mailbox:
@@ -241,16 +187,6 @@ class RequestStream:
             with trio.CancelScope(shield=True):
                 await self._client._send_quietly(ResumeRequests([self.request_id]))
         return delta
-
-
-@dataclass
-class EngineStats:
-    """Counters kept from the engine's per-step stats (read by tests, benchmarks, metrics)."""
-
-    num_steps: int = 0
-    num_multi_request_steps: int = 0
-    num_preemptions: int = 0
-    last: StepStats | None = None
 
 
 class EngineClient:

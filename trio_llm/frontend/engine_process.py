@@ -33,13 +33,10 @@ import trio
 
 from trio_llm import ipc
 from trio_llm.config import DETOKENIZER_MODES, EngineConfig, RestartPolicy
+from trio_llm.errors import EngineDeadError, EngineHungError, EngineStartupError
 from trio_llm.frontend.child_process import ChildProcess
-from trio_llm.frontend.engine_client import EngineClient, EngineDeadError, EngineHungError
+from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import EngineFailed, EngineReady
-
-
-class EngineStartupError(EngineDeadError):
-    """The engine child failed or exited before it was ready."""
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -8,10 +8,10 @@ whose deltas arrive with their text already set and are taken as they are.
 
 from __future__ import annotations
 
-from trio_llm.detokenizer import RequestDetokenizer, TextDelta
 from trio_llm.frontend.engine_client import TokenDelta
-from trio_llm.frontend.tokenizer import Tokenizer
 from trio_llm.messages import SamplingParams, TokenLogprobs
+from trio_llm.text.output import RequestDetokenizer, TextDelta
+from trio_llm.text.tokenizer import Tokenizer
 
 #: New output of one choice (text, logprobs behind it, finish_reason, stop_reason).
 ChoiceDelta = TextDelta

@@ -16,7 +16,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from trio_llm.frontend.chat_template import TemplateError, render_chat
+from trio_llm.errors import ChatTemplateError, InvalidTextError
+from trio_llm.text.chat_template import TemplateError, render_chat
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -40,14 +41,6 @@ def byte_level_alphabet() -> dict[str, int]:
             alphabet[chr(extra)] = b
             extra += 1
     return alphabet
-
-
-class ChatTemplateError(ValueError):
-    """The messages could not be rendered with the model's chat template."""
-
-
-class InvalidTextError(ValueError):
-    """The text cannot be tokenized (e.g. it holds a lone UTF-16 surrogate)."""
 
 
 class Tokenizer:

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from trio_llm.detokenizer.incremental import IncrementalDetokenizer
-from trio_llm.detokenizer.stop import StopMatcher
 from trio_llm.messages import SamplingParams, TokenLogprobs
+from trio_llm.text.incremental import IncrementalDetokenizer
+from trio_llm.text.stop import StopMatcher
 
 
 @dataclass
