@@ -1,0 +1,228 @@
+"""From a prompt to engine requests: the one layer every front end shares.
+
+The HTTP routes, the WebSocket and the embedding API (`trio_llm.async_engine`) all turn a
+prompt (a text, chat messages or token ids) and a `SamplingParams` into engine requests
+the same way, here:
+
+- `InputPreprocessor.encode` / `encode_async` tokenize a text, refusing at once one that
+  surely cannot fit the context (no tokenization needed); ``encode_async`` runs long
+  texts in a worker thread, so the event loop stays free.
+- `InputPreprocessor.render_chat` / `render_chat_async` render chat messages with the
+  model's chat template.
+- `InputPreprocessor.check_token_ids` checks a token-id prompt against the vocabulary.
+- `InputPreprocessor.resolve_max_tokens` fits the output budget into the context.
+- `fan_out` makes the ``n`` samples of one request (seeds ``seed + i``).
+- `run_all` drives many engine requests at once and ends them all at the first error.
+
+Every refusal is an `InvalidRequest` naming the parameter at fault: the HTTP layer answers
+it with a 400, the embedding API raises it (it is a `ValueError`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import trio
+
+from trio_llm.errors import ChatTemplateError, EngineError, InvalidRequest, InvalidTextError
+from trio_llm.messages import SamplingParams
+from trio_llm.text.tokenizer import Tokenizer
+
+#: Texts shorter than this (characters) are tokenized or rendered on the event loop
+#: (well under 1 ms); longer ones in a worker thread.
+INLINE_ENCODE_CHARS = 8192
+
+
+class InputPreprocessor:
+    """Checks and tokenizes prompts for one model.
+
+    Args:
+        tokenizer: the model's tokenizer (with chat template).
+        max_model_len: context length in tokens (prompt + output).
+        vocab_size: number of token ids (valid ids are ``0 .. vocab_size - 1``).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    # ------------------------------------------------------------ text
+
+    def encode(
+        self, text: str, param: str, *, special_tokens: bool, what: str | None = None
+    ) -> list[int]:
+        """Token ids of ``text`` (a non-empty list).
+
+        Args:
+            param: the request field the text came from (named by errors).
+            special_tokens: add the tokenizer's own special tokens (e.g. BOS).
+            what: how errors call the text (default: ``param``).
+
+        Raises:
+            InvalidRequest: text far longer than the context, text that cannot be
+                tokenized (a lone surrogate), or text with no tokens.
+        """
+        self._check_chars(text, param, what)
+        return self._checked(self._encode(text, special_tokens), param, what)
+
+    async def encode_async(
+        self, text: str, param: str, *, special_tokens: bool, what: str | None = None
+    ) -> list[int]:
+        """`encode`, in a worker thread when ``text`` is long (the tokenizer releases the
+        GIL: other requests keep streaming meanwhile). Raises as `encode`."""
+        self._check_chars(text, param, what)
+        if len(text) < INLINE_ENCODE_CHARS:
+            token_ids = self._encode(text, special_tokens)
+        else:
+            token_ids = await trio.to_thread.run_sync(self._encode, text, special_tokens)
+        return self._checked(token_ids, param, what)
+
+    def _encode(self, text: str, special_tokens: bool) -> list[int] | InvalidTextError:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=special_tokens)
+        except InvalidTextError as exc:
+            return exc
+
+    def _check_chars(self, text: str, param: str, what: str | None) -> None:
+        if self.tokenizer.surely_longer_than(text, self.max_model_len):
+            raise InvalidRequest(
+                f"the {what or param} has {len(text)} characters, far more than this model's "
+                f"context of {self.max_model_len} tokens",
+                param,
+            )
+
+    @staticmethod
+    def _checked(
+        token_ids: list[int] | InvalidTextError, param: str, what: str | None
+    ) -> list[int]:
+        if isinstance(token_ids, InvalidTextError):
+            raise InvalidRequest(str(token_ids), param) from token_ids
+        if not token_ids:
+            raise InvalidRequest(f"the {what or param} has no tokens", param)
+        return token_ids
+
+    def render_chat(self, messages: list[dict[str, Any]], param: str = "messages") -> str:
+        """The prompt text of chat ``messages`` (the model's chat template).
+
+        Raises:
+            InvalidRequest: the template rejects the messages, or the model has none.
+        """
+        try:
+            return self.tokenizer.render_chat(messages)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc), param) from exc
+
+    async def render_chat_async(
+        self, messages: list[dict[str, Any]], param: str = "messages"
+    ) -> str:
+        """`render_chat`, in a worker thread when the conversation is long (the template's
+        cost grows with it). Raises as `render_chat`."""
+        if sum(len(m["content"]) for m in messages) < INLINE_ENCODE_CHARS:
+            return self.render_chat(messages, param)
+        return await trio.to_thread.run_sync(self.render_chat, messages, param)
+
+    # ------------------------------------------------------------ token ids
+
+    def check_token_ids(self, token_ids: Iterable[Any], param: str = "prompt") -> list[int]:
+        """``token_ids`` as a list of ints, each in the vocabulary.
+
+        Raises:
+            TypeError: an item that is not an integer (bool included).
+            InvalidRequest: an id outside ``0 .. vocab_size - 1``.
+        """
+        checked = []
+        for item in token_ids:
+            if isinstance(item, bool):
+                raise TypeError("token ids must be integers, not bool")
+            try:
+                checked.append(operator.index(item))
+            except TypeError:
+                raise TypeError(
+                    "a prompt is a str, a list of chat messages (dicts) or a list of token "
+                    f"ids; it holds a {type(item).__name__}"
+                ) from None
+        bad = next((t for t in checked if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} is out of range for a vocabulary of {self.vocab_size}", param
+            )
+        return checked
+
+    # ------------------------------------------------------------ output budget
+
+    def resolve_max_tokens(
+        self,
+        requested: int | None,
+        num_prompt: int,
+        param: str = "max_tokens",
+        prompt_param: str = "prompt",
+    ) -> int:
+        """The output budget (tokens) within the context.
+
+        Args:
+            requested: the request's ``max_tokens``; None means the rest of the context.
+            num_prompt: the prompt's length in tokens.
+            param, prompt_param: the fields errors name.
+
+        Raises:
+            InvalidRequest: the prompt leaves no room for output, or ``requested`` is
+                more than the room left.
+        """
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {num_prompt} tokens, but this model's context is "
+                f"{self.max_model_len} tokens and at least one must remain for the output",
+                prompt_param,
+            )
+        room = self.max_model_len - num_prompt
+        if requested is None:
+            return room
+        if requested > room:
+            raise InvalidRequest(
+                f"{param}={requested} plus the prompt's {num_prompt} tokens exceeds this "
+                f"model's context of {self.max_model_len} tokens (at most {room} output tokens)",
+                param,
+            )
+        return requested
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Seed of the ``index``-th of ``n`` samples: ``seed + index``, wrapped to int64."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The ``n`` samples of one request: copies of ``params`` with seeds ``seed + i``
+    (``params`` itself when ``n`` is 1)."""
+    if n == 1:
+        return [params]
+    fields = {name: getattr(params, name) for name in params.__struct_fields__}
+    return [SamplingParams(**{**fields, "seed": child_seed(params.seed, i)}) for i in range(n)]
+
+
+async def run_all(jobs: Sequence[Callable[[], Awaitable[None]]]) -> None:
+    """Run every job concurrently until all end; the first `EngineError` of any job
+    cancels the others and is raised (once the others have ended).
+
+    Raises:
+        EngineError: the first one a job raised.
+    """
+    errors: list[EngineError] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run(job: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await job()
+            except EngineError as exc:
+                errors.append(exc)
+                nursery.cancel_scope.cancel()
+
+        for job in jobs:
+            nursery.start_soon(run, job)
+    if errors:
+        raise errors[0]
