@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import operator
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -36,6 +35,7 @@ from trio_llm.config import DEFAULT_MODEL, DETOKENIZER_MODES, EngineConfig, engi
 from trio_llm.errors import EngineDeadError
 from trio_llm.frontend.engine_client import EngineClient, RequestStream, TokenDelta
 from trio_llm.frontend.engine_process import run_engine_process
+from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
 from trio_llm.text.choice import Choice
 from trio_llm.text.tokenizer import Tokenizer
@@ -305,6 +305,9 @@ class AsyncEngine:
         self._client = client
         self._tokenizer = tokenizer
         self._eos_token_ids = frozenset(client.info.eos_token_ids)
+        self._inputs = InputPreprocessor(
+            tokenizer, client.info.max_model_len, client.info.vocab_size
+        )
         self._ids = itertools.count()
 
     @property
@@ -373,14 +376,14 @@ class AsyncEngine:
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, not {type(request_id).__name__}")
         token_ids = self._prompt_token_ids(prompt)
-        self._check_length(len(token_ids), params.max_tokens)
+        self._inputs.resolve_max_tokens(params.max_tokens, len(token_ids))
         return Generation(self, token_ids, params, request_id or f"gen-{next(self._ids)}")
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            return self._encode(prompt, "prompt", special_tokens=True)
+            return self._inputs.encode(prompt, "prompt", special_tokens=True)
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             raise TypeError(
                 "a prompt is a str, a list of chat messages (dicts) or a list of token ids, "
@@ -390,52 +393,9 @@ class AsyncEngine:
             raise ValueError("the prompt is empty")
         if all(isinstance(message, Mapping) for message in prompt):
             messages = [_chat_message(message) for message in prompt]  # type: ignore[arg-type]
-            text = self._tokenizer.render_chat(messages)
-            return self._encode(text, "chat prompt", special_tokens=False)
-        return self._check_token_ids(prompt)  # type: ignore[arg-type]
-
-    def _encode(self, text: str, what: str, *, special_tokens: bool) -> list[int]:
-        if self._tokenizer.surely_longer_than(text, self.max_model_len):
-            raise ValueError(
-                f"the {what} has {len(text)} characters, far more than this model's context "
-                f"of {self.max_model_len} tokens"
-            )
-        token_ids = self._tokenizer.encode(text, add_special_tokens=special_tokens)
-        if not token_ids:
-            raise ValueError(f"the {what} has no tokens")
-        return token_ids
-
-    def _check_token_ids(self, prompt: Sequence[Any]) -> list[int]:
-        token_ids = []
-        for item in prompt:
-            if isinstance(item, bool):
-                raise TypeError("token ids must be integers, not bool")
-            try:
-                token_ids.append(operator.index(item))
-            except TypeError:
-                raise TypeError(
-                    "a prompt is a str, a list of chat messages (dicts) or a list of token "
-                    f"ids; it holds a {type(item).__name__}"
-                ) from None
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"token id {bad} is out of range for a vocabulary of {self.vocab_size}"
-            )
-        return token_ids
-
-    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens, but this model's context is "
-                f"{self.max_model_len} tokens and at least one must remain for the output"
-            )
-        room = self.max_model_len - num_prompt
-        if max_tokens > room:
-            raise ValueError(
-                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds this "
-                f"model's context of {self.max_model_len} tokens (at most {room} output tokens)"
-            )
+            text = self._inputs.render_chat(messages, "prompt")
+            return self._inputs.encode(text, "prompt", special_tokens=False, what="chat prompt")
+        return self._inputs.check_token_ids(prompt)
 
 
 def _chat_message(message: Mapping[str, Any]) -> dict[str, Any]:

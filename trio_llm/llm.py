@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +37,7 @@ from trio_llm.async_engine import (
 )
 from trio_llm.config import DEFAULT_MODEL
 from trio_llm.errors import EngineDeadError, EngineError
+from trio_llm.frontend.preprocess import run_all
 from trio_llm.frontend.request_timing import EngineStats
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
 from trio_llm.text.tokenizer import Tokenizer
@@ -328,33 +330,23 @@ async def _generate_all(generations: list[Generation]) -> list[CompletionResult]
         EngineError: the first error of any generation (the others are then aborted).
     """
     results: list[CompletionResult | None] = [None] * len(generations)
-    errors: list[EngineError] = []
+
+    async def collect(index: int, generation: Generation) -> None:
+        outputs = [output async for output in generation]
+        logprobs = None
+        if generation.params.logprobs is not None:
+            logprobs = [entry for out in outputs for entry in out.logprobs or ()]
+        results[index] = CompletionResult(
+            prompt_token_ids=generation.prompt_token_ids,
+            text="".join(out.text for out in outputs),
+            token_ids=[token for out in outputs for token in out.token_ids],
+            finish_reason=outputs[-1].finish_reason or "abort",
+            stop_reason=outputs[-1].stop_reason,
+            logprobs=logprobs,
+        )
+
     async with AsyncExitStack() as stack:
         for generation in generations:
             await stack.enter_async_context(generation)
-        async with trio.open_nursery() as nursery:
-
-            async def collect(index: int, generation: Generation) -> None:
-                try:
-                    outputs = [output async for output in generation]
-                except EngineError as exc:
-                    errors.append(exc)
-                    nursery.cancel_scope.cancel()
-                    return
-                logprobs = None
-                if generation.params.logprobs is not None:
-                    logprobs = [entry for out in outputs for entry in out.logprobs or ()]
-                results[index] = CompletionResult(
-                    prompt_token_ids=generation.prompt_token_ids,
-                    text="".join(out.text for out in outputs),
-                    token_ids=[token for out in outputs for token in out.token_ids],
-                    finish_reason=outputs[-1].finish_reason or "abort",
-                    stop_reason=outputs[-1].stop_reason,
-                    logprobs=logprobs,
-                )
-
-            for index, generation in enumerate(generations):
-                nursery.start_soon(collect, index, generation)
-    if errors:
-        raise errors[0]
+        await run_all([partial(collect, i, g) for i, g in enumerate(generations)])
     return [result for result in results if result is not None]

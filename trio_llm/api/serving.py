@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import trio
 from fastapi import Request
@@ -25,15 +24,16 @@ from starlette.types import Receive
 
 from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
 from trio_llm.api.errors import APIError, bad_request, engine_error
-from trio_llm.api.generation import CHAT, COMPLETION, Plan, run_choices, usage
-from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
+from trio_llm.api.formats import ChatFormat, CompletionFormat
 from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
+from trio_llm.api.plan import Plan, run_choices, usage
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.config import RequestLimits
-from trio_llm.errors import ChatTemplateError, EngineError, InvalidTextError
+from trio_llm.errors import EngineError, InvalidRequest
 from trio_llm.frontend.engine_client import Admission, EngineClient
+from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
 from trio_llm.text.choice import Choice
 from trio_llm.text.stop import compile_stops
@@ -44,18 +44,8 @@ _Request = TypeVar("_Request", bound=BaseModel)
 #: HTTP status for a request whose client disconnected (nginx's convention; never seen).
 CLIENT_CLOSED_REQUEST = 499
 
-#: Texts shorter than this (characters) are tokenized on the event loop (well under 1 ms).
-INLINE_ENCODE_CHARS = 8192
-
 #: Stop strings with more characters than this in all are compiled in a worker thread.
 INLINE_STOP_CHARS = 1024
-
-
-def _child_seed(seed: int | None, index: int) -> int | None:
-    """Seed of the ``index``-th of ``n`` samples: ``seed + index``, wrapped to int64."""
-    if seed is None:
-        return None
-    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 @dataclass
@@ -102,6 +92,7 @@ class OpenAIServing:
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
         self.eos_token_ids = frozenset(engine.info.eos_token_ids)
+        self.inputs = InputPreprocessor(tokenizer, self.max_model_len, self.vocab_size)
 
     # ------------------------------------------------------------ validation
 
@@ -153,38 +144,6 @@ class OpenAIServing:
             )
         return name
 
-    def resolve_max_tokens(
-        self, requested: int | None, num_prompt: int, param: str, prompt_param: str = "prompt"
-    ) -> int:
-        """Output budget within the context; 400 when prompt (+ requested output) won't fit.
-
-        ``requested`` None means the rest of the context. ``param`` / ``prompt_param`` name
-        the fields an error points at.
-        """
-        if num_prompt >= self.max_model_len:
-            raise bad_request(
-                f"the prompt has {num_prompt} tokens, but this model's context is "
-                f"{self.max_model_len} tokens and at least one must remain for the output",
-                prompt_param,
-            )
-        room = self.max_model_len - num_prompt
-        if requested is None:
-            return room
-        if requested > room:
-            raise bad_request(
-                f"{param}={requested} plus the prompt's {num_prompt} tokens exceeds this "
-                f"model's context of {self.max_model_len} tokens (at most {room} output tokens)",
-                param,
-            )
-        return requested
-
-    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
-        bad = [t for t in token_ids if t >= self.vocab_size]
-        if bad:
-            raise bad_request(
-                f"token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}", param
-            )
-
     def _check_logprobs(self, value: int | None, param: str) -> None:
         if value is not None and value > self.max_logprobs:
             raise bad_request(
@@ -196,7 +155,7 @@ class OpenAIServing:
     async def _check_common(self, request: GenerationRequest) -> None:
         request.check_supported()
         if request.stop_token_ids:
-            self._check_token_ids(request.stop_token_ids, "stop_token_ids")
+            self.inputs.check_token_ids(request.stop_token_ids, "stop_token_ids")
         stops = request.stop_strings
         if sum(map(len, stops)) > INLINE_STOP_CHARS:
             # Build the automaton off the loop; the choices then find it in the cache.
@@ -224,13 +183,7 @@ class OpenAIServing:
             base.validate(self.vocab_size)
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
-        if request.n == 1:
-            return [base]
-        fields = {name: getattr(base, name) for name in base.__struct_fields__}
-        return [
-            SamplingParams(**{**fields, "seed": _child_seed(request.seed, i)})
-            for i in range(request.n)
-        ]
+        return fan_out(base, request.n)
 
     # ------------------------------------------------------------ routes
 
@@ -244,6 +197,12 @@ class OpenAIServing:
         Raises:
             APIError: the request is invalid (400) or names an unknown model (404).
         """
+        try:
+            return await self._plan_completion(request)
+        except InvalidRequest as exc:
+            raise bad_request(exc.message, exc.param) from exc
+
+    async def _plan_completion(self, request: CompletionRequest) -> Plan:
         model = self.resolve_model(request.model)
         await self._check_common(request)
         if request.suffix:
@@ -262,13 +221,13 @@ class OpenAIServing:
             )
         prompt_logprobs = request.logprobs if request.echo else None
         plan = Plan(
-            COMPLETION,
+            CompletionFormat(self.tokenizer),
             model,
             echo=request.echo,
             num_top_logprobs=request.logprobs,
         )
         for prompt in prompts:
-            max_tokens = self.resolve_max_tokens(
+            max_tokens = self.inputs.resolve_max_tokens(
                 request.max_tokens, len(prompt.token_ids), "max_tokens"
             )
             params = self._params(
@@ -297,15 +256,12 @@ class OpenAIServing:
             if isinstance(item, str):
                 if not item:
                     raise bad_request("the prompt is empty", "prompt")
-                ids = await self._encode(item, "prompt", special_tokens=True)
-                if not ids:
-                    raise bad_request("the prompt has no tokens", "prompt")
+                ids = await self.inputs.encode_async(item, "prompt", special_tokens=True)
                 prompts.append(_Prompt(ids, item))
             else:
                 if not item:
                     raise bad_request("the prompt is empty", "prompt")
-                self._check_token_ids(item, "prompt")
-                prompts.append(_Prompt(list(item)))
+                prompts.append(_Prompt(self.inputs.check_token_ids(item, "prompt")))
         return prompts
 
     async def chat(self, request: ChatCompletionRequest, receive: Receive) -> Response:
@@ -318,45 +274,27 @@ class OpenAIServing:
         Raises:
             APIError: the request is invalid (400) or names an unknown model (404).
         """
+        try:
+            return await self._plan_chat(request)
+        except InvalidRequest as exc:
+            raise bad_request(exc.message, exc.param) from exc
+
+    async def _plan_chat(self, request: ChatCompletionRequest) -> Plan:
         model = self.resolve_model(request.model)
         await self._check_common(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self._check_logprobs(request.top_logprobs, "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        render = partial(self.tokenizer.render_chat, messages)
-        try:
-            if sum(len(m["content"]) for m in messages) < INLINE_ENCODE_CHARS:
-                text = render()
-            else:  # the template's cost grows with the conversation: keep the loop free
-                text = await trio.to_thread.run_sync(render)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from exc
-        prompt_ids = await self._encode(text, "messages", special_tokens=False)
+        text = await self.inputs.render_chat_async(messages)
+        prompt_ids = await self.inputs.encode_async(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        max_tokens = self.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
+        max_tokens = self.inputs.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        plan = Plan(CHAT, model, num_top_logprobs=logprobs)
+        plan = Plan(ChatFormat(self.tokenizer), model, num_top_logprobs=logprobs)
         plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
         return plan
-
-    async def _encode(self, text: str, param: str, *, special_tokens: bool) -> list[int]:
-        """Tokenize without stalling other requests; 400 for text that cannot fit or encode."""
-        if self.tokenizer.surely_longer_than(text, self.max_model_len):
-            raise bad_request(
-                f"the {param} has {len(text)} characters, far more than this model's context "
-                f"of {self.max_model_len} tokens",
-                param,
-            )
-        encode = partial(self.tokenizer.encode, text, add_special_tokens=special_tokens)
-        try:
-            if len(text) < INLINE_ENCODE_CHARS:
-                return encode()
-            # The tokenizer releases the GIL: other requests keep streaming meanwhile.
-            return await trio.to_thread.run_sync(encode)
-        except InvalidTextError as exc:
-            raise bad_request(str(exc), param) from exc
 
     # ------------------------------------------------------------ generation
 
@@ -381,7 +319,7 @@ class OpenAIServing:
             admission = self.engine.admit(len(plan.requests), limit)
         except EngineError as exc:
             raise engine_error(exc) from exc
-        plan.response_id = f"{plan.kind.id_prefix}-{uuid.uuid4().hex}"
+        plan.response_id = f"{plan.format.id_prefix}-{uuid.uuid4().hex}"
         plan.created = int(time.time())
         return admission
 
@@ -396,7 +334,7 @@ class OpenAIServing:
         admission = self.admit(plan)
         choices = self.make_choices(plan)
         if request.stream:
-            stream = Stream(self.engine, self.tokenizer, plan, choices, admission)
+            stream = Stream(self.engine, plan, choices, admission)
             return EventStreamResponse(
                 lambda emit: stream.run(emit, include_usage=request.include_usage)
             )
@@ -415,40 +353,10 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         body = {
             "id": plan.response_id,
-            "object": plan.kind.object,
+            "object": plan.format.object,
             "created": plan.created,
             "model": plan.model,
-            "choices": [self._final_choice(plan, choice) for choice in choices],
+            "choices": [plan.format.final_choice(plan, choice) for choice in choices],
             "usage": usage(plan, choices),
         }
         return JSONResponse(body)
-
-    def _final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
-        entries = choice.all_logprobs
-        if plan.kind.chat:
-            logprobs = None
-            if plan.num_top_logprobs is not None:
-                logprobs = chat_logprobs(self.tokenizer, entries, plan.num_top_logprobs)
-            return {
-                "index": choice.index,
-                "message": {"role": "assistant", "content": choice.text},
-                "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason,
-            }
-        text = choice.text
-        completion_logprobs = None
-        prompt_ids = plan.requests[choice.index][0]
-        if plan.echo:
-            text = (plan.echo_texts[choice.index] or "") + text
-        if plan.num_top_logprobs is not None:
-            formatter = CompletionLogprobs(self.tokenizer)
-            prefix: list = [None, *choice.prompt_logprobs] if plan.echo else []
-            completion_logprobs = formatter.delta(prefix + entries, prompt_ids[0])
-        return {
-            "index": choice.index,
-            "text": text,
-            "logprobs": completion_logprobs,
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-        }

@@ -36,9 +36,8 @@ from trio_llm.api.errors import (
     engine_error,
     error_body,
 )
-from trio_llm.api.generation import OnDelta, Plan, run_choices, usage
-from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
 from trio_llm.api.parsing import INLINE_PARSE_BYTES, validate
+from trio_llm.api.plan import OnDelta, Plan, run_choices, usage
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
@@ -411,10 +410,7 @@ class _Connection:
 
     def _delta_sender(self, generation_id: str, plan: Plan, choices: list[Choice]) -> OnDelta:
         """The ``on_delta`` callback that turns each piece of output into a delta event."""
-        tokenizer = self.serving.tokenizer
-        num_top = plan.num_top_logprobs
         num_tokens_sent = [0] * len(choices)
-        formatters = [CompletionLogprobs(tokenizer) for _ in choices]
 
         async def on_delta(choice: Choice, piece: ChoiceDelta) -> None:
             num_tokens = choice.num_output_tokens - num_tokens_sent[choice.index]
@@ -428,11 +424,8 @@ class _Connection:
                 "text": piece.text,
                 "num_tokens": num_tokens,
             }
-            if num_top is not None and plan.kind.chat:
-                entries = piece.logprobs
-                event["logprobs"] = chat_logprobs(tokenizer, entries, num_top) if entries else None
-            elif num_top is not None:
-                event["logprobs"] = formatters[choice.index].delta(list(piece.logprobs))
+            if plan.num_top_logprobs is not None:
+                event["logprobs"] = plan.format.delta_logprobs(plan, choice, piece)
             await self._send(event)
 
         return on_delta

@@ -38,9 +38,12 @@ class Choice:
     ) -> None:
         self.index = index
         self.params = params
-        self._detokenizer = RequestDetokenizer(
-            tokenizer.backend, prompt_token_ids, params, eos_token_ids
-        )
+        self._tokenizer = tokenizer
+        self._prompt_token_ids = prompt_token_ids
+        self._eos_token_ids = eos_token_ids
+        # Built on the first delta without text (inline mode): in 3-process mode the
+        # detokenizer child makes the text and none is needed here.
+        self._detokenizer: RequestDetokenizer | None = None
         self.num_output_tokens = 0
         self.text = ""
         self.prompt_logprobs: list[TokenLogprobs] = []
@@ -61,6 +64,13 @@ class Choice:
             self.prompt_logprobs += delta.prompt_logprobs
         piece: ChoiceDelta | None = None
         if delta.text is None:
+            if self._detokenizer is None:
+                self._detokenizer = RequestDetokenizer(
+                    self._tokenizer.backend,
+                    self._prompt_token_ids,
+                    self.params,
+                    self._eos_token_ids,
+                )
             piece = self._detokenizer.process(delta.token_ids, delta.finish_reason, delta.logprobs)
             # Tokens after a stop string are not output (nor counted in usage).
             self.num_output_tokens = self._detokenizer.num_output_tokens

@@ -1,36 +1,23 @@
-"""Running the choices of one API request against the engine.
+"""What one API request will run: its `Plan`, and `run_choices`, which runs it.
 
 A `Plan` lists one engine request per choice (each prompt of a batch, ``n`` times, with
-choice index ``prompt_index * n + sample``, as vLLM numbers them). `run_choices` submits
-them all at once and drives each choice in its own task; leaving early for any reason
-(a client that left, an error, a cancellation) aborts every unfinished one in the engine.
+choice index ``prompt_index * n + sample``, as vLLM numbers them) and the `ResponseFormat`
+its output is written in. `run_choices` submits them all at once and drives each choice
+in its own task; leaving early for any reason (a client that left, an error, a
+cancellation) aborts every unfinished one in the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
-import trio
-
-from trio_llm.errors import EngineError
+from trio_llm.api.formats import ResponseFormat
 from trio_llm.frontend.engine_client import Admission, EngineClient, RequestStream
+from trio_llm.frontend.preprocess import run_all
 from trio_llm.messages import SamplingParams
 from trio_llm.text.choice import Choice, ChoiceDelta
-
-
-@dataclass(frozen=True)
-class Kind:
-    """What differs between /v1/completions and /v1/chat/completions."""
-
-    id_prefix: str
-    object: str
-    chunk_object: str
-    chat: bool
-
-
-COMPLETION = Kind("cmpl", "text_completion", "text_completion", chat=False)
-CHAT = Kind("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 
 @dataclass
@@ -38,13 +25,14 @@ class Plan:
     """Everything needed to answer one request, decided before anything is sent.
 
     Attributes:
+        format: renders the choices (chat or completion; one instance per response).
         requests: ``(prompt_token_ids, params)`` per choice, in choice-index order.
         prompt_lengths: token count of each distinct prompt (for usage).
         echo_texts: per choice, the prompt text to prepend (completions ``echo``).
         num_top_logprobs: alternatives per token when logprobs were asked for, else None.
     """
 
-    kind: Kind
+    format: ResponseFormat
     model: str
     echo: bool = False
     num_top_logprobs: int | None = None
@@ -90,24 +78,15 @@ async def run_choices(
     Raises:
         EngineError: the first engine error of any choice (the others are then aborted).
     """
-    errors: list[EngineError] = []
+
+    async def drive(choice: Choice, stream: RequestStream) -> None:
+        async for delta in stream:
+            piece = choice.process(delta)
+            if piece is not None and on_delta is not None:
+                await on_delta(choice, piece)
+            if choice.finished:
+                await stream.finish(choice.finish_reason or "stop")
+                return
+
     async with engine.open_requests(plan.requests, admission) as streams:
-        async with trio.open_nursery() as nursery:
-
-            async def drive(choice: Choice, stream: RequestStream) -> None:
-                try:
-                    async for delta in stream:
-                        piece = choice.process(delta)
-                        if piece is not None and on_delta is not None:
-                            await on_delta(choice, piece)
-                        if choice.finished:
-                            await stream.finish(choice.finish_reason or "stop")
-                            return
-                except EngineError as exc:
-                    errors.append(exc)
-                    nursery.cancel_scope.cancel()
-
-            for choice, stream in zip(choices, streams, strict=True):
-                nursery.start_soon(drive, choice, stream)
-    if errors:
-        raise errors[0]
+        await run_all([partial(drive, c, s) for c, s in zip(choices, streams, strict=True)])

@@ -1,0 +1,160 @@
+"""Output formats: how one response's choices are rendered for the client.
+
+The request path is one (`trio_llm.api.serving`: plan, admit, run the choices); what
+differs between endpoints is only how a choice is written out. A `ResponseFormat` renders
+a final choice (one JSON body), the choice entry of a stream chunk (server-sent events),
+the logprobs of a WebSocket ``delta`` event, and the chunks a stream opens with.
+`CompletionFormat` (``/v1/completions``, ``text_completion``) and `ChatFormat`
+(``/v1/chat/completions``, ``chat.completion``) are the two today; a new endpoint (the
+Responses API, Anthropic Messages) is a new format, not a new request path.
+
+A format instance belongs to one response (its `Plan`): it keeps per-choice state, such
+as the text offsets of completion logprobs and whether a choice's first chunk (which
+carries an echoed prompt) went out.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
+from trio_llm.text.choice import Choice, ChoiceDelta
+from trio_llm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from trio_llm.api.plan import Plan
+
+
+class ResponseFormat:
+    """Renders the choices of one response (base class; see the module doc).
+
+    Attributes:
+        id_prefix: the response ``id``'s prefix (``cmpl``, ``chatcmpl``).
+        object: the ``object`` of a whole response.
+        chunk_object: the ``object`` of a stream chunk.
+    """
+
+    id_prefix = ""
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
+        """One entry of a whole response's ``choices`` (the choice has finished)."""
+        raise NotImplementedError
+
+    def opening_choices(self, plan: Plan, choices: list[Choice]) -> list[dict[str, Any]]:
+        """Choice entries of the chunks a stream starts with, one chunk each (none here)."""
+        return []
+
+    def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any]:
+        """The ``choices`` entry of the stream chunk that carries ``piece``."""
+        raise NotImplementedError
+
+    def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
+        """The ``logprobs`` of the WebSocket ``delta`` event that carries ``piece``
+        (only called when the request asked for logprobs)."""
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    """``/v1/completions``: ``text`` and OpenAI's legacy completion logprobs; with
+    ``echo``, the prompt (and its logprobs) leads the choice."""
+
+    id_prefix = "cmpl"
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__(tokenizer)
+        self._formatters: dict[int, CompletionLogprobs] = {}
+        self._started: set[int] = set()
+
+    def _formatter(self, index: int) -> CompletionLogprobs:
+        if index not in self._formatters:
+            self._formatters[index] = CompletionLogprobs(self.tokenizer)
+        return self._formatters[index]
+
+    def final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
+        text = choice.text
+        logprobs = None
+        if plan.echo:
+            text = (plan.echo_texts[choice.index] or "") + text
+        if plan.num_top_logprobs is not None:
+            prefix: list = [None, *choice.prompt_logprobs] if plan.echo else []
+            first_token = plan.requests[choice.index][0][0]
+            logprobs = CompletionLogprobs(self.tokenizer).delta(
+                prefix + choice.all_logprobs, first_token
+            )
+        return _choice(choice.index, "text", text, logprobs, choice.finish_reason, choice)
+
+    def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any]:
+        text = piece.text
+        entries: list = list(piece.logprobs)
+        first_token = 0
+        if plan.echo and choice.index not in self._started:
+            # The prompt (and its logprobs) goes out with the choice's first chunk.
+            text = (plan.echo_texts[choice.index] or "") + text
+            entries = [None, *choice.prompt_logprobs, *entries]
+            first_token = plan.requests[choice.index][0][0]
+        self._started.add(choice.index)
+        logprobs = None
+        if plan.num_top_logprobs is not None:
+            logprobs = self._formatter(choice.index).delta(entries, first_token)
+        return _choice(choice.index, "text", text, logprobs, piece.finish_reason, piece)
+
+    def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
+        return self._formatter(choice.index).delta(list(piece.logprobs))
+
+
+class ChatFormat(ResponseFormat):
+    """``/v1/chat/completions``: an assistant ``message`` (a ``delta`` when streamed, the
+    first one with the role) and chat logprobs."""
+
+    id_prefix = "chatcmpl"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, plan: Plan, entries: list) -> Any:
+        if plan.num_top_logprobs is None:
+            return None
+        return chat_logprobs(self.tokenizer, entries, plan.num_top_logprobs)
+
+    def final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
+        message = {"role": "assistant", "content": choice.text}
+        logprobs = self._logprobs(plan, choice.all_logprobs)
+        return _choice(choice.index, "message", message, logprobs, choice.finish_reason, choice)
+
+    def opening_choices(self, plan: Plan, choices: list[Choice]) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
+        return [_choice(choice.index, "delta", role, None, None, None) for choice in choices]
+
+    def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any]:
+        delta: dict[str, str] = {}
+        if piece.text or piece.finish_reason is None:
+            delta["content"] = piece.text
+        logprobs = self._logprobs(plan, piece.logprobs) if piece.logprobs else None
+        return _choice(choice.index, "delta", delta, logprobs, piece.finish_reason, piece)
+
+    def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
+        return self._logprobs(plan, piece.logprobs) if piece.logprobs else None
+
+
+def _choice(
+    index: int,
+    key: str,
+    value: Any,
+    logprobs: Any,
+    finish_reason: str | None,
+    source: Choice | ChoiceDelta | None,
+) -> dict[str, Any]:
+    """A ``choices`` entry, its fields in the order OpenAI and vLLM send them."""
+    return {
+        "index": index,
+        key: value,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": source.stop_reason if source is not None else None,
+    }
