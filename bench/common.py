@@ -1,11 +1,14 @@
-"""Shared benchmark pieces: sonnet prompts of a target token length, percentiles, tables."""
+"""Shared benchmark pieces: sonnet prompts of a target token length, percentiles, tables,
+scheduler gauges read from /metrics."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,35 @@ def rates(completed: int, prompt_tokens: int, output_tokens: int, elapsed: float
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
     }
+
+
+#: The scheduler series of /metrics that the load benchmarks watch, and their values.
+_SCHEDULER_SERIES = re.compile(
+    r"^trio_llm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc|num_preemptions)"
+    r"\S*\s+(\S+)$"
+)
+
+
+@dataclass
+class SchedulerMaxima:
+    """The scheduler gauges seen over several /metrics scrapes (the latest preemption count)."""
+
+    max_waiting: float = 0.0
+    max_running: float = 0.0
+    max_kv_usage: float = 0.0
+    preemptions: float = 0.0
+
+    def add_scrape(self, metrics_text: str) -> None:
+        """Take one /metrics response body (Prometheus text format)."""
+        values = {}
+        for line in metrics_text.splitlines():
+            match = _SCHEDULER_SERIES.match(line)
+            if match:
+                values[match.group(1)] = float(match.group(2))
+        self.max_waiting = max(self.max_waiting, values.get("num_requests_waiting", 0))
+        self.max_running = max(self.max_running, values.get("num_requests_running", 0))
+        self.max_kv_usage = max(self.max_kv_usage, values.get("kv_cache_usage_perc", 0))
+        self.preemptions = values.get("num_preemptions", self.preemptions)
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -56,7 +56,7 @@ import httpx
 import roofline
 import trio
 from common import print_table, rates, sonnet_prompts, summary, write_json
-from serve import RequestResult, one_request
+from serve import RequestResult, one_request, tally
 
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import default_gguf_path, resolve_dtype, resolve_model_dir
@@ -264,10 +264,7 @@ async def run_http(url: str, system: System, workload: Workload) -> dict[str, An
         "system": system.name,
         "workload": workload.name,
         "concurrency": workload.concurrency,
-        "requests": len(results),
-        "completed": len(done),
-        "errors": len(results) - len(done),
-        "first_error": next((r.error for r in results if r.error), ""),
+        **tally(results),
         "output_length": forced,
         **rates(len(done), prompt, output, elapsed),
         "asked_output_tokens": len(results) * workload.output_len,

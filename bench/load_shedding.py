@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -48,7 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 import trio
-from common import print_table, sonnet_prompts, write_json
+from common import SchedulerMaxima, print_table, sonnet_prompts, write_json
 
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import resolve_model_dir
@@ -56,10 +55,6 @@ from trio_llm.testing.procfs import engine_children, is_running
 from trio_llm.testing.server_process import ServerProcess
 from trio_llm.testing.sse import DONE, delta_text
 from trio_llm.text.tokenizer import Tokenizer
-
-_GAUGE = re.compile(
-    r"^trio_llm:(num_requests_waiting|num_requests_running|num_preemptions)\S*\s+(\S+)$"
-)
 
 
 @dataclass
@@ -83,13 +78,10 @@ class Outcome:
 
 
 @dataclass
-class MetricsSamples:
+class MetricsSamples(SchedulerMaxima):
     """Maxima of the scheduler gauges sampled from /metrics during the burst."""
 
     samples: int = 0
-    max_waiting: float = 0.0
-    max_running: float = 0.0
-    preemptions: float = 0.0
 
 
 async def send_one(
@@ -139,15 +131,8 @@ async def poll_metrics(client: httpx.AsyncClient, samples: MetricsSamples, inter
     """Sample /metrics every ``interval`` seconds until cancelled, keeping the maxima."""
     while True:
         response = await client.get("/metrics")
-        values = {}
-        for line in response.text.splitlines():
-            match = _GAUGE.match(line)
-            if match:
-                values[match.group(1)] = float(match.group(2))
         samples.samples += 1
-        samples.max_waiting = max(samples.max_waiting, values.get("num_requests_waiting", 0))
-        samples.max_running = max(samples.max_running, values.get("num_requests_running", 0))
-        samples.preemptions = values.get("num_preemptions", samples.preemptions)
+        samples.add_scrape(response.text)
         await trio.sleep(interval)
 
 

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 import trio
-from common import print_table, sonnet_prompts, summary, write_json
+from common import print_table, rates, sonnet_prompts, summary, write_json
 
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import resolve_model_dir
@@ -117,20 +117,24 @@ async def run(args: argparse.Namespace, prompts: list) -> dict:
     return {
         "system": args.label,
         "base_url": args.base_url,
-        "requests": len(prompts),
-        "completed": len(done),
-        "errors": len(prompts) - len(done),
-        "first_error": next((r.error for r in results if r.error), ""),
-        "elapsed_s": elapsed,
-        "req_per_s": len(done) / elapsed,
-        "output_tok_per_s": output_tokens / elapsed,
-        "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
-        "output_tokens": output_tokens,
+        **tally(results),
+        **rates(len(done), prompt_tokens, output_tokens, elapsed),
         "expected_output_tokens": len(prompts) * args.output_len,
         "ttft_s": summary([r.ttft for r in done]),
         "itl_s": summary(itls),
         "e2e_latency_s": summary([r.latency for r in done]),
         "per_request": [asdict(r) | {"itls": None} for r in results],
+    }
+
+
+def tally(results: list[RequestResult]) -> dict:
+    """``requests``, ``completed``, ``errors`` and the ``first_error`` of a run."""
+    completed = sum(r.ok for r in results)
+    return {
+        "requests": len(results),
+        "completed": completed,
+        "errors": len(results) - completed,
+        "first_error": next((r.error for r in results if r.error), ""),
     }
 
 

@@ -79,7 +79,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import h11
 import httpx
 import trio
-from common import SONNETS, percentile, print_table, write_json
+from common import SONNETS, SchedulerMaxima, percentile, print_table, write_json
 from process_cpu import CLOCK_TICKS, cpu_seconds, role
 
 from trio_llm.config import DEFAULT_MODEL
@@ -88,10 +88,6 @@ from trio_llm.testing.server_process import ServerProcess
 from trio_llm.testing.sse import DONE, delta_text
 
 MIB = 1024 * 1024
-_GAUGES = re.compile(
-    r"^trio_llm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc|num_preemptions)"
-    r"\S*\s+(\S+)$"
-)
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 RECEIVE_SIZE = 65536
 _LOG_PROBLEM = re.compile(r"warn|error|exception|traceback", re.IGNORECASE)
@@ -536,13 +532,9 @@ def tcp_counters() -> dict[str, int]:
 
 
 @dataclass
-class MetricsSamples:
+class MetricsSamples(SchedulerMaxima):
     """Scheduler gauges from /metrics during the load, and how long each scrape took."""
 
-    max_waiting: float = 0.0
-    max_running: float = 0.0
-    max_kv_usage: float = 0.0
-    preemptions: float = 0.0
     scrape_s: list[float] = field(default_factory=list)
     failures: Counter[str] = field(default_factory=Counter)
 
@@ -561,15 +553,7 @@ async def poll_metrics(
             samples.scrape_s.append(time.perf_counter() - start)
             if response.status_code != 200:
                 samples.failures[f"HTTP {response.status_code}"] += 1
-            values = {}
-            for line in response.text.splitlines():
-                match = _GAUGES.match(line)
-                if match:
-                    values[match.group(1)] = float(match.group(2))
-            samples.max_waiting = max(samples.max_waiting, values.get("num_requests_waiting", 0))
-            samples.max_running = max(samples.max_running, values.get("num_requests_running", 0))
-            samples.max_kv_usage = max(samples.max_kv_usage, values.get("kv_cache_usage_perc", 0))
-            samples.preemptions = values.get("num_preemptions", samples.preemptions)
+            samples.add_scrape(response.text)
         await trio.sleep(max(0.0, interval - (time.perf_counter() - start)))
 
 

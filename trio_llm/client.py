@@ -22,7 +22,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal
 
 import trio
@@ -197,12 +196,7 @@ class Generation:
         await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         if not self.finished:
             with trio.move_on_after(CANCEL_SEND_TIMEOUT, shield=True):
                 await self.cancel()

@@ -9,8 +9,9 @@ The engine configuration crosses into the engine-core child once, at start-up, p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 #: The name under which the bundled SmolLM2 GGUF file is served when no --model is given.
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -210,29 +211,18 @@ def engine_config(
     Raises:
         ValueError: a value out of range (names the field).
     """
+    args = locals()
     return EngineConfig(
-        model=ModelConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-            download_dir=download_dir,
-            seed=seed,
-        ),
-        cache=CacheConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            max_num_partial_prefills=max_num_partial_prefills,
-        ),
+        model=ModelConfig(**_fields_of(ModelConfig, args)),
+        cache=CacheConfig(**_fields_of(CacheConfig, args)),
+        scheduler=SchedulerConfig(**_fields_of(SchedulerConfig, args)),
         num_threads=num_threads,
     )
+
+
+def _fields_of(cls: type, args: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``args`` named like a field of the dataclass ``cls``."""
+    return {f.name: args[f.name] for f in fields(cls) if f.name in args}
 
 
 @dataclass(frozen=True)

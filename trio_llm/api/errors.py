@@ -87,26 +87,25 @@ def engine_error(exc: EngineError) -> APIError:
     if isinstance(exc, RequestRejectedError):
         return bad_request(str(exc))
     if isinstance(exc, EngineOverloadedError):
-        return APIError(
-            503,
-            str(exc),
-            type="service_unavailable_error",
-            code="too_many_waiting_requests",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
+        return _retry_later(exc, "too_many_waiting_requests")
     if isinstance(exc, EngineShutdownError):
         return APIError(503, str(exc), type="service_unavailable_error")
     if isinstance(exc, EngineRestartingError):
-        return APIError(
-            503,
-            str(exc),
-            type="service_unavailable_error",
-            code="engine_restarting",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
+        return _retry_later(exc, "engine_restarting")
     if isinstance(exc, EngineDeadError):
         return APIError(500, f"engine core died: {exc}", type="server_error")
     return APIError(500, str(exc), type="server_error")
+
+
+def _retry_later(exc: EngineError, code: str) -> APIError:
+    """A 503 that asks the client to come back after ``Retry-After`` seconds."""
+    return APIError(
+        503,
+        str(exc),
+        type="service_unavailable_error",
+        code=code,
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -63,7 +63,38 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-class APIKeyMiddleware:
+class _RequestCheck:
+    """A middleware that looks at each HTTP request's head and either passes the request
+    on or answers one fixed error: subclasses set `status`, `message`, `code` and
+    `headers` and define `refused`.
+
+    Args:
+        app: the ASGI app behind the check.
+    """
+
+    status: int
+    message: str
+    code: str
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    def refused(self, scope: Scope) -> bool:
+        """Whether the HTTP request with this scope gets the error."""
+        raise NotImplementedError
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on, or answer the error with an OpenAI-style body."""
+        if scope["type"] == "http" and self.refused(scope):
+            await send_error(
+                send, self.status, self.message, code=self.code, extra_headers=self.headers
+            )
+            return
+        await self.app(scope, receive, send)
+
+
+class APIKeyMiddleware(_RequestCheck):
     """Refuse requests to ``/v1...`` without ``Authorization: Bearer <api_key>`` (HTTP 401).
 
     The key is compared in constant time. CORS preflight requests (``OPTIONS``) pass, as
@@ -74,8 +105,13 @@ class APIKeyMiddleware:
         api_key: the key clients must present (visible ASCII).
     """
 
+    status = 401
+    message = "the API key is missing or incorrect; send it as `Authorization: Bearer <key>`"
+    code = "invalid_api_key"
+    headers = ((b"www-authenticate", b"Bearer"),)
+
     def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
+        super().__init__(app)
         self._key = api_key.encode()
 
     def authorized(self, scope: Scope) -> bool:
@@ -88,23 +124,13 @@ class APIKeyMiddleware:
             return False
         return hmac.compare_digest(token.strip(), self._key)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Pass the request on, or answer 401 with an OpenAI-style body."""
-        if (
-            scope["type"] == "http"
-            and scope["path"].startswith(PROTECTED_PREFIX)
+    def refused(self, scope: Scope) -> bool:
+        """A request under ``/v1`` other than a preflight, without the key."""
+        return (
+            scope["path"].startswith(PROTECTED_PREFIX)
             and scope["method"] != "OPTIONS"
             and not self.authorized(scope)
-        ):
-            await send_error(
-                send,
-                401,
-                "the API key is missing or incorrect; send it as `Authorization: Bearer <key>`",
-                code="invalid_api_key",
-                extra_headers=[(b"www-authenticate", b"Bearer")],
-            )
-            return
-        await self.app(scope, receive, send)
+        )
 
 
 class RequestBodyTooLarge(Exception):
@@ -188,7 +214,7 @@ class BodySizeLimitMiddleware:
             await self._refuse(send)
 
 
-class RequestFramingMiddleware:
+class RequestFramingMiddleware(_RequestCheck):
     """Refuse requests whose body length is ambiguous (HTTP 400 and ``Connection: close``).
 
     A request carrying both ``Transfer-Encoding`` and ``Content-Length`` can be read two
@@ -201,23 +227,15 @@ class RequestFramingMiddleware:
         app: the ASGI app.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    status = 400
+    message = "the request has both Content-Length and Transfer-Encoding; send one"
+    code = "ambiguous_request_framing"
+    headers = ((b"connection", b"close"),)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Pass the request on, or answer 400 and close the connection."""
-        if scope["type"] == "http":
-            names = {key.lower() for key, _ in scope.get("headers", ())}
-            if b"transfer-encoding" in names and b"content-length" in names:
-                await send_error(
-                    send,
-                    400,
-                    "the request has both Content-Length and Transfer-Encoding; send one",
-                    code="ambiguous_request_framing",
-                    extra_headers=[(b"connection", b"close")],
-                )
-                return
-        await self.app(scope, receive, send)
+    def refused(self, scope: Scope) -> bool:
+        """A request that has both headers."""
+        names = {key.lower() for key, _ in scope.get("headers", ())}
+        return b"transfer-encoding" in names and b"content-length" in names
 
 
 def install_middleware(app: FastAPI, config: ServerConfig) -> None:
