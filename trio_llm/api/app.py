@@ -84,12 +84,12 @@ def build_app(
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = await serving.parse(CompletionRequest, request)
-        return await serving.completions(body, request.receive)
+        return await serving.respond(body, request.receive)
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = await serving.parse(ChatCompletionRequest, request)
-        return await serving.chat(body, request.receive)
+        return await serving.respond(body, request.receive)
 
     _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
 

@@ -187,17 +187,21 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ routes
 
-    async def completions(self, request: CompletionRequest, receive: Receive) -> Response:
-        """Handle ``POST /v1/completions``."""
-        return await self._respond(await self.plan_completion(request), request, receive)
+    async def respond(self, request: GenerationRequest, receive: Receive) -> Response:
+        """Handle ``POST /v1/completions`` and ``POST /v1/chat/completions``: one JSON
+        body, or server-sent events with ``stream``."""
+        return await self._respond(await self.plan(request), request, receive)
 
-    async def plan_completion(self, request: CompletionRequest) -> Plan:
-        """Validate and tokenize a completion request into a `Plan`.
+    async def plan(self, request: GenerationRequest) -> Plan:
+        """Validate and tokenize a request into a `Plan` (chat: render the template first).
 
         Raises:
             APIError: the request is invalid (400) or names an unknown model (404).
         """
         try:
+            if isinstance(request, ChatCompletionRequest):
+                return await self._plan_chat(request)
+            assert isinstance(request, CompletionRequest)
             return await self._plan_completion(request)
         except InvalidRequest as exc:
             raise bad_request(exc.message, exc.param) from exc
@@ -263,21 +267,6 @@ class OpenAIServing:
                     raise bad_request("the prompt is empty", "prompt")
                 prompts.append(_Prompt(self.inputs.check_token_ids(item, "prompt")))
         return prompts
-
-    async def chat(self, request: ChatCompletionRequest, receive: Receive) -> Response:
-        """Handle ``POST /v1/chat/completions``."""
-        return await self._respond(await self.plan_chat(request), request, receive)
-
-    async def plan_chat(self, request: ChatCompletionRequest) -> Plan:
-        """Validate, render the chat template and tokenize a chat request into a `Plan`.
-
-        Raises:
-            APIError: the request is invalid (400) or names an unknown model (404).
-        """
-        try:
-            return await self._plan_chat(request)
-        except InvalidRequest as exc:
-            raise bad_request(exc.message, exc.param) from exc
 
     async def _plan_chat(self, request: ChatCompletionRequest) -> Plan:
         model = self.resolve_model(request.model)

@@ -381,10 +381,7 @@ class _Connection:
             request = await trio.to_thread.run_sync(_parse_request, kind, message, serving)
         else:
             request = _parse_request(kind, message, serving)
-        if isinstance(request, ChatCompletionRequest):
-            plan = await serving.plan_chat(request)
-        else:
-            plan = await serving.plan_completion(request)
+        plan = await serving.plan(request)
         admission = serving.admit(plan)
         try:
             choices = serving.make_choices(plan)
