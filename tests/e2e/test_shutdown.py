@@ -130,8 +130,9 @@ async def test_killing_the_detokenizer_fails_streams_and_exits_nonzero(
     tmp_path: Path, real_model_dir: Path
 ) -> None:
     """3-process mode: the detokenizer's death is the engine's death to the server (the
-    engine core follows it out), never silent."""
-    args = [*ARGS, "--detokenizer-mode", "process"]
+    engine core follows it out), never silent. (At --log-level debug, which reaches both
+    children.)"""
+    args = [*ARGS, "--detokenizer-mode", "process", "--log-level", "debug"]
     with ServerProcess(args, log_path=tmp_path / "server.log") as server:
         (detokenizer,) = detokenizer_children(server.pid)
         (engine,) = engine_children(server.pid)
@@ -141,5 +142,8 @@ async def test_killing_the_detokenizer_fails_streams_and_exits_nonzero(
         assert code == 1
         last_line = server.log().strip().splitlines()[-1]
         assert "detokenizer: killed by SIGKILL" in last_line, last_line
+        lines = server.log().splitlines()  # the children's debug lines are there
+        assert any(line.startswith("trio-llm engine: engine core ") for line in lines)
+        assert any(line.startswith("trio-llm detokenizer: detokenizing for ") for line in lines)
         with trio.fail_after(5):
             await wait_for_exit(engine)

@@ -23,8 +23,8 @@ upgrade request is served. And it refuses a WebSocket message split into more th
 
 from __future__ import annotations
 
+import logging
 import socket
-import sys
 from typing import Any
 
 import hypercorn.protocol.h2
@@ -41,6 +41,8 @@ from hypercorn.protocol.ws_stream import (
 from hypercorn.trio.tcp_server import TCPServer
 from wsproto.events import CloseConnection
 from wsproto.frame_protocol import CloseReason
+
+logger = logging.getLogger(__name__)
 
 #: Connections ended by a protocol error since start-up (read by tests and logs).
 num_connection_errors = 0
@@ -69,11 +71,9 @@ class GuardedTCPServer(TCPServer):
         except* Exception as group:
             num_connection_errors += 1
             first = _first_leaf(group)
-            print(
-                "trio-llm: a client connection ended with a protocol error "
-                f"({type(first).__name__}: {first}); the server goes on",
-                file=sys.stderr,
-                flush=True,
+            logger.warning(
+                "a client connection ended with a protocol error "
+                f"({type(first).__name__}: {first}); the server goes on"
             )
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()

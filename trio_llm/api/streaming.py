@@ -11,7 +11,7 @@ stream, also after an error, which is sent as a ``data: {"error": {...}}`` event
 from __future__ import annotations
 
 import json
-import traceback
+import logging
 from typing import Any
 
 import trio
@@ -22,6 +22,8 @@ from trio_llm.api.plan import Plan, run_choices, usage
 from trio_llm.errors import EngineError
 from trio_llm.frontend.engine_client import Admission, EngineClient
 from trio_llm.text.choice import Choice, ChoiceDelta
+
+logger = logging.getLogger(__name__)
 
 
 class Stream:
@@ -82,7 +84,7 @@ class Stream:
                 json.dumps(error_body(error.message, error.type, error.param, error.code))
             )
         except Exception as exc:  # a bug: still end the stream properly, and say so
-            traceback.print_exc()
+            logger.exception("internal error in a streamed response")
             message = f"internal error: {type(exc).__name__}: {exc}"
             await self._send(json.dumps(error_body(message, "server_error")))
         finally:

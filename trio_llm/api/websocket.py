@@ -21,7 +21,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-import traceback
+import logging
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,6 +43,8 @@ from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
 from trio_llm.errors import EngineDeadError, EngineError
 from trio_llm.text.choice import Choice, ChoiceDelta
+
+logger = logging.getLogger(__name__)
 
 #: The endpoint's path.
 WEBSOCKET_PATH = "/v1/ws"
@@ -100,7 +102,7 @@ def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig
         try:
             await _Connection(websocket, serving).run()
         except Exception:  # a bug: end this connection, keep the server
-            traceback.print_exc()
+            logger.exception("internal error in a WebSocket connection")
             await _close_quietly(websocket, CLOSE_INTERNAL_ERROR, "internal error")
 
 
@@ -360,7 +362,7 @@ class _Connection:
         except EngineError as exc:
             event = _error_event(generation_id, engine_error(exc).body())
         except Exception as exc:  # a bug: end this generation with an error, as HTTP does
-            traceback.print_exc()
+            logger.exception("internal error in a WebSocket generation")
             text = f"internal error: {type(exc).__name__}: {exc}"
             event = _error_event(generation_id, error_body(text, "server_error"))
         finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trio_llm.logging_setup import configure_logging
 from trio_llm.parent_death import guard_child
 
 
@@ -23,6 +24,7 @@ def main() -> None:
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args()
     guard_child(args.parent_pid)
+    configure_logging()  # the level the server chose, from $TRIO_LLM_LOG_LEVEL
 
     import trio
 

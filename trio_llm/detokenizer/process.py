@@ -19,7 +19,7 @@ sees the end of its channel when either child dies.
 
 from __future__ import annotations
 
-import sys
+import logging
 
 import trio
 
@@ -37,6 +37,8 @@ from trio_llm.messages import (
 )
 from trio_llm.text.output import RequestDetokenizer
 from trio_llm.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError)
 
@@ -136,6 +138,7 @@ async def _run(api: ipc.MessageChannel[ToEngine], engine: ipc.MessageChannel[Fro
         await api.send(EngineFailed(f"detokenizer start-up failed: {exc}"))
         return 1
     await api.send(ready)
+    logger.debug("detokenizing for %s", ready.model_dir)
     relay = _Relay(api, engine, Detokenizers(tokenizer, ready.eos_token_ids))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(relay.upstream, nursery.cancel_scope)
@@ -186,7 +189,7 @@ class _Relay:
                         await self.send_to_engine(AbortRequests(stopped))
                 await self.api.send(message)
         except _CLOSED as exc:
-            print(f"trio-llm detokenizer: a connection broke: {exc}", file=sys.stderr)
+            logger.warning(f"a connection broke: {exc}")
         else:
             self.exit_code = 0 if self.shutting_down else 1
         done.cancel()

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from trio_llm.logging_setup import configure_logging
 from trio_llm.parent_death import guard_child
 
 
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args()
     guard_child(args.parent_pid)
+    configure_logging()  # the level the server chose, from $TRIO_LLM_LOG_LEVEL
 
     import trio
 

@@ -10,11 +10,10 @@ current step has been running, so the server can tell a hung engine from a busy 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import sys
 import time
-import traceback
 
 import cloudpickle
 import trio
@@ -33,6 +32,8 @@ from trio_llm.messages import (
     StepOutputs,
     ToEngine,
 )
+
+logger = logging.getLogger(__name__)
 
 
 async def run_engine_core(stream: trio.abc.Stream) -> int:
@@ -63,6 +64,7 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
     if frame is None:
         return 0
     config: EngineConfig = cloudpickle.loads(frame)
+    logger.debug("engine core %d: starting %s", os.getpid(), config.model.model)
     try:
         core = await trio.to_thread.run_sync(_build_core, config)
     except Exception as exc:
@@ -74,8 +76,8 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
     except Exception as exc:
         if _server_gone(exc):
             raise
-        traceback.print_exc()
-        await _report_failure(channel, f"engine step failed: {type(exc).__name__}: {exc}")
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        await _report_failure(channel, message, exc_info=True)
         return 1
     return 0
 
@@ -86,8 +88,10 @@ def _build_core(config: EngineConfig) -> EngineCore:
     return core
 
 
-async def _report_failure(channel: ipc.MessageChannel, message: str) -> None:
-    print(f"trio-llm engine: {message}", flush=True, file=sys.stderr)
+async def _report_failure(
+    channel: ipc.MessageChannel, message: str, *, exc_info: bool = False
+) -> None:
+    logger.error(message, exc_info=exc_info)
     try:
         await channel.send(EngineFailed(message))
     except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -22,11 +22,11 @@ through the new one; requests that were in flight fail at once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
 
 import cloudpickle
 import trio
@@ -37,6 +37,8 @@ from trio_llm.errors import EngineDeadError, EngineHungError, EngineStartupError
 from trio_llm.frontend.child_process import ChildProcess
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import EngineFailed, EngineReady
+
+logger = logging.getLogger(__name__)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -140,7 +142,6 @@ async def run_engine_process(
     detokenizer_mode: str = "inline",
     step_timeout: float | None = None,
     restart: RestartPolicy | None = None,
-    log: Callable[[str], None] | None = None,
     task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the engine-core child (and the detokenizer child) for as long as this task lives.
@@ -161,7 +162,6 @@ async def run_engine_process(
             children are killed. None: no hang detection.
         restart: replace failed (dead or hung) children with backoff, within the policy's
             limits; None: the first failure ends this task with `EngineDeadError`.
-        log: receives one line per failure and restart (default: stderr).
 
     Raises:
         ValueError: an unknown ``detokenizer_mode``.
@@ -172,7 +172,6 @@ async def run_engine_process(
     if step_timeout is not None:
         heartbeat = min(config.heartbeat_interval, step_timeout / 4)
         config = dataclasses.replace(config, heartbeat_interval=heartbeat)
-    say = log or _log_to_stderr
     connect = _Connect(detokenizer_mode, step_timeout, restart, task_status)
     failures: list[float] = []
     while True:
@@ -193,15 +192,11 @@ async def run_engine_process(
                 client.give_up(error)
                 raise error from exc
             delay = restart.backoff(len(failures))
-            say(f"engine core failed: {exc}; restarting it in {delay:g} s")
+            logger.warning(f"engine core failed: {exc}; restarting it in {delay:g} s")
             with client.new_stop_scope():
                 await trio.sleep(delay)
             if client.stopping:
                 return
-
-
-def _log_to_stderr(message: str) -> None:
-    print(f"trio-llm: {message}", file=sys.stderr, flush=True)
 
 
 class _Connect:
