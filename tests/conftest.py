@@ -9,9 +9,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tests.support.tiny_model import save_tiny_model
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import resolve_model_dir
-from trio_llm.testing.tiny_model import save_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from trio_llm.testing.chaos import Record, _burst, _Load
+from tests.support.chaos import Record, _burst, _Load
 
 
 @pytest.mark.parametrize(

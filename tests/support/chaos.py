@@ -36,8 +36,7 @@ from typing import Any
 import httpx
 import trio
 
-from trio_llm.client import ConnectionClosedError, GenerationError, open_ws_client
-from trio_llm.testing.procfs import (
+from tests.support.procfs import (
     count_fds,
     descendants,
     detokenizer_children,
@@ -48,7 +47,8 @@ from trio_llm.testing.procfs import (
     tcp_sockets,
     wait_for_exit,
 )
-from trio_llm.testing.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
+from trio_llm.client import ConnectionClosedError, GenerationError, open_ws_client
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

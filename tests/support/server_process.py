@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from trio_llm.testing.procfs import descendants
+from tests.support.procfs import descendants
 
 _ADDRESS = re.compile(r"serving .* on (http://\S+)")
 
