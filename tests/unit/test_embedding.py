@@ -24,6 +24,9 @@ from tests.support.procfs import is_running, parent_pid, server_children
 from trio_llm import LLM, AsyncEngine, SamplingParams, open_engine
 from trio_llm.errors import EngineDeadError, EngineShutdownError, EngineStartupError
 
+#: Starts engine processes: the slow tier.
+pytestmark = pytest.mark.slow
+
 MODES = ("inline", "process")
 ENGINE_ARGS = {"max_model_len": 256, "num_kv_blocks": 64, "num_threads": 1}
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -23,6 +23,9 @@ from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.messages import SamplingParams
 
+#: Starts engine processes: the slow tier.
+pytestmark = pytest.mark.slow
+
 MODES = ["inline", "process"]
 
 

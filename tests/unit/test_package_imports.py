@@ -13,7 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import trio_llm
+
+#: Starts a fresh interpreter (a subprocess): the slow tier.
+pytestmark = pytest.mark.slow
 
 #: Top-level names of the dev and bench extras (pyproject's [project.optional-dependencies]).
 DEV_ONLY = (
