@@ -41,9 +41,11 @@ from tests.support.procfs import (
     descendants,
     detokenizer_children,
     engine_children,
+    fd_targets,
     listening_sockets,
     parent_pid,
     process_state,
+    socket_inode,
     tcp_sockets,
     wait_for_exit,
 )
@@ -842,17 +844,11 @@ def describe_fds(pid: int) -> str:
     states = {"01": "established", "08": "close-wait", "0A": "listen", "06": "time-wait"}
     tcp = {inode: states.get(state, state) for inode, (state, _) in tcp_sockets(pid).items()}
     kinds: Counter[str] = Counter()
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
+    targets = fd_targets(pid)
+    if targets is None:
         return "gone"
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inode = target[8:-1]
+    for target in targets:
+        if (inode := socket_inode(target)) is not None:
             kinds[f"tcp {tcp[inode]}" if inode in tcp else "socket"] += 1
         else:
             kinds[target.split(":")[0] if ":" in target else target] += 1
