@@ -25,14 +25,9 @@ from pathlib import Path
 import common  # noqa: F401  (puts the repository root on sys.path, for tests.support)
 import trio
 
-from tests.support.chaos import (
-    FAULTS,
-    TrialResult,
-    TrialSpec,
-    become_subreaper,
-    plan_trials,
-    run_trial,
-)
+from tests.support.chaos import TrialResult, TrialSpec, plan_trials, run_trial
+from tests.support.checks import become_subreaper
+from tests.support.faults import FAULTS
 
 
 def summary_table(results: list[TrialResult]) -> str:

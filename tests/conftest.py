@@ -1,8 +1,9 @@
 """Shared fixtures (the tiny random model, the real SmolLM2 folder) and the test tiers.
 
-Two tiers: tests that spawn no process (fast, seconds in all) and tests marked ``slow``
-that start engines, servers or any other subprocess. ``pytest -m "not slow"`` runs the
-fast tier alone; plain ``pytest`` runs both, the fast tier first. Every test under
+Two tiers: tests that spawn no process and run no model (fast) and tests marked ``slow``
+that start engines (in this process or another), servers or any other subprocess.
+``pytest -m "not slow"`` runs the fast tier alone; plain ``pytest`` runs both, the fast
+tier first. Every test under
 `SLOW_DIRS` is slow (each starts a real server); elsewhere a module or test says so with
 ``pytestmark = pytest.mark.slow`` or ``@pytest.mark.slow``.
 """

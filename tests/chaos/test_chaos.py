@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.chaos import become_subreaper, plan_trials, run_trial
+from tests.support.chaos import plan_trials, run_trial
+from tests.support.checks import become_subreaper
 
 #: The sample's seed; change it with TRIO_LLM_CHAOS_SEED to sample other trials.
 SEED = int(os.environ.get("TRIO_LLM_CHAOS_SEED", "9"))

@@ -17,7 +17,7 @@ import httpx
 import trio
 
 from tests.e2e.conftest import MODEL
-from tests.support.chaos import open_stuck_request
+from tests.support.faults import open_stuck_request
 from tests.support.metrics_scrape import metric, poll
 from tests.support.procfs import (
     descendants,

@@ -14,6 +14,9 @@ from trio_llm.engine.core import EngineCore
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, SamplingParams
 
+#: Runs an engine core (in this process, a real model forward pass per step): the slow tier.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     [5, 6, 7, 8],
     [100, 200, 300],
