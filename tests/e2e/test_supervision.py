@@ -26,20 +26,13 @@ from tests.support.procfs import (
     listening_sockets,
     wait_for_exit,
 )
-from tests.support.server_process import ServerProcess
+from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
 from tests.support.sse import DONE, open_events
 
 STEP_TIMEOUT = 5.0
 SHUTDOWN_TIMEOUT = 6.0
 ARGS = [
-    "--max-num-seqs",
-    "16",
-    "--kv-cache-memory",
-    "256MiB",
-    "--max-model-len",
-    "1024",
-    "--max-num-batched-tokens",
-    "256",
+    *SMALL_SERVER_ARGS,
     "--engine-restart",
     "on-failure",
     "--engine-step-timeout",

@@ -59,13 +59,13 @@ from tests.support.procfs import (
     listening_sockets,
     wait_for_exit,
 )
-from tests.support.server_process import ServerProcess
+from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
 
-#: Server settings of every trial (seconds, counts). Steps stay short (a small token
-#: budget per step), so a legitimate step never comes near the step timeout, even on a
-#: busy machine where the first steps of a fresh engine take a few seconds.
+#: Server settings of every trial (seconds, counts), on top of `SMALL_SERVER_ARGS`. Steps
+#: stay short (a small token budget per step), so a legitimate step never comes near the
+#: step timeout, even on a busy machine where the first steps of a fresh engine take a
+#: few seconds.
 STEP_TIMEOUT = 10.0
-MAX_BATCHED_TOKENS = 256
 SHUTDOWN_TIMEOUT = 4.0
 MAX_WAITING = 24
 #: A disrupted request must end within this many seconds of the fault (plus the drain).
@@ -95,14 +95,7 @@ class TrialSpec:
             # oversubscribing them (busy-waiting thread pools then crawl).
             "--num-threads",
             "1",
-            "--max-num-seqs",
-            "16",
-            "--kv-cache-memory",
-            "256MiB",
-            "--max-model-len",
-            "1024",
-            "--max-num-batched-tokens",
-            str(MAX_BATCHED_TOKENS),
+            *SMALL_SERVER_ARGS,
             "--engine-step-timeout",
             str(STEP_TIMEOUT),
             "--shutdown-timeout",
