@@ -51,6 +51,7 @@ from tests.support.load import (
     RESTART_WAIT,
     Load,
     Record,
+    burst,
     normal_request,
 )
 from tests.support.procfs import (
@@ -269,7 +270,7 @@ async def _load_and_fault(
 ) -> None:
     """Load the server, inject the fault, wait for its consequence, check the requests."""
     load = Load(server.url, random.Random(spec.seed))
-    burst: list[Record] = []
+    burst_records: list[Record] = []
     hostile_done = trio.Event()  # the hostile client leaves once the server proved unharmed
     async with trio.open_nursery() as nursery:
         nursery.start_soon(load.run, {"sse": 4, "json": 2, "ws": 2, "leaver": 1})
@@ -282,7 +283,7 @@ async def _load_and_fault(
             stuck_nursery.start_soon(stuck_client, port, opened, stuck_done)
             await opened.wait()
         elif spec.fault == "burst":
-            burst = await burst(server.url, 3 * MAX_WAITING)
+            burst_records = await burst(server.url, 3 * MAX_WAITING)
         elif spec.fault == "hostile-client":
             opened = trio.Event()
             port = int(server.url.rsplit(":", 1)[1])
@@ -316,7 +317,7 @@ async def _load_and_fault(
     if result.exit_code is None:
         tree |= descendants(server.pid)
     deadline = END_DEADLINE + (SHUTDOWN_TIMEOUT if spec.fault == "sigterm-server" else 0)
-    check_records(spec, load.records + burst, open_at_fault, fault_time, deadline, result)
+    check_records(spec, load.records + burst_records, open_at_fault, fault_time, deadline, result)
 
 
 async def _wait_exit(server: ServerProcess, seconds: float) -> int | None:
