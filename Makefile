@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint format browser bench bench-peers compare clean
+.PHONY: install serve test test-fast lint format browser bench bench-peers compare clean
 
 # torch is pinned first so pip takes the CPU build on this disk, not a CUDA build.
 $(STAMP): pyproject.toml
@@ -44,8 +44,13 @@ browser:
 		echo "no chromium (as root: apt-get install chromium); the browser test will skip"; \
 	fi
 
+# Everything, the fast tier first (tests/conftest.py orders them).
 test: lint browser
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
+
+# The fast tier alone: no engine, no server, no subprocess (the `slow` marker).
+test-fast: install
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -m "not slow"
 
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve_vs_offline.py

@@ -6,7 +6,7 @@ Each trial starts its own server (2 or 3 processes, engine restart on or off), l
 with streaming and non-streaming HTTP requests, WebSocket generations and clients that
 leave early, injects one fault at a random moment, and checks that every client got a
 definite end, nothing was lost, no process or file descriptor was left behind, the port
-is free and the exit status is the documented one (see trio_llm/testing/chaos.py and
+is free and the exit status is the documented one (see tests/support/chaos.py and
 docs/reliability.md). The table counts trials and failures per fault kind, hung clients,
 orphans, lost requests and the median recovery time of restarted engines.
 """
@@ -22,16 +22,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import common  # noqa: F401  (puts the repository root on sys.path, for tests.support)
 import trio
 
-from trio_llm.testing.chaos import (
-    FAULTS,
-    TrialResult,
-    TrialSpec,
-    become_subreaper,
-    plan_trials,
-    run_trial,
-)
+from tests.support.chaos import TrialResult, TrialSpec, plan_trials, run_trial
+from tests.support.checks import become_subreaper
+from tests.support.faults import FAULTS
 
 
 def summary_table(results: list[TrialResult]) -> str:

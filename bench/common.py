@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent
+# The repository root on sys.path, wherever a bench script is run from: this checkout's
+# ``trio_llm`` and its test support (``tests.support``: server processes, /proc, SSE, chaos).
 if str(ROOT.parent) not in sys.path:
     sys.path.insert(0, str(ROOT.parent))
 

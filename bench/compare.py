@@ -58,9 +58,9 @@ import trio
 from common import print_table, rates, sonnet_prompts, summary, write_json
 from serve import RequestResult, one_request, tally
 
+from tests.support.server_process import ServerProcess
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import default_gguf_path, resolve_dtype, resolve_model_dir
-from trio_llm.testing.server_process import ServerProcess
 from trio_llm.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

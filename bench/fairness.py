@@ -53,7 +53,7 @@ from common import print_table, write_json
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
-from trio_llm.testing.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 MODEL_FIELD: dict[str, Any] = {}  # the server's default model: no "model" field needed
 STREAM_PROMPT = "Write a long story about a lighthouse keeper."

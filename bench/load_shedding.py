@@ -49,11 +49,11 @@ import httpx
 import trio
 from common import SchedulerMaxima, print_table, sonnet_prompts, write_json
 
+from tests.support.procfs import engine_children, is_running
+from tests.support.server_process import ServerProcess
+from tests.support.sse import DONE, delta_text
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import resolve_model_dir
-from trio_llm.testing.procfs import engine_children, is_running
-from trio_llm.testing.server_process import ServerProcess
-from trio_llm.testing.sse import DONE, delta_text
 from trio_llm.text.tokenizer import Tokenizer
 
 

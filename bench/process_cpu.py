@@ -15,7 +15,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from trio_llm.testing.procfs import command_line, descendants
+import common  # noqa: F401  (puts the repository root on sys.path, for tests.support)
+
+from tests.support.procfs import command_line, descendants
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -31,7 +31,7 @@ import trio
 from common import print_table, write_json
 from process_cpu import CpuMeter, Profiler, top_frames
 
-from trio_llm.testing.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 MODES = {"inline": "2 processes", "process": "3 processes"}
 

@@ -82,10 +82,10 @@ import trio
 from common import SONNETS, SchedulerMaxima, percentile, print_table, write_json
 from process_cpu import CLOCK_TICKS, cpu_seconds, role
 
+from tests.support.procfs import command_line, descendants, is_running
+from tests.support.server_process import ServerProcess
+from tests.support.sse import DONE, delta_text
 from trio_llm.config import DEFAULT_MODEL
-from trio_llm.testing.procfs import command_line, descendants, is_running
-from trio_llm.testing.server_process import ServerProcess
-from trio_llm.testing.sse import DONE, delta_text
 
 MIB = 1024 * 1024
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")

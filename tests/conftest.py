@@ -1,17 +1,45 @@
-"""Shared fixtures: the tiny random model, the real SmolLM2 folder, a running server."""
+"""Shared fixtures (the tiny random model, the real SmolLM2 folder) and the test tiers.
+
+Two tiers: tests that spawn no process and run no model (fast) and tests marked ``slow``
+that start engines (in this process or another), servers or any other subprocess.
+``pytest -m "not slow"`` runs the fast tier alone; plain ``pytest`` runs both, the fast
+tier first. Every test under
+`SLOW_DIRS` is slow (each starts a real server); elsewhere a module or test says so with
+``pytestmark = pytest.mark.slow`` or ``@pytest.mark.slow``.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tests.support.tiny_model import save_tiny_model
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import resolve_model_dir
-from trio_llm.testing.tiny_model import save_tiny_model
+
+#: Folders of tests/ whose every test starts a server (end-to-end, chaos, fuzzing).
+SLOW_DIRS = ("e2e", "chaos", "fuzz")
+
+TESTS = Path(__file__).parent
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> Generator[None, None, None]:
+    """Mark everything under `SLOW_DIRS` slow (before ``-m`` selects), then run the fast
+    tier first (after pytest's own reordering; the order within each tier is kept)."""
+    for item in items:
+        relative = item.path.relative_to(TESTS) if item.path.is_relative_to(TESTS) else None
+        if relative is not None and relative.parts[0] in SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)
+    yield
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("slow") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The chaos suite: load + one fault per trial, with every end checked (see
-trio_llm/testing/chaos.py for what a trial asserts).
+tests/support/chaos.py for what a trial asserts).
 
 ``make test`` runs a short seeded sample: a few fault kinds picked by the seed from the
 full plan. The long run is opt-in (marked ``chaos``):
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm.testing.chaos import become_subreaper, plan_trials, run_trial
+from tests.support.chaos import plan_trials, run_trial
+from tests.support.checks import become_subreaper
 
 #: The sample's seed; change it with TRIO_LLM_CHAOS_SEED to sample other trials.
 SEED = int(os.environ.get("TRIO_LLM_CHAOS_SEED", "9"))

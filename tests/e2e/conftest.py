@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from trio_llm.testing.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 from trio_llm.text.tokenizer import byte_level_alphabet
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from trio_llm.testing.chaos import Record, _burst, _Load
+from tests.support.load import Load, Record, burst
 
 
 @pytest.mark.parametrize(
@@ -17,7 +17,7 @@ from trio_llm.testing.chaos import Record, _burst, _Load
     [("sse", "complete"), ("json", "complete"), ("ws", "complete"), ("leaver", "left")],
 )
 async def test_load_client_ends_normally(base_url: str, kind: str, expected: str) -> None:
-    load = _Load(base_url, random.Random(3))
+    load = Load(base_url, random.Random(3))
     record = Record(kind, time.monotonic())
     outcome, detail = await load.one_request(kind, record)
     assert (outcome, detail) == (expected, "")
@@ -25,7 +25,7 @@ async def test_load_client_ends_normally(base_url: str, kind: str, expected: str
 
 
 async def test_burst_requests_all_end(base_url: str) -> None:
-    records = await _burst(base_url, 3)
+    records = await burst(base_url, 3)
     assert [r.kind for r in records] == ["burst"] * 3
     assert all(r.outcome == "complete" for r in records), [(r.outcome, r.detail) for r in records]
     assert all(r.end >= r.start for r in records)

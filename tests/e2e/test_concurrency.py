@@ -10,7 +10,7 @@ import torch
 import trio
 
 from tests.e2e.conftest import MODEL
-from trio_llm.testing.sse import DONE, delta_text, open_events
+from tests.support.sse import DONE, delta_text, open_events
 
 PROMPTS = [
     "What is the capital of France?",

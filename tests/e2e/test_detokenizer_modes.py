@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import parallel
-from trio_llm.testing.procfs import detokenizer_children
-from trio_llm.testing.server_process import ServerProcess
+from tests.support.procfs import detokenizer_children
+from tests.support.server_process import ServerProcess
 
 FLAGS = ["--max-num-seqs", "16", "--dtype", "float32"]
 

@@ -8,8 +8,8 @@ import httpx
 import trio
 
 from tests.e2e.conftest import MODEL
-from trio_llm.testing.metrics_scrape import metric, poll, wait_until_idle
-from trio_llm.testing.sse import delta_text, open_events
+from tests.support.metrics_scrape import metric, poll, wait_until_idle
+from tests.support.sse import delta_text, open_events
 
 
 async def test_closing_a_stream_aborts_the_request(base_url: str) -> None:

@@ -21,8 +21,8 @@ from wsproto.events import CloseConnection, TextMessage
 
 from tests.e2e.conftest import MODEL
 from tests.e2e.test_websocket import _open_raw_websocket, ws_url
-from trio_llm.testing.metrics_scrape import metric, poll, wait_until_idle
-from trio_llm.testing.server_process import ServerProcess
+from tests.support.metrics_scrape import metric, poll, wait_until_idle
+from tests.support.server_process import ServerProcess
 
 NORMAL = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 

@@ -7,7 +7,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MODEL
-from trio_llm.testing.sse import open_events
+from tests.support.sse import open_events
 
 HISTOGRAMS = (
     "time_to_first_token_seconds",

@@ -16,10 +16,10 @@ import openai
 import pytest
 
 from tests.e2e.conftest import MODEL
+from tests.support.server_process import ServerProcess
 from trio_llm.cli import build_parser, config_from_args
 from trio_llm.client import ConnectionClosedError, DoneEvent, open_ws_client
 from trio_llm.config import API_KEY_ENV, ServerConfig
-from trio_llm.testing.server_process import ServerProcess
 
 API_KEY = "sk-operator-test-0123456789"
 ALLOWED_ORIGIN = "http://example.test"

@@ -12,15 +12,15 @@ import pytest
 import trio
 
 from tests.e2e.conftest import MODEL
-from trio_llm.testing.procfs import (
+from tests.support.procfs import (
     detokenizer_children,
     engine_children,
     is_running,
     server_children,
     wait_for_exit,
 )
-from trio_llm.testing.server_process import ServerProcess
-from trio_llm.testing.sse import DONE, delta_text, open_events
+from tests.support.server_process import ServerProcess
+from tests.support.sse import DONE, delta_text, open_events
 
 ARGS = ["--max-num-seqs", "16", "--kv-cache-memory", "512MiB"]
 

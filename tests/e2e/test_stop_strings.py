@@ -9,7 +9,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import MODEL, openai_client, parallel, token_id
-from trio_llm.testing.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from tests.e2e.conftest import MODEL
-from trio_llm.testing.sse import DONE, open_events
+from tests.support.sse import DONE, open_events
 
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
 PROMPT = "The capital of France is"

@@ -17,29 +17,22 @@ import httpx
 import trio
 
 from tests.e2e.conftest import MODEL
-from trio_llm.testing.chaos import open_stuck_request
-from trio_llm.testing.metrics_scrape import metric, poll
-from trio_llm.testing.procfs import (
+from tests.support.faults import open_stuck_request
+from tests.support.metrics_scrape import metric, poll
+from tests.support.procfs import (
     descendants,
     engine_children,
     is_running,
     listening_sockets,
     wait_for_exit,
 )
-from trio_llm.testing.server_process import ServerProcess
-from trio_llm.testing.sse import DONE, open_events
+from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
+from tests.support.sse import DONE, open_events
 
 STEP_TIMEOUT = 5.0
 SHUTDOWN_TIMEOUT = 6.0
 ARGS = [
-    "--max-num-seqs",
-    "16",
-    "--kv-cache-memory",
-    "256MiB",
-    "--max-model-len",
-    "1024",
-    "--max-num-batched-tokens",
-    "256",
+    *SMALL_SERVER_ARGS,
     "--engine-restart",
     "on-failure",
     "--engine-step-timeout",

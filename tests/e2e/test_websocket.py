@@ -13,6 +13,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
 
 from tests.e2e.conftest import MODEL
+from tests.support.metrics_scrape import metric, poll, wait_until_idle
 from trio_llm.client import (
     ConnectionClosedError,
     DeltaEvent,
@@ -21,7 +22,6 @@ from trio_llm.client import (
     WSClient,
     open_ws_client,
 )
-from trio_llm.testing.metrics_scrape import metric, poll, wait_until_idle
 
 LONG = {"max_tokens": 2000, "ignore_eos": True}  # runs far longer than any test waits
 CHAT = [{"role": "user", "content": "Name three colors."}]

@@ -53,8 +53,8 @@ from typing import Any
 
 import pytest
 
-from trio_llm.testing.procfs import engine_children, is_running
-from trio_llm.testing.server_process import ServerProcess
+from tests.support.procfs import engine_children, is_running
+from tests.support.server_process import ServerProcess
 
 FUZZ_ENV = "TRIO_LLM_FUZZ"
 

@@ -1,4 +1,5 @@
-"""Tokenizer fixtures shared by the detokenizer tests: byte-level and SentencePiece-style."""
+"""Shared by the unit tests: tokenizer fixtures for the detokenizer tests (byte-level and
+SentencePiece-style), and the engine core played by a test over an in-memory stream."""
 
 from __future__ import annotations
 
@@ -6,7 +7,20 @@ import json
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+from trio_llm import ipc
+from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineReady,
+    RequestOutput,
+    StepOutputs,
+    StepStats,
+)
 
 SONNETS = Path(__file__).parents[2] / "bench" / "data" / "sonnet.txt"
 
@@ -76,3 +90,66 @@ def stop_reference(
             cut = end if include_stop_str_in_output else end - len(hit)
             return text[:cut], hit
     return text, None
+
+
+#: What a fake engine core reports when it starts, and the stats of each of its steps.
+INFO = EngineReady("/model", 256, 64, 16, [2], 49152, "float32", 1)
+STATS = StepStats(1, 0, 1, 1, 0, 60, 0, 0.01)
+
+
+def engine_client_pair(
+    info: EngineReady = INFO, *, step_timeout: float | None = None
+) -> tuple[EngineClient, trio.abc.Stream]:
+    """The server's `EngineClient` and, for a fake engine, the other end of its stream."""
+    left, right = trio.testing.memory_stream_pair()
+    return EngineClient(ipc.server_channel(left), info, step_timeout=step_timeout), right
+
+
+class FakeEngine:
+    """The engine core, played by the test over an in-memory stream: keeps every message
+    the server sends (``received``; the ids of ``added`` and ``aborted`` requests) and
+    sends outputs only when the test says so. `on_message` is a subclass's script."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.channel = ipc.engine_channel(stream)
+        self.server_side = ipc.MessageChannel(self.channel.framed, object)
+        self.received: list[object] = []
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.arrived = trio.Event()
+
+    async def run(self) -> None:
+        while (message := await self.channel.receive()) is not None:
+            self.received.append(message)
+            if isinstance(message, AddRequest):
+                self.added.append(message.request_id)
+            elif isinstance(message, AbortRequests):
+                self.aborted += message.request_ids
+            await self.on_message(message)
+            self.arrived.set()
+            self.arrived = trio.Event()
+
+    async def on_message(self, message: object) -> None:
+        """Called with each message from the server, after it is recorded."""
+
+    async def wait_for_requests(self, count: int) -> None:
+        while len(self.added) < count:
+            await self.arrived.wait()
+
+    async def wait_for(self, kind: type) -> object:
+        """The first received message of type ``kind`` (taken out of ``received``)."""
+        while True:
+            for message in self.received:
+                if isinstance(message, kind):
+                    self.received.remove(message)
+                    return message
+            await self.arrived.wait()
+
+    async def output(self, request_id: str, finish: str | None = None) -> None:
+        await self.server_side.send(StepOutputs([RequestOutput(request_id, [28], finish)], STATS))
+
+    async def tokens(self, request_id: str, count: int) -> None:
+        """``count`` steps of one token each for ``request_id``."""
+        outputs = [RequestOutput(request_id, [28])]
+        for _ in range(count):
+            await self.server_side.send(StepOutputs(outputs, STATS))

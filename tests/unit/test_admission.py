@@ -11,56 +11,19 @@ import pytest
 import trio
 import trio.testing
 
-from trio_llm import ipc
+from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import EngineOverloadedError
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineReady,
-    RequestOutput,
     SamplingParams,
-    StepOutputs,
-    StepStats,
 )
-
-INFO = EngineReady("/model", 256, 64, 16, [2], 49152, "float32", 1)
-STATS = StepStats(1, 0, 1, 1, 0, 60, 0, 0.01)
-
-
-class FakeEngine:
-    """Records what the server sends; outputs go out only when the test says so."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.channel = ipc.engine_channel(stream)
-        self.server_side = ipc.MessageChannel(self.channel.framed, object)
-        self.added: list[str] = []
-        self.aborted: list[str] = []
-        self.arrived = trio.Event()
-
-    async def run(self) -> None:
-        while (message := await self.channel.receive()) is not None:
-            if isinstance(message, AddRequest):
-                self.added.append(message.request_id)
-            elif isinstance(message, AbortRequests):
-                self.aborted += message.request_ids
-            self.arrived.set()
-            self.arrived = trio.Event()
-
-    async def wait_for_requests(self, count: int) -> None:
-        while len(self.added) < count:
-            await self.arrived.wait()
-
-    async def output(self, request_id: str, finish: str | None = None) -> None:
-        await self.server_side.send(StepOutputs([RequestOutput(request_id, [28], finish)], STATS))
 
 
 async def _start(nursery: trio.Nursery) -> tuple[EngineClient, FakeEngine]:
-    left, right = trio.testing.memory_stream_pair()
-    engine = EngineClient(ipc.server_channel(left), INFO)
-    fake = FakeEngine(right)
+    engine, stream = engine_client_pair()
+    fake = FakeEngine(stream)
     nursery.start_soon(engine.route_outputs)
     nursery.start_soon(fake.run)
     return engine, fake

@@ -12,14 +12,11 @@ import httpx
 import trio
 import trio.testing
 
+from tests.unit.conftest import STATS, engine_client_pair
 from trio_llm import ipc
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.frontend.engine_client import EngineClient
-from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutputs, StepStats
-
-INFO = EngineReady("/model", 256, 64, 16, [2], 49152, "float32", 1)
-STATS = StepStats(1, 0, 1, 1, 0, 60, 0, 0.01)
+from trio_llm.messages import AddRequest, RequestOutput, StepOutputs
 
 
 async def _fake_engine(stream: trio.abc.Stream, die_after_tokens: int) -> None:
@@ -34,10 +31,9 @@ async def _fake_engine(stream: trio.abc.Stream, die_after_tokens: int) -> None:
 
 
 async def _app_with_engine(nursery: trio.Nursery, smol_tokenizer, die_after_tokens: int):
-    left, right = trio.testing.memory_stream_pair()
-    engine = EngineClient(ipc.server_channel(left), INFO)
+    engine, stream = engine_client_pair()
     nursery.start_soon(engine.route_outputs)
-    nursery.start_soon(_fake_engine, right, die_after_tokens)
+    nursery.start_soon(_fake_engine, stream, die_after_tokens)
     serving = OpenAIServing(engine, smol_tokenizer, ("m",))
     return engine, build_app(serving, lambda: True)
 

@@ -20,9 +20,12 @@ import pytest
 import trio
 
 import trio_llm
+from tests.support.procfs import is_running, parent_pid, server_children
 from trio_llm import LLM, AsyncEngine, SamplingParams, open_engine
 from trio_llm.errors import EngineDeadError, EngineShutdownError, EngineStartupError
-from trio_llm.testing.procfs import is_running, parent_pid, server_children
+
+#: Starts engine processes: the slow tier.
+pytestmark = pytest.mark.slow
 
 MODES = ("inline", "process")
 ENGINE_ARGS = {"max_model_len": 256, "num_kv_blocks": 64, "num_threads": 1}

@@ -7,12 +7,15 @@ import re
 import pytest
 import torch
 
+from tests.support.tiny_model import build_tiny_model
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.core import EngineCore
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, SamplingParams
-from trio_llm.testing.tiny_model import build_tiny_model
+
+#: Runs an engine core (in this process, a real model forward pass per step): the slow tier.
+pytestmark = pytest.mark.slow
 
 PROMPTS = [
     [5, 6, 7, 8],

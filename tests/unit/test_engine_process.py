@@ -11,17 +11,20 @@ import msgspec
 import pytest
 import trio
 
-from trio_llm.config import CacheConfig, EngineConfig, ModelConfig
-from trio_llm.errors import EngineDeadError, EngineStartupError
-from trio_llm.frontend.engine_client import EngineClient
-from trio_llm.frontend.engine_process import run_engine_process
-from trio_llm.messages import SamplingParams
-from trio_llm.testing.procfs import (
+from tests.support.procfs import (
     detokenizer_children,
     is_running,
     parent_pid,
     server_children,
 )
+from trio_llm.config import CacheConfig, EngineConfig, ModelConfig
+from trio_llm.errors import EngineDeadError, EngineStartupError
+from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.engine_process import run_engine_process
+from trio_llm.messages import SamplingParams
+
+#: Starts engine processes: the slow tier.
+pytestmark = pytest.mark.slow
 
 MODES = ["inline", "process"]
 

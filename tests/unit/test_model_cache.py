@@ -46,6 +46,7 @@ def test_a_reinstalled_file_finds_the_conversion_already_made(tmp_path: Path) ->
     assert convert_gguf(reinstalled, tmp_path / "cache") == cached
 
 
+@pytest.mark.slow  # spawns a process (for the id of one that has ended)
 def test_a_killed_conversion_s_folder_is_removed_by_the_next(tmp_path: Path) -> None:
     models = tmp_path / "cache" / "models"
     finished = subprocess.Popen(["true"])  # a process id that no longer runs

@@ -1,7 +1,7 @@
 """A request whose consumer stops reading is paused in the engine, and resumed when it reads.
 
-The engine is played by the test over an in-memory stream (as in test_admission), so the
-messages the client sends are seen exactly.
+The engine is played by the test over an in-memory stream (tests/unit/conftest.py's
+FakeEngine), so the messages the client sends are seen exactly.
 """
 
 from __future__ import annotations
@@ -9,56 +9,22 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from trio_llm import ipc
-from trio_llm.frontend.engine_client import PAUSE_AFTER_UNREAD_TOKENS, EngineClient
+from tests.unit.conftest import FakeEngine, engine_client_pair
+from trio_llm.frontend.engine_client import PAUSE_AFTER_UNREAD_TOKENS
 from trio_llm.messages import (
     AddRequest,
     EngineReady,
     PauseRequests,
-    RequestOutput,
     ResumeRequests,
     SamplingParams,
-    StepOutputs,
-    StepStats,
 )
 
 INFO = EngineReady("/model", 4096, 64, 16, [2], 49152, "float32", 1)
-STATS = StepStats(1, 0, 1, 1, 0, 60, 0, 0.01)
-
-
-class RecordingEngine:
-    """Keeps every message the client sends; sends outputs when told to."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.channel = ipc.engine_channel(stream)
-        self.server_side = ipc.MessageChannel(self.channel.framed, object)
-        self.received: list[object] = []
-        self._changed = trio.Event()
-
-    async def run(self) -> None:
-        while (message := await self.channel.receive()) is not None:
-            self.received.append(message)
-            self._changed.set()
-            self._changed = trio.Event()
-
-    async def wait_for(self, kind: type) -> object:
-        while True:
-            for message in self.received:
-                if isinstance(message, kind):
-                    self.received.remove(message)
-                    return message
-            await self._changed.wait()
-
-    async def tokens(self, request_id: str, count: int) -> None:
-        outputs = [RequestOutput(request_id, [28])]
-        for _ in range(count):
-            await self.server_side.send(StepOutputs(outputs, STATS))
 
 
 async def test_unread_output_pauses_the_request_and_reading_resumes_it() -> None:
-    left, right = trio.testing.memory_stream_pair()
-    client = EngineClient(ipc.server_channel(left), INFO)
-    engine = RecordingEngine(right)
+    client, stream = engine_client_pair(INFO)
+    engine = FakeEngine(stream)
     params = SamplingParams(max_tokens=1000)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:

@@ -1,6 +1,6 @@
 """EngineClient under supervision: hang detection, waiting through a restart, draining.
 
-The engine is played by the test over in-memory streams (see test_admission.FakeEngine),
+The engine is played by the test over in-memory streams (tests/unit/conftest.py's FakeEngine),
 and Trio's autojump clock makes the timeouts instant and exact.
 """
 
@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.unit.test_admission import INFO, FakeEngine
+from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
 from trio_llm import ipc
 from trio_llm.config import RestartPolicy
 from trio_llm.errors import (
@@ -26,10 +26,8 @@ PARAMS = SamplingParams(max_tokens=5)
 
 
 def _pair(step_timeout: float | None = None) -> tuple[EngineClient, FakeEngine]:
-    left, right = trio.testing.memory_stream_pair()
-    return EngineClient(ipc.server_channel(left), INFO, step_timeout=step_timeout), FakeEngine(
-        right
-    )
+    engine, stream = engine_client_pair(step_timeout=step_timeout)
+    return engine, FakeEngine(stream)
 
 
 def test_backoff_doubles_up_to_its_cap() -> None:

@@ -19,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_llm import ipc
+from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.websocket import MAX_GENERATIONS_PER_CONNECTION
@@ -36,15 +36,10 @@ from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import (
     AbortRequests,
     AddRequest,
-    EngineReady,
     RequestOutput,
     StepOutputs,
-    StepStats,
 )
 from trio_llm.supervisor import _hypercorn_config
-
-INFO = EngineReady("/model", 256, 64, 16, [2], 49152, "float32", 1)
-STATS = StepStats(1, 0, 1, 1, 0, 60, 0, 0.01)
 
 #: Requests with at most this many max_tokens finish; longer ones run until aborted.
 SHORT = 8
@@ -56,27 +51,28 @@ NUM_LONG_TOKENS = 2
 QUEUED = 9
 
 
-class FakeEngine:
+class ScriptedEngine(FakeEngine):
     """The engine core, scripted: a short request gets ``max_tokens`` tokens and finishes
     with "length"; a long one gets `NUM_LONG_TOKENS` tokens and then runs until aborted;
     one with `QUEUED` max_tokens waits. Every message from the server is also handed to
     the test (``messages``)."""
 
     def __init__(self, stream: trio.abc.Stream, token_ids: list[int]) -> None:
+        super().__init__(stream)
         self.stream = stream
         self.token_ids = token_ids
-        self.inbox = ipc.engine_channel(stream)
-        self.outbox = ipc.MessageChannel(self.inbox.framed, object)
         self._messages_send, self.messages = trio.open_memory_channel[object](math.inf)
 
     async def run(self) -> None:
         try:
-            while (message := await self.inbox.receive()) is not None:
-                self._messages_send.send_nowait(message)
-                if isinstance(message, AddRequest):
-                    await self._answer(message)
+            await super().run()
         except trio.ClosedResourceError:
             pass  # died
+
+    async def on_message(self, message: object) -> None:
+        self._messages_send.send_nowait(message)
+        if isinstance(message, AddRequest):
+            await self._answer(message)
 
     async def _answer(self, request: AddRequest) -> None:
         max_tokens = request.params.max_tokens
@@ -87,7 +83,7 @@ class FakeEngine:
             token = self.token_ids[i % len(self.token_ids)]
             finish = "length" if i == count - 1 and count == max_tokens else None
             output = RequestOutput(request.request_id, [token], finish)
-            await self.outbox.send(StepOutputs([output], STATS))
+            await self.server_side.send(StepOutputs([output], STATS))
 
     async def next_of(self, kind: type) -> object:
         """The next message of type ``kind`` the server sent (earlier others are skipped)."""
@@ -105,15 +101,14 @@ class FakeEngine:
 class Server:
     url: str
     engine: EngineClient
-    fake: FakeEngine
+    fake: ScriptedEngine
 
 
 @asynccontextmanager
 async def running_server(tokenizer, config: ServerConfig | None = None) -> AsyncIterator[Server]:
     config = config or ServerConfig(port=0)
-    left, right = trio.testing.memory_stream_pair()
-    engine = EngineClient(ipc.server_channel(left), INFO)
-    fake = FakeEngine(right, tokenizer.encode(" one two three four", add_special_tokens=False))
+    engine, stream = engine_client_pair()
+    fake = ScriptedEngine(stream, tokenizer.encode(" one two three four", add_special_tokens=False))
     serving = OpenAIServing(
         engine, tokenizer, ("m",), max_num_waiting_requests=config.max_num_waiting_requests
     )

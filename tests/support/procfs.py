@@ -105,20 +105,30 @@ def count_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
+def fd_targets(pid: int) -> list[str] | None:
+    """What each of ``pid``'s open descriptors points to (a path, ``socket:[INODE]``,
+    ``pipe:[INODE]``, ...); None if the process is gone."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return inodes
+        return None
+    targets = []
     for name in names:
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
+            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
         except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    return inodes
+            continue  # closed meanwhile
+    return targets
+
+
+def socket_inode(target: str) -> str | None:
+    """The inode of a descriptor target that is a socket (``socket:[INODE]``)."""
+    return target[len("socket:[") : -1] if target.startswith("socket:[") else None
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = (socket_inode(target) for target in fd_targets(pid) or [])
+    return {inode for inode in inodes if inode is not None}
 
 
 def tcp_sockets(pid: int) -> dict[str, tuple[str, int]]:

@@ -12,7 +12,20 @@ import time
 from pathlib import Path
 from typing import IO
 
-from trio_llm.testing.procfs import descendants
+from tests.support.procfs import descendants
+
+#: A small server: 16 sequences, 256 MiB of KV cache, a 1,024-token context and 256
+#: tokens per step, so that steps stay short (the supervision tests and chaos trials).
+SMALL_SERVER_ARGS = [
+    "--max-num-seqs",
+    "16",
+    "--kv-cache-memory",
+    "256MiB",
+    "--max-model-len",
+    "1024",
+    "--max-num-batched-tokens",
+    "256",
+]
 
 _ADDRESS = re.compile(r"serving .* on (http://\S+)")
 

@@ -1,1 +1,0 @@
-"""Helpers shipped for tests and benchmarks (tiny models, process inspection)."""
