@@ -57,11 +57,6 @@ class ScheduledBatch:
     requests: list[tuple[Request, int]] = field(default_factory=list)
     num_preemptions: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens computed in this step."""
-        return sum(n for _, n in self.requests)
-
     def is_empty(self) -> bool:
         """True when nothing was scheduled."""
         return not self.requests
