@@ -60,7 +60,8 @@ class ModelRunner:
     """Runs a causal LM loaded with ``attn_implementation=ATTENTION_NAME`` over a `KVCache`.
 
     Args:
-        model: a transformers causal LM (e.g. ``LlamaForCausalLM``) on the CPU.
+        model: a transformers causal LM (e.g. ``LlamaForCausalLM``), on the CPU or on a
+            CUDA device (the step's inputs are built on the CPU and moved to its device).
         kv_cache: the paged cache this runner writes to.
     """
 
