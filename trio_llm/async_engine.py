@@ -407,8 +407,9 @@ def _chat_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return dict(message)
 
 
-class _Supervisor:
-    """Runs `run_engine_process` as a nursery task and remembers how it ended."""
+class _EngineTask:
+    """Runs `run_engine_process` as a nursery task and remembers how it ended (``death``,
+    ``done``); ``scope`` is shielded once the engine is up (see `open_engine`)."""
 
     def __init__(self, config: EngineConfig, detokenizer_mode: str, grace_period: float) -> None:
         self.config = config
@@ -466,22 +467,22 @@ async def open_engine(
             this plain exception (not a group; its message has the exit status) is raised.
     """
     config = resolve_engine_config(model, detokenizer_mode, shutdown_timeout, engine_args)
-    supervisor = _Supervisor(config, detokenizer_mode, shutdown_timeout)
+    engine_task = _EngineTask(config, detokenizer_mode, shutdown_timeout)
     try:
         async with trio.open_nursery() as nursery:
-            client: EngineClient = await nursery.start(supervisor.run)
+            client: EngineClient = await nursery.start(engine_task.run)
             # From here the engine is stopped by the `finally` below, not by cancellation:
             # a cancelled caller still gets a graceful stop (with deadlines).
-            supervisor.scope.shield = True
+            engine_task.scope.shield = True
             try:
                 tokenizer = await trio.to_thread.run_sync(Tokenizer.load, client.info.model_dir)
                 yield AsyncEngine(client, tokenizer)
             finally:
                 with trio.CancelScope(shield=True):
                     await client.stop(shutdown_timeout)
-                    await supervisor.done.wait()
+                    await engine_task.done.wait()
     except BaseExceptionGroup as group:
-        leaf = _single_error(group, supervisor.death)
+        leaf = _single_error(group, engine_task.death)
         if leaf is None:
             raise
         context = leaf.__context__
@@ -496,23 +497,22 @@ def _single_error(group: BaseExceptionGroup, death: EngineDeadError | None) -> B
     """The one exception to raise for the nursery's ``group``, or None to keep the group.
 
     Engine death wins when every other leaf is a `trio.Cancelled` or an `EngineDeadError`
-    seen by a generation (the supervisor's has the exit status). A group of one is
+    seen by a generation (the engine task's has the exit status). A group of one is
     unwrapped to its leaf.
     """
-    leaves = list(_leaves(group))
-    errors = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)]
-    if errors and all(isinstance(error, EngineDeadError) for error in errors):
-        return death if death is not None else errors[0]
-    if len(leaves) == 1:
-        return leaves[0]
-    return None
+    errors = group.split(trio.Cancelled)[1]
+    if errors is not None:
+        dead, others = errors.split(EngineDeadError)
+        if dead is not None and others is None:
+            return death if death is not None else _first_leaf(dead)
+    only: BaseException = group
+    while isinstance(only, BaseExceptionGroup) and len(only.exceptions) == 1:
+        only = only.exceptions[0]
+    return None if isinstance(only, BaseExceptionGroup) else only
 
 
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    found: list[BaseException] = []
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            found += _leaves(exc)
-        else:
-            found.append(exc)
-    return found
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

@@ -117,7 +117,7 @@ class ConnectionClosedError(Exception):
         self.reason = reason
 
 
-class Generation:
+class WSGeneration:
     """One generation on a `WSClient`: an async iterator of `DeltaEvent` then `DoneEvent`.
 
     The request is sent on entering ``async with`` or at the first iteration.
@@ -163,7 +163,7 @@ class Generation:
         except ConnectionClosedError:
             pass  # the server has aborted everything of this connection already
 
-    def __aiter__(self) -> Generation:
+    def __aiter__(self) -> WSGeneration:
         return self
 
     async def __anext__(self) -> DeltaEvent | DoneEvent:
@@ -192,7 +192,7 @@ class Generation:
             # Another event type (a newer server): skip it.
         raise StopAsyncIteration
 
-    async def __aenter__(self) -> Generation:
+    async def __aenter__(self) -> WSGeneration:
         await self.start()
         return self
 
@@ -218,18 +218,18 @@ class WSClient:
 
     def __init__(self, websocket: trio_websocket.WebSocketConnection) -> None:
         self._websocket = websocket
-        self._generations: dict[str, Generation] = {}
+        self._generations: dict[str, WSGeneration] = {}
         self._unclaimed_send, self._unclaimed = trio.open_memory_channel[Any](EVENT_BUFFER)
         self._close: tuple[int, str | None] | None = None  # code and reason, once closed
 
     def generate(
         self, kind: Literal["completion", "chat"], *, id: str | None = None, **params: Any
-    ) -> Generation:
+    ) -> WSGeneration:
         """A generation of ``kind`` with the fields of ``POST /v1/completions`` or
         ``POST /v1/chat/completions`` as ``params`` (``model``, ``prompt`` / ``messages``,
         ``max_tokens``, ...); ``id`` None picks a random one. Nothing is sent until it is
         entered or iterated."""
-        return Generation(self, kind, id if id is not None else uuid.uuid4().hex, params)
+        return WSGeneration(self, kind, id if id is not None else uuid.uuid4().hex, params)
 
     async def send_raw(self, message: str | bytes) -> None:
         """Send one frame as is (text for str, binary for bytes); for tests.
@@ -257,7 +257,7 @@ class WSClient:
     async def _send(self, message: dict[str, Any]) -> None:
         await self.send_raw(json.dumps(message))
 
-    def _register(self, generation: Generation) -> None:
+    def _register(self, generation: WSGeneration) -> None:
         if generation.id in self._generations:
             raise ValueError(f"a generation with id {generation.id!r} is already running")
         if self._close is not None:

@@ -30,8 +30,10 @@ class ProtocolError(Exception):
 class FramedStream:
     """Sends and receives whole frames over a `trio.abc.Stream`.
 
-    One task may send while another receives; concurrent senders are serialised by
-    trio's own conflict detection (they must not overlap).
+    One task may send while another receives. Two tasks must not send at once (trio's
+    conflict detection would raise `trio.BusyResourceError`): users with several senders
+    hold a `trio.Lock` around each send (`EngineClient`, the engine loop, and the
+    detokenizer child's side towards the engine each have one).
     """
 
     def __init__(self, stream: trio.abc.Stream) -> None:

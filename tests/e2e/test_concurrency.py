@@ -27,7 +27,12 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def prompt_ids(smol_tokenizer) -> list[list[int]]:
-    return [smol_tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    return [
+        smol_tokenizer.encode(
+            smol_tokenizer.render_chat([{"role": "user", "content": p}]), add_special_tokens=False
+        )
+        for p in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,9 @@ async def test_chat_stream_protocol(http: httpx.AsyncClient, smol_tokenizer) -> 
     )
     chunks = check_envelope(with_usage, "chat.completion.chunk")
     usage = check_usage_chunk(chunks)
-    assert usage["prompt_tokens"] == len(smol_tokenizer.apply_chat_template(CHAT))
+    assert usage["prompt_tokens"] == len(
+        smol_tokenizer.encode(smol_tokenizer.render_chat(CHAT), add_special_tokens=False)
+    )
 
     deltas: dict[int, list[dict[str, Any]]] = {}
     num_logprobs = 0

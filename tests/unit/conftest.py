@@ -98,11 +98,17 @@ STATS = StepStats(1, 0, 1, 1, 0, 60, 0, 0.01)
 
 
 def engine_client_pair(
-    info: EngineReady = INFO, *, step_timeout: float | None = None
+    info: EngineReady = INFO,
+    *,
+    step_timeout: float | None = None,
+    restart_wait: float | None = None,
 ) -> tuple[EngineClient, trio.abc.Stream]:
     """The server's `EngineClient` and, for a fake engine, the other end of its stream."""
     left, right = trio.testing.memory_stream_pair()
-    return EngineClient(ipc.server_channel(left), info, step_timeout=step_timeout), right
+    client = EngineClient(
+        ipc.server_channel(left), info, step_timeout=step_timeout, restart_wait=restart_wait
+    )
+    return client, right
 
 
 class FakeEngine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.block_manager import BlockManager, slot_of
 from trio_llm.engine.request import Request
 from trio_llm.messages import SamplingParams
 
@@ -23,7 +23,7 @@ def test_allocation_covers_tokens_block_by_block() -> None:
     assert len(request.block_table) == 2
     manager.allocate(request, 9)
     assert len(request.block_table) == 3
-    assert manager.usage == pytest.approx(0.75)
+    assert 1.0 - manager.num_free_blocks / manager.num_blocks == pytest.approx(0.75)
 
 
 def test_slots_follow_the_block_table() -> None:
@@ -33,7 +33,7 @@ def test_slots_follow_the_block_table() -> None:
     manager.allocate(second, 4)
     manager.allocate(first, 6)
     table = first.block_table
-    assert [manager.slot(first, p) for p in range(6)] == [
+    assert [slot_of(first.block_table, p, manager.block_size) for p in range(6)] == [
         table[0] * 4,
         table[0] * 4 + 1,
         table[0] * 4 + 2,
@@ -105,7 +105,7 @@ def test_prompt_logprobs_requests_and_a_disabled_cache_get_no_hits() -> None:
     disabled = BlockManager(num_blocks=16, block_size=4)
     _compute(disabled, _prompt(list(range(12))))
     assert disabled.lookup(_prompt(list(range(12)))) == []
-    assert disabled.num_cached_blocks == 0
+    assert len(disabled._cached) == 0
     assert disabled.num_queried_tokens == disabled.num_hit_tokens == 0
 
 
@@ -129,11 +129,11 @@ def test_fresh_allocations_evict_the_least_recently_freed_tail_first() -> None:
     first = _prompt([1, 2, 3, 4, 5, 6, 7])  # 4 blocks, 3 full ones cached
     _compute(manager, first)
     manager.free(first)
-    assert manager.num_cached_blocks == 3
+    assert len(manager._cached) == 3
     # One fresh block evicts first's last (partial) block, the next one its third block.
     other = _prompt([9, 9])
     manager.allocate(other, 4)
-    assert manager.num_cached_blocks == 2
+    assert len(manager._cached) == 2
     assert len(manager.lookup(_prompt([1, 2, 3, 4, 5, 6, 7]))) == 2  # the prefix survived
 
 

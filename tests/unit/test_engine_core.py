@@ -359,3 +359,20 @@ def test_pausing_and_resuming_does_not_change_the_output(
     assert outputs["greedy"] == reference[2]
     assert outputs["other"] == reference[0]
     assert outputs["seeded"] == expected_seeded
+
+
+def test_one_token_prefill_chunks_count_as_prefill() -> None:
+    # A budget of 4 splits the 5-token prompt into chunks of 4 and 1; [11] is one token.
+    core = _core(budget=4, enable_prefix_caching=False)
+    assert core.add_request(AddRequest("chunked", [5, 6, 7, 8, 9], _greedy(2))) is None
+    counts = []
+    while core.has_unfinished_requests():
+        stats = core.step().stats
+        counts.append((stats.num_scheduled_tokens, stats.num_prefill_tokens))
+    assert counts == [(4, 4), (1, 1), (1, 0)]
+    assert core.add_request(AddRequest("single", [11], _greedy(2))) is None
+    counts = []
+    while core.has_unfinished_requests():
+        stats = core.step().stats
+        counts.append((stats.num_scheduled_tokens, stats.num_prefill_tokens))
+    assert counts == [(1, 1), (1, 0)]

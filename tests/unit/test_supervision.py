@@ -25,8 +25,10 @@ from trio_llm.messages import Heartbeat, SamplingParams
 PARAMS = SamplingParams(max_tokens=5)
 
 
-def _pair(step_timeout: float | None = None) -> tuple[EngineClient, FakeEngine]:
-    engine, stream = engine_client_pair(step_timeout=step_timeout)
+def _pair(
+    step_timeout: float | None = None, restart_wait: float | None = None
+) -> tuple[EngineClient, FakeEngine]:
+    engine, stream = engine_client_pair(step_timeout=step_timeout, restart_wait=restart_wait)
     return engine, FakeEngine(stream)
 
 
@@ -79,9 +81,7 @@ async def test_a_step_running_past_the_timeout_is_a_hang(autojump_clock: trio.ab
 
 
 async def test_requests_wait_for_a_restarted_engine(autojump_clock: trio.abc.Clock) -> None:
-    engine, fake = _pair()
-    engine.restart_enabled = True
-    engine.restart_wait = 10.0
+    engine, fake = _pair(restart_wait=10.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(fake.run)
         engine.fail_all(EngineDeadError("killed"))
@@ -106,9 +106,7 @@ async def test_requests_wait_for_a_restarted_engine(autojump_clock: trio.abc.Clo
 
 
 async def test_a_restart_slower_than_the_wait_gives_503(autojump_clock: trio.abc.Clock) -> None:
-    engine, _ = _pair()
-    engine.restart_enabled = True
-    engine.restart_wait = 4.0
+    engine, _ = _pair(restart_wait=4.0)
     engine.fail_all(EngineDeadError("killed"))
     start = trio.current_time()
     with pytest.raises(EngineRestartingError, match="restarting after a failure"):
@@ -122,8 +120,7 @@ async def test_a_restart_slower_than_the_wait_gives_503(autojump_clock: trio.abc
 
 
 async def test_stop_ends_requests_waiting_for_a_restart(autojump_clock: trio.abc.Clock) -> None:
-    engine, _ = _pair()
-    engine.restart_enabled = True
+    engine, _ = _pair(restart_wait=30.0)
     engine.fail_all(EngineDeadError("killed"))
     async with trio.open_nursery() as nursery:
 
@@ -165,4 +162,27 @@ async def test_draining_refuses_new_requests_and_waits_for_open_ones() -> None:
                     assert [d.finish_reason async for d in request][-1] == "length"
         await idle.wait()
         assert engine.is_alive  # draining is not stopping
+        nursery.cancel_scope.cancel()
+
+
+async def test_requests_opened_without_admission_keep_the_client_busy() -> None:
+    engine, fake = _pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.route_outputs)
+        nursery.start_soon(fake.run)
+        await engine.wait_idle()  # nothing open yet
+        async with engine.open_request([1], PARAMS) as stream:
+            await fake.wait_for_requests(1)
+            idle = trio.Event()
+
+            async def wait_idle() -> None:
+                await engine.wait_idle()
+                idle.set()
+
+            nursery.start_soon(wait_idle)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not idle.is_set()  # one request open, none admitted
+            await fake.output(stream.request_id, finish="length")
+            assert [d.finish_reason async for d in stream][-1] == "length"
+        await idle.wait()
         nursery.cancel_scope.cancel()

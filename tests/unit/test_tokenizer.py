@@ -35,9 +35,9 @@ def test_chat_template_matches_transformers(
     messages: list[dict],
 ) -> None:
     expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert smol_tokenizer.apply_chat_template(messages) == reference.encode(
-        expected, add_special_tokens=False
-    )
+    assert smol_tokenizer.encode(
+        smol_tokenizer.render_chat(messages), add_special_tokens=False
+    ) == reference.encode(expected, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("text", ["Hello world", " leading space", "naïve 東京 🎉", "<|im_end|> x"])
@@ -57,15 +57,15 @@ def test_templates_can_reject_conversations(smol_tokenizer: Tokenizer) -> None:
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}x",
     )
     with pytest.raises(ChatTemplateError, match="user first"):
-        strict.apply_chat_template([{"role": "assistant", "content": "hi"}])
-    assert strict.apply_chat_template([{"role": "user", "content": "hi"}]) == strict.encode(
-        "x", add_special_tokens=False
-    )
+        strict.render_chat([{"role": "assistant", "content": "hi"}])
+    assert strict.encode(
+        strict.render_chat([{"role": "user", "content": "hi"}]), add_special_tokens=False
+    ) == strict.encode("x", add_special_tokens=False)
 
 
 def test_a_model_without_template_is_refused(smol_tokenizer: Tokenizer) -> None:
     with pytest.raises(ChatTemplateError, match="no chat template"):
-        Tokenizer(smol_tokenizer.backend).apply_chat_template([{"role": "user", "content": "x"}])
+        Tokenizer(smol_tokenizer.backend).render_chat([{"role": "user", "content": "x"}])
 
 
 def test_a_lone_surrogate_is_named_in_the_error(smol_tokenizer) -> None:

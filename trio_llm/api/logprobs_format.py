@@ -38,14 +38,16 @@ def finite(logprob: float) -> float:
 class CompletionLogprobs:
     """Accumulates a completion choice's logprobs; `delta` formats one chunk's worth.
 
+    Text offsets count from 0, the start of the choice's text (an echoed prompt
+    included: its tokens go through `delta` first).
+
     Args:
         tokenizer: for token texts.
-        text_offset: offset of the first token's text (0, or after an echoed prompt).
     """
 
-    def __init__(self, tokenizer: Tokenizer, text_offset: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.offset = text_offset
+        self.offset = 0
 
     def delta(self, entries: list[TokenLogprobs | None], first_token_id: int = 0) -> dict:
         """Format ``entries`` (None for a position without logprob, whose token is

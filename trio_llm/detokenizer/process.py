@@ -117,8 +117,9 @@ async def run_detokenizer(api_stream: trio.abc.Stream, engine_stream: trio.abc.S
 
 
 def _closed(exc: BaseException) -> bool:
+    """True if ``exc`` (or every leaf of an exception group) says a channel is closed."""
     if isinstance(exc, BaseExceptionGroup):
-        return all(_closed(e) for e in exc.exceptions)
+        return exc.split(_CLOSED)[1] is None
     return isinstance(exc, _CLOSED)
 
 

@@ -77,16 +77,6 @@ class BlockManager:
         """Blocks owned by no request (cached ones included: they can be evicted)."""
         return len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache, owned or free."""
-        return len(self._cached)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks owned by some request, in [0, 1]."""
-        return 1.0 - len(self._free) / self.num_blocks
-
     # ------------------------------------------------------------ plain allocation
 
     def num_blocks_needed(self, request: Request, num_tokens: int) -> int:
@@ -126,10 +116,6 @@ class BlockManager:
                 self._free[block] = None
         request.block_table = []
         request.num_registered_blocks = 0
-
-    def slot(self, request: Request, position: int) -> int:
-        """Flat KV cache slot of token ``position`` of ``request``."""
-        return slot_of(request.block_table, position, self.block_size)
 
     # ------------------------------------------------------------ prefix caching
 

@@ -258,7 +258,7 @@ class EngineCore:
             num_paused=len(self.scheduler.paused),
             num_scheduled_reqs=len(requests),
             num_scheduled_tokens=sum(n for _, n in requests),
-            num_prefill_tokens=sum(n for _, n in requests if n > 1),
+            num_prefill_tokens=batch.num_prefill_tokens if batch is not None else 0,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_preemptions=batch.num_preemptions if batch is not None else 0,
             step_seconds=step_seconds,

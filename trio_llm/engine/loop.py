@@ -54,9 +54,10 @@ async def run_engine_core(stream: trio.abc.Stream) -> int:
 
 def _server_gone(exc: BaseException) -> bool:
     """True if ``exc`` (or every leaf of an exception group) says the channel is closed."""
+    closed = (trio.BrokenResourceError, trio.ClosedResourceError)
     if isinstance(exc, BaseExceptionGroup):
-        return all(_server_gone(e) for e in exc.exceptions)
-    return isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError)
+        return exc.split(closed)[1] is None
+    return isinstance(exc, closed)
 
 
 async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:

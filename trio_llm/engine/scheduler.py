@@ -49,18 +49,19 @@ class ScheduledBatch:
     """The work of one step.
 
     Attributes:
-        requests: the scheduled requests with the number of new tokens each computes, in
-            the order their tokens are packed into the model input.
+        requests: the scheduled requests with the number of new tokens each computes:
+            running requests in the running queue's order, then the requests admitted
+            this step in admission order. (The model runner packs single-token requests
+            first, then the longer chunks, each part in this order.)
         num_preemptions: requests preempted while building this batch.
+        num_prefill_tokens: the scheduled tokens that are not decodes (a decode feeds a
+            running request's last sampled token; a one-token prompt or last prompt
+            chunk is prefill).
     """
 
     requests: list[tuple[Request, int]] = field(default_factory=list)
     num_preemptions: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens computed in this step."""
-        return sum(n for _, n in self.requests)
+    num_prefill_tokens: int = 0
 
     def is_empty(self) -> bool:
         """True when nothing was scheduled."""
@@ -227,7 +228,7 @@ class Scheduler:
             if not fits:
                 continue  # the request itself was preempted; running[index] is the next one
             self.block_manager.allocate(request, request.num_computed_tokens + num_new)
-            batch.requests.append((request, num_new))
+            self._add(batch, request, num_new)
             budget -= num_new
             num_long += long
             index += 1
@@ -250,10 +251,23 @@ class Scheduler:
             manager.take(request, hits)
             manager.allocate(request, num_cached + num_new)
             self._start_running(request)
-            batch.requests.append((request, num_new))
+            self._add(batch, request, num_new)
             budget -= num_new
             num_long += long
         return batch
+
+    @staticmethod
+    def _add(batch: ScheduledBatch, request: Request, num_new: int) -> None:
+        """Append ``request`` computing ``num_new`` tokens (before they are computed)."""
+        batch.requests.append((request, num_new))
+        position = request.num_computed_tokens
+        is_decode = (
+            num_new == 1
+            and position == request.num_tokens - 1
+            and position >= request.num_prompt_tokens
+        )
+        if not is_decode:
+            batch.num_prefill_tokens += num_new
 
     @property
     def _max_long(self) -> int:

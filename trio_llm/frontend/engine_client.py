@@ -27,7 +27,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -193,8 +193,9 @@ class EngineClient:
     """Talks to the engine-core process over its IPC channel.
 
     Created by `trio_llm.frontend.engine_process.run_engine_process` once the engine said
-    `EngineReady`; ``info`` holds that message. ``detokenizes`` is True in 3-process mode:
-    outputs then arrive with their text (`TokenDelta.text`).
+    `EngineReady`; ``info`` holds that message. The process supervision there owns the
+    children, their restarts and their cancel scopes; the client only serves requests
+    through whichever child is attached, and tells the supervision when `stop` is called.
 
     States: *ready*; *restarting* (the child died or hung, in-flight requests failed, a
     new child is starting: new requests wait for it up to ``restart_wait`` seconds);
@@ -207,6 +208,13 @@ class EngineClient:
         step_timeout: seconds without any message from the engine (heartbeats included),
             or a step running longer than this, after which the engine counts as hung.
             None disables hang detection.
+        restart_wait: seconds a new request waits for a restarting engine before an
+            `EngineRestartingError` (a 503). None: a failed child is not replaced, its
+            failure ends the client for good.
+        detokenizes: True in 3-process mode, where outputs arrive with their text
+            (`TokenDelta.text`). Only reported (the client itself does not depend on it).
+        on_stop: called by `stop` with the seconds the engine gets to exit, or None when
+            no child is serving (whatever runs the children should end them now).
     """
 
     def __init__(
@@ -215,15 +223,19 @@ class EngineClient:
         info: EngineReady,
         *,
         step_timeout: float | None = None,
+        restart_wait: float | None = None,
+        detokenizes: bool = False,
+        on_stop: Callable[[float | None], None] | None = None,
     ) -> None:
         self.info = info
-        self.detokenizes = False
+        self.detokenizes = detokenizes
         self.stats = EngineStats()
         self.step_timeout = step_timeout
-        #: Set by the supervisor: a dead child will be replaced (requests then wait).
-        self.restart_enabled = False
+        #: A dead child will be replaced (requests then wait); off after `give_up`.
+        self.restart_enabled = restart_wait is not None
         #: Seconds a new request waits for a restarting engine before a 503.
-        self.restart_wait = 30.0
+        self.restart_wait = restart_wait
+        self._on_stop = on_stop
         #: Children started after the first one (for metrics).
         self.num_restarts = 0
         #: Times the engine was found hung (for metrics).
@@ -238,13 +250,14 @@ class EngineClient:
         self._error: EngineError | None = None
         self._ready = trio.Event()
         self._ready.set()
+        #: Set while no request is open or admitted (see `wait_idle`).
         self._idle = trio.Event()
+        self._idle.set()
         self._num_reserved = 0
         self.stopping = False
         self.draining = False
         #: Set once the engine stopped serving for good (died, or `stop` was called).
         self.ended = trio.Event()
-        self.stop_scope = trio.CancelScope()
         self.observer: RequestObserver | None = None
 
     # ------------------------------------------------------------ state
@@ -293,7 +306,7 @@ class EngineClient:
                 f"{self.num_waiting} requests are already waiting (limit {limit}); retry later"
             )
         self._num_reserved += count
-        self._idle = trio.Event()
+        self._busy()
         return Admission(count)
 
     def release(self, admission: Admission) -> None:
@@ -314,6 +327,7 @@ class EngineClient:
         self._check_open()
         if not self.is_restarting:
             return
+        assert self.restart_wait is not None  # is_restarting implies restart_enabled
         with trio.move_on_after(self.restart_wait):
             await self._ready.wait()
         self._check_open()
@@ -335,6 +349,11 @@ class EngineClient:
     def _check_idle(self) -> None:
         if not self._mailboxes and self._num_reserved == 0:
             self._idle.set()
+
+    def _busy(self) -> None:
+        """A request was admitted or opened: not idle (waiters keep the same event)."""
+        if self._idle.is_set():
+            self._idle = trio.Event()
 
     # ------------------------------------------------------------ requests
 
@@ -376,6 +395,8 @@ class EngineClient:
                 mailbox = _Mailbox(RequestRecord(len(prompt_token_ids), now))
                 self._mailboxes[request_id] = mailbox
                 streams.append(RequestStream(request_id, mailbox, self))
+            if streams:
+                self._busy()
         finally:
             if admission is not None:
                 self.release(admission)  # the mailboxes now count as waiting
@@ -565,8 +586,8 @@ class EngineClient:
     async def stop(self, grace_period: float) -> None:
         """Fail open requests, tell the engine to exit, and give it ``grace_period`` seconds.
 
-        After the deadline the process runner stops waiting and escalates (SIGTERM, then
-        SIGKILL). Idempotent.
+        ``on_stop`` (see the class) learns the deadline: after it the process runner
+        stops waiting and escalates (SIGTERM, then SIGKILL). Idempotent.
         """
         if self.stopping:
             return
@@ -581,16 +602,7 @@ class EngineClient:
                     await self._channel.send(Shutdown())
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-            self.stop_scope.deadline = min(
-                self.stop_scope.deadline, trio.current_time() + grace_period
-            )
-        else:
-            self.stop_scope.cancel()  # no child is serving: a restart (or its wait) ends now
-
-    def new_stop_scope(self) -> trio.CancelScope:
-        """A fresh `stop_scope` for the supervisor's next wait or child (cancelled if the
-        client is already stopping)."""
-        self.stop_scope = trio.CancelScope()
-        if self.stopping:
-            self.stop_scope.cancel()
-        return self.stop_scope
+            if self._on_stop is not None:
+                self._on_stop(grace_period)
+        elif self._on_stop is not None:
+            self._on_stop(None)  # no child is serving: a restart (or its wait) ends now

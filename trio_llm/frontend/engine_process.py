@@ -172,14 +172,14 @@ async def run_engine_process(
     if step_timeout is not None:
         heartbeat = min(config.heartbeat_interval, step_timeout / 4)
         config = dataclasses.replace(config, heartbeat_interval=heartbeat)
-    connect = _Connect(detokenizer_mode, step_timeout, restart, task_status)
+    supervision = _Supervision(detokenizer_mode, step_timeout, restart, task_status)
     failures: list[float] = []
     while True:
         try:
-            await _run_children(config, grace_period, detokenizer_mode, connect)
+            await _run_children(config, grace_period, detokenizer_mode, supervision)
             return
         except EngineDeadError as exc:
-            client = connect.client
+            client = supervision.client
             if client is None or restart is None or client.stopping:
                 raise
             now = trio.current_time()
@@ -193,14 +193,17 @@ async def run_engine_process(
                 raise error from exc
             delay = restart.backoff(len(failures))
             logger.warning(f"engine core failed: {exc}; restarting it in {delay:g} s")
-            with client.new_stop_scope():
+            with supervision.new_scope():
                 await trio.sleep(delay)
             if client.stopping:
                 return
 
 
-class _Connect:
-    """Hands a ready child's channel to the one `EngineClient` (made on the first call)."""
+class _Supervision:
+    """What `run_engine_process` keeps across children: the one `EngineClient` (made when
+    the first child is ready, then attached to each later one) and the cancel scope of
+    the current child or restart wait, which `EngineClient.stop` reaches through
+    `on_stop`: a deadline while a child serves, at once while none does."""
 
     def __init__(
         self,
@@ -214,17 +217,35 @@ class _Connect:
         self.restart = restart
         self.task_status = task_status
         self.client: EngineClient | None = None
+        self.scope = trio.CancelScope()
 
-    def __call__(
-        self, channel: ipc.MessageChannel, info: EngineReady, scope: trio.CancelScope
-    ) -> EngineClient:
+    def new_scope(self) -> trio.CancelScope:
+        """A fresh scope for the next child or restart wait (cancelled if the client is
+        already stopping)."""
+        self.scope = trio.CancelScope()
+        if self.client is not None and self.client.stopping:
+            self.scope.cancel()
+        return self.scope
+
+    def on_stop(self, grace_period: float | None) -> None:
+        """`EngineClient.stop` was called: end the current scope within ``grace_period``
+        seconds, or at once when None."""
+        if grace_period is None:
+            self.scope.cancel()
+        else:
+            self.scope.deadline = min(self.scope.deadline, trio.current_time() + grace_period)
+
+    def connect(self, channel: ipc.MessageChannel, info: EngineReady) -> EngineClient:
+        """Hand a ready child's channel to the client (made and reported on the first call)."""
         if self.client is None:
-            client = EngineClient(channel, info, step_timeout=self.step_timeout)
-            client.detokenizes = self.detokenizer_mode == "process"
-            client.stop_scope = scope
-            if self.restart is not None:
-                client.restart_enabled = True
-                client.restart_wait = self.restart.wait
+            client = EngineClient(
+                channel,
+                info,
+                step_timeout=self.step_timeout,
+                restart_wait=None if self.restart is None else self.restart.wait,
+                detokenizes=self.detokenizer_mode == "process",
+                on_stop=self.on_stop,
+            )
             self.client = client
             self.task_status.started(client)
         else:
@@ -233,7 +254,7 @@ class _Connect:
 
 
 async def _run_children(
-    config: EngineConfig, grace_period: float, detokenizer_mode: str, connect: _Connect
+    config: EngineConfig, grace_period: float, detokenizer_mode: str, supervision: _Supervision
 ) -> None:
     """Start one set of children, serve through them until they end, and reap them.
 
@@ -248,12 +269,12 @@ async def _run_children(
     # start, escalate at once: a child that is loading, stuck or stopped will not leave
     # on its own.
     patient = False
-    client = connect.client
-    scope = trio.CancelScope() if client is None else client.new_stop_scope()
+    client = supervision.client
+    scope = supervision.new_scope()
     try:
         with scope:
             info = await _start(channel, children, config)
-            client = connect(channel, info, scope)
+            client = supervision.connect(channel, info)
             await client.route_outputs()
         if client is None or client.stopping:
             patient = not scope.cancelled_caught

@@ -163,17 +163,11 @@ class Tokenizer:
         self._token_bytes[token_id] = result
         return result
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Render chat messages plus the assistant prompt with the model's template; ids.
-
-        Raises:
-            ChatTemplateError: the model has no chat template or rendering failed.
-            InvalidTextError: the rendered text cannot be tokenized.
-        """
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
-
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for ``messages`` (see `apply_chat_template`).
+        """Chat messages plus the assistant prompt, rendered with the model's template.
+
+        The server encodes the result with ``add_special_tokens=False`` (the template
+        writes the special tokens itself).
 
         Raises:
             ChatTemplateError: the model has no chat template or rendering failed.
