@@ -201,6 +201,31 @@ def test_fair_shares_are_max_min_fair() -> None:
     assert fair_shares({"a": 2, "b": 3}, 100) == {"a": 2, "b": 3}  # room for every demand
 
 
+def test_fair_shares_break_ties_for_the_earlier_groups() -> None:
+    # More single-request groups than slots: the first ones (the running ones, which the
+    # scheduler lists first) keep their slots.
+    demands = dict.fromkeys("abcdef", 1)
+    assert fair_shares(demands, 3) == {"a": 1, "b": 1, "c": 1, "d": 0, "e": 0, "f": 0}
+    assert fair_shares({"a": 2, "b": 1, "c": 1, "d": 1}, 3) == {"a": 1, "b": 1, "c": 1, "d": 0}
+
+
+def test_more_single_requests_than_slots_wait_in_line_without_preemption() -> None:
+    # Found by a helper: fair shares gave the running request's slot to a waiting one
+    # every step, and with a small token budget nothing ever finished.
+    scheduler = _fair(max_num_seqs=2)
+    for i in range(5):
+        scheduler.add(_grouped(f"r{i}", f"r{i}", max_tokens=3))
+    finished: list[str] = []
+    for _ in range(20):
+        batch = scheduler.schedule()
+        assert batch.num_preemptions == 0
+        sampled = {
+            r.request_id: 7 for r, n in batch.requests if r.num_computed_tokens + n == r.num_tokens
+        }
+        finished += [r.request_id for r in scheduler.update(batch, sampled)]
+    assert finished == ["r0", "r1", "r2", "r3", "r4"]
+
+
 def test_one_request_with_many_choices_cannot_keep_a_newcomer_out() -> None:
     scheduler = _fair(max_num_seqs=8)
     for i in range(8):

@@ -81,20 +81,23 @@ def fair_shares(demands: dict[str, int], capacity: int) -> dict[str, int]:
         shares that differ by at most one (the earlier group, in ``demands`` order, gets
         the larger one).
     """
-    shares: dict[str, int] = {}
+    shares = dict.fromkeys(demands, 0)
     left = capacity
-    ordered = sorted(demands.items(), key=lambda item: item[1])
-    for index, (group, demand) in enumerate(ordered):
-        share = min(demand, left // (len(ordered) - index))
-        shares[group] = share
-        left -= share
-    # Slots the integer division left over go to groups that still want more, in order.
-    for group, demand in demands.items():
-        if left <= 0:
+    ordered = sorted(demands, key=demands.__getitem__)
+    for index, group in enumerate(ordered):
+        level = left // (len(ordered) - index)
+        if demands[group] > level:
+            # Every group from here on wants more than an equal split of what is left.
+            for other in ordered[index:]:
+                shares[other] = level
+            left -= level * (len(ordered) - index)
             break
-        extra = min(left, demand - shares[group])
-        shares[group] += extra
-        left -= extra
+        shares[group] = demands[group]
+        left -= demands[group]
+    # What the integer division left over (fewer slots than groups that want more): one
+    # each, in ``demands`` order, so ties go to the earlier groups.
+    for group in [g for g in demands if shares[g] < demands[g]][: max(left, 0)]:
+        shares[group] += 1
     return shares
 
 
