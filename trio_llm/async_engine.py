@@ -32,7 +32,7 @@ from typing import Any
 import trio
 
 from trio_llm.config import DEFAULT_MODEL, DETOKENIZER_MODES, EngineConfig, engine_config
-from trio_llm.errors import EngineDeadError
+from trio_llm.errors import EngineDeadError, first_leaf
 from trio_llm.frontend.engine_client import EngineClient, RequestStream, TokenDelta
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.preprocess import InputPreprocessor
@@ -504,15 +504,8 @@ def _single_error(group: BaseExceptionGroup, death: EngineDeadError | None) -> B
     if errors is not None:
         dead, others = errors.split(EngineDeadError)
         if dead is not None and others is None:
-            return death if death is not None else _first_leaf(dead)
+            return death if death is not None else first_leaf(dead)
     only: BaseException = group
     while isinstance(only, BaseExceptionGroup) and len(only.exceptions) == 1:
         only = only.exceptions[0]
     return None if isinstance(only, BaseExceptionGroup) else only
-
-
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc

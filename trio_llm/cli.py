@@ -25,6 +25,7 @@ from trio_llm.config import (
     default_api_key,
     engine_config,
 )
+from trio_llm.errors import first_leaf
 from trio_llm.logging_setup import (
     LOG_LEVEL_ENV,
     LOG_LEVELS,
@@ -380,17 +381,10 @@ def main(argv: list[str] | None = None) -> None:
         expected, rest = group.split((EngineDeadError, OSError))
         if expected is None or rest is not None:
             raise
-        print(f"trio-llm: error: {_first_leaf(expected)}", file=sys.stderr, flush=True)
+        print(f"trio-llm: error: {first_leaf(expected)}", file=sys.stderr, flush=True)
         sys.exit(1)
     if lifecycle.exit_code:
         print(f"trio-llm: error: {lifecycle.reason}", file=sys.stderr, flush=True)
     else:
         print(f"trio-llm: stopped ({lifecycle.reason})", file=sys.stderr, flush=True)
     sys.exit(lifecycle.exit_code)
-
-
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc

@@ -83,3 +83,11 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """``exc`` itself, or the first exception inside it when it is an exception group
+    (groups inside groups are opened too): what to report of a nursery's failure."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

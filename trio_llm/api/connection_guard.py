@@ -42,6 +42,8 @@ from hypercorn.trio.tcp_server import TCPServer
 from wsproto.events import CloseConnection
 from wsproto.frame_protocol import CloseReason
 
+from trio_llm.errors import first_leaf
+
 logger = logging.getLogger(__name__)
 
 #: Connections ended by a protocol error since start-up (read by tests and logs).
@@ -70,7 +72,7 @@ class GuardedTCPServer(TCPServer):
             await super().run()
         except* Exception as group:
             num_connection_errors += 1
-            first = _first_leaf(group)
+            first = first_leaf(group)
             logger.warning(
                 "a client connection ended with a protocol error "
                 f"({type(first).__name__}: {first}); the server goes on"
@@ -206,12 +208,6 @@ def _bound_send_buffer(stream: object) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         except OSError:
             pass
-
-
-def _first_leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 def install() -> None:
