@@ -10,21 +10,13 @@ socket.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from trio_llm.logging_setup import configure_logging
-from trio_llm.parent_death import guard_child
+from trio_llm.parent_death import start_child
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m trio_llm.detokenizer")
-    parser.add_argument("--api-fd", type=int, required=True)
-    parser.add_argument("--engine-fd", type=int, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    args = parser.parse_args()
-    guard_child(args.parent_pid)
-    configure_logging()  # the level the server chose, from $TRIO_LLM_LOG_LEVEL
+    args = start_child("python -m trio_llm.detokenizer", "--api-fd", "--engine-fd")
 
     import trio
 
