@@ -22,8 +22,7 @@ import trio_llm
 from trio_llm.api.errors import bad_request
 from trio_llm.api.protocol import ChatMessage, Text, TokenId, is_neutral
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.errors import ChatTemplateError, InvalidTextError
-from trio_llm.text.chat_template import TemplateError, render_chat
+from trio_llm.errors import InvalidRequest
 
 #: Work on more items than this (characters or token ids) runs in a worker thread.
 INLINE_LIMIT = 8192
@@ -98,51 +97,29 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
     tokenizer = serving.tokenizer
     vocab_size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
 
-    async def encode(text: str, *, add_special_tokens: bool, param: str) -> list[int]:
-        def run() -> list[int]:
-            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-        try:
-            if len(text) <= INLINE_LIMIT:
-                return run()
-            return await trio.to_thread.run_sync(run)
-        except InvalidTextError as exc:
-            raise bad_request(str(exc), param) from exc
-
-    def render(request: TokenizeRequest) -> str:
-        assert request.messages is not None
-        # The same dicts /v1/chat/completions renders, so the counts agree.
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        try:
-            if request.add_generation_prompt:
-                return tokenizer.render_chat(messages)
-            if not tokenizer.chat_template:
-                raise ChatTemplateError("this model has no chat template")
-            return render_chat(
-                tokenizer.chat_template,
-                messages,
-                add_generation_prompt=False,
-                special_tokens=tokenizer.special_tokens,
-            )
-        except (ChatTemplateError, TemplateError) as exc:
-            raise bad_request(str(exc), "messages") from exc
-
     @router.post("/tokenize", openapi_extra=_OBJECT_BODY)
     async def tokenize(http_request: Request) -> JSONResponse:
         request = await serving.parse(TokenizeRequest, http_request)
         serving.resolve_model(request.model)
         request.check_supported()
-        if request.prompt is not None:
-            special = True if request.add_special_tokens is None else request.add_special_tokens
-            tokens = await encode(request.prompt, add_special_tokens=special, param="prompt")
-        else:
-            special = bool(request.add_special_tokens)
-            assert request.messages is not None
-            if sum(len(m.text()) for m in request.messages) < INLINE_LIMIT:
-                text = render(request)
-            else:  # the template's cost grows with the conversation: keep the loop free
-                text = await trio.to_thread.run_sync(render, request)
-            tokens = await encode(text, add_special_tokens=special, param="messages")
+        inputs = serving.inputs
+        try:
+            if request.prompt is not None:
+                special = True if request.add_special_tokens is None else request.add_special_tokens
+                tokens = await inputs.tokenize_async(
+                    request.prompt, "prompt", special_tokens=special
+                )
+            else:
+                assert request.messages is not None
+                # The same dicts /v1/chat/completions renders, so the counts agree.
+                messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+                text = await inputs.render_chat_async(
+                    messages, add_generation_prompt=request.add_generation_prompt
+                )
+                special = bool(request.add_special_tokens)
+                tokens = await inputs.tokenize_async(text, "messages", special_tokens=special)
+        except InvalidRequest as exc:
+            raise bad_request(exc.message, exc.param) from exc
 
         def answer() -> bytes:
             token_strs = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -74,11 +75,24 @@ class InputPreprocessor:
         """`encode`, in a worker thread when ``text`` is long (the tokenizer releases the
         GIL: other requests keep streaming meanwhile). Raises as `encode`."""
         self._check_chars(text, param, what)
+        return self._checked(await self._encode_async(text, special_tokens), param, what)
+
+    async def tokenize_async(self, text: str, param: str, *, special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` whatever its length (for ``/tokenize``, which counts
+        texts longer than the context), in a worker thread when it is long.
+
+        Raises:
+            InvalidRequest: text that cannot be tokenized (a lone surrogate).
+        """
+        token_ids = await self._encode_async(text, special_tokens)
+        if isinstance(token_ids, InvalidTextError):
+            raise InvalidRequest(str(token_ids), param) from token_ids
+        return token_ids
+
+    async def _encode_async(self, text: str, special_tokens: bool) -> list[int] | InvalidTextError:
         if len(text) < INLINE_ENCODE_CHARS:
-            token_ids = self._encode(text, special_tokens)
-        else:
-            token_ids = await trio.to_thread.run_sync(self._encode, text, special_tokens)
-        return self._checked(token_ids, param, what)
+            return self._encode(text, special_tokens)
+        return await trio.to_thread.run_sync(self._encode, text, special_tokens)
 
     def _encode(self, text: str, special_tokens: bool) -> list[int] | InvalidTextError:
         try:
@@ -104,25 +118,39 @@ class InputPreprocessor:
             raise InvalidRequest(f"the {what or param} has no tokens", param)
         return token_ids
 
-    def render_chat(self, messages: list[dict[str, Any]], param: str = "messages") -> str:
-        """The prompt text of chat ``messages`` (the model's chat template).
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        param: str = "messages",
+        *,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text of chat ``messages`` (the model's chat template; with the
+        assistant's prompt unless ``add_generation_prompt`` is False).
 
         Raises:
             InvalidRequest: the template rejects the messages, or the model has none.
         """
         try:
-            return self.tokenizer.render_chat(messages)
+            return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param) from exc
 
     async def render_chat_async(
-        self, messages: list[dict[str, Any]], param: str = "messages"
+        self,
+        messages: list[dict[str, Any]],
+        param: str = "messages",
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
         """`render_chat`, in a worker thread when the conversation is long (the template's
         cost grows with it). Raises as `render_chat`."""
+        render = partial(
+            self.render_chat, messages, param, add_generation_prompt=add_generation_prompt
+        )
         if sum(len(m["content"]) for m in messages) < INLINE_ENCODE_CHARS:
-            return self.render_chat(messages, param)
-        return await trio.to_thread.run_sync(self.render_chat, messages, param)
+            return render()
+        return await trio.to_thread.run_sync(render)
 
     # ------------------------------------------------------------ token ids
 

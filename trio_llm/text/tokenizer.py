@@ -163,8 +163,11 @@ class Tokenizer:
         self._token_bytes[token_id] = result
         return result
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """Chat messages plus the assistant prompt, rendered with the model's template.
+    def render_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Chat messages (plus, by default, the assistant prompt), rendered with the
+        model's template.
 
         The server encodes the result with ``add_special_tokens=False`` (the template
         writes the special tokens itself).
@@ -175,6 +178,11 @@ class Tokenizer:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
-            return render_chat(self.chat_template, messages, special_tokens=self.special_tokens)
+            return render_chat(
+                self.chat_template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                special_tokens=self.special_tokens,
+            )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
