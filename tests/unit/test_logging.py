@@ -170,6 +170,7 @@ def test_hypercorn_logs_warnings_unless_the_level_is_higher(
     assert _hypercorn_config(ServerConfig()).loglevel == "ERROR"
 
 
+@pytest.mark.slow  # a subprocess
 def test_importing_trio_llm_installs_no_handler() -> None:
     """Library etiquette: `open_engine` / `LLM` users keep their own logging setup."""
     code = (

@@ -2,8 +2,8 @@
 
 The request path is one (`trio_llm.api.serving`: plan, admit, run the choices); what
 differs between endpoints is only how a choice is written out. A `ResponseFormat` renders
-a final choice (one JSON body), the choice entry of a stream chunk (server-sent events),
-the logprobs of a WebSocket ``delta`` event, and the chunks a stream opens with.
+the whole response body, each stream chunk (server-sent events) and the chunks a stream
+opens with, the ``usage``, and the logprobs of a WebSocket ``delta`` event.
 `CompletionFormat` (``/v1/completions``, ``text_completion``) and `ChatFormat`
 (``/v1/chat/completions``, ``chat.completion``) are the two today; a new endpoint (the
 Responses API, Anthropic Messages) is a new format, not a new request path.
@@ -25,6 +25,17 @@ if TYPE_CHECKING:
     from trio_llm.api.plan import Plan
 
 
+def usage(plan: Plan, choices: list[Choice]) -> dict[str, int]:
+    """OpenAI's ``usage``: each prompt counted once, every choice's output tokens."""
+    prompt = sum(plan.prompt_lengths)
+    completion = sum(choice.num_output_tokens for choice in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
 class ResponseFormat:
     """Renders the choices of one response (base class; see the module doc).
 
@@ -40,6 +51,33 @@ class ResponseFormat:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+
+    def response(self, plan: Plan, choices: list[Choice]) -> dict[str, Any]:
+        """The whole (non-streamed) response body."""
+        return {
+            "id": plan.response_id,
+            "object": self.object,
+            "created": plan.created,
+            "model": plan.model,
+            "choices": [self.final_choice(plan, choice) for choice in choices],
+            "usage": usage(plan, choices),
+        }
+
+    def chunk(
+        self, plan: Plan, entries: list[dict[str, Any]], choices: list[Choice] | None = None
+    ) -> dict[str, Any]:
+        """One stream chunk carrying the choice ``entries``; with ``choices`` (the
+        stream's last chunk, when usage was asked for) the ``usage`` of those."""
+        body: dict[str, Any] = {
+            "id": plan.response_id,
+            "object": self.chunk_object,
+            "created": plan.created,
+            "model": plan.model,
+            "choices": entries,
+        }
+        if choices is not None:
+            body["usage"] = usage(plan, choices)
+        return body
 
     def final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
         """One entry of a whole response's ``choices`` (the choice has finished)."""

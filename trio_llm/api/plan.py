@@ -52,17 +52,6 @@ class Plan:
             self.echo_texts.append(echo_text)
 
 
-def usage(plan: Plan, choices: list[Choice]) -> dict[str, int]:
-    """OpenAI's ``usage``: each prompt counted once, every choice's output tokens."""
-    prompt = sum(plan.prompt_lengths)
-    completion = sum(choice.num_output_tokens for choice in choices)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
 OnDelta = Callable[[Choice, ChoiceDelta], Awaitable[None]]
 
 

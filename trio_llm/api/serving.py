@@ -27,7 +27,7 @@ from trio_llm.api.errors import APIError, bad_request, engine_error
 from trio_llm.api.formats import ChatFormat, CompletionFormat
 from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
-from trio_llm.api.plan import Plan, run_choices, usage
+from trio_llm.api.plan import Plan, run_choices
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.config import RequestLimits
@@ -340,12 +340,5 @@ class OpenAIServing:
             self.engine.release(admission)
         if done is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        body = {
-            "id": plan.response_id,
-            "object": plan.format.object,
-            "created": plan.created,
-            "model": plan.model,
-            "choices": [plan.format.final_choice(plan, choice) for choice in choices],
-            "usage": usage(plan, choices),
-        }
+        body = plan.format.response(plan, choices)
         return JSONResponse(body)

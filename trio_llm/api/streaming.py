@@ -18,7 +18,7 @@ import trio
 
 from trio_llm.api.disconnect import Emit
 from trio_llm.api.errors import engine_error, error_body
-from trio_llm.api.plan import Plan, run_choices, usage
+from trio_llm.api.plan import Plan, run_choices
 from trio_llm.errors import EngineError
 from trio_llm.frontend.engine_client import Admission, EngineClient
 from trio_llm.text.choice import Choice, ChoiceDelta
@@ -47,18 +47,8 @@ class Stream:
         self._lock = trio.Lock()
         self._emit: Emit | None = None
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        plan = self.plan
-        body: dict[str, Any] = {
-            "id": plan.response_id,
-            "object": plan.format.chunk_object,
-            "created": plan.created,
-            "model": plan.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return json.dumps(body, ensure_ascii=False)
+    def _chunk(self, entries: list[dict[str, Any]], choices: list[Choice] | None = None) -> str:
+        return json.dumps(self.plan.format.chunk(self.plan, entries, choices), ensure_ascii=False)
 
     async def _send(self, data: str) -> None:
         assert self._emit is not None
@@ -77,7 +67,7 @@ class Stream:
                 await self._send(self._chunk([opening]))
             await run_choices(self.engine, plan, self.choices, self.admission, self._on_delta)
             if include_usage:
-                await self._send(self._chunk([], usage(plan, self.choices)))
+                await self._send(self._chunk([], self.choices))
         except EngineError as exc:
             error = engine_error(exc)
             await self._send(

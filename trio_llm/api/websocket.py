@@ -36,8 +36,9 @@ from trio_llm.api.errors import (
     engine_error,
     error_body,
 )
+from trio_llm.api.formats import usage
 from trio_llm.api.parsing import INLINE_PARSE_BYTES, validate
-from trio_llm.api.plan import OnDelta, Plan, run_choices, usage
+from trio_llm.api.plan import OnDelta, Plan, run_choices
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
