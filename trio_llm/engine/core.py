@@ -15,6 +15,7 @@ from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, Prompt
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
+from trio_llm.engine.support import check_supported
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import (
     AddRequest,
@@ -61,6 +62,7 @@ class EngineCore:
                 f"max_model_len {max_model_len} exceeds the model's "
                 f"max_position_embeddings {mconf.max_position_embeddings}"
             )
+        check_supported(mconf, max_model_len)
         num_kv_heads = mconf.num_key_value_heads
         head_dim = (
             getattr(mconf, "head_dim", None) or mconf.hidden_size // mconf.num_attention_heads

@@ -17,6 +17,8 @@ from trio_llm.engine.attention import KVCache, PagedAttentionMetadata, PrefillSp
 from trio_llm.engine.block_manager import cdiv, slot_of
 from trio_llm.engine.request import Request
 from trio_llm.engine.scheduler import ScheduledBatch
+from trio_llm.engine.support import describe
+from trio_llm.errors import EngineConfigError
 
 #: Rows of prompt hidden states turned into logits at once for prompt logprobs: bounds the
 #: temporary ``[rows, vocab]`` float32 matrix (256 x 49,152 x 4 bytes = 48 MiB).
@@ -102,7 +104,10 @@ class ModelRunner:
         self._workspace: dict[str, torch.Tensor] = {}
         head = model.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-            raise ValueError("the model's output projection must be a Linear without bias")
+            raise EngineConfigError(
+                f"{describe(model.config)} is not supported: its output projection is not "
+                "a Linear without bias"
+            )
         # [vocab, hidden]; tied to the input embeddings for SmolLM2.
         self.lm_head_weight = head.weight
         #: Where the model lives; the step's index tensors are built on the CPU, then moved.
