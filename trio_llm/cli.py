@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+from pathlib import Path
 
 from trio_llm.config import (
     API_KEY_ENV,
@@ -32,6 +33,7 @@ from trio_llm.logging_setup import (
     configure_logging,
     resolve_log_level,
 )
+from trio_llm.text.chat_template import TemplateError, compile_template
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -199,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"require `Authorization: Bearer KEY` on /v1 routes (default ${API_KEY_ENV})",
     )
     serve.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="a Jinja chat template file (or the template itself) to use instead of the "
+        "model's own, e.g. for a model that has none",
+    )
+    serve.add_argument(
         "--allowed-origins",
         nargs="+",
         default=[],
@@ -295,6 +304,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """The template text of ``--chat-template``: a file's contents, or the value itself
+    when it is no file and looks like Jinja (``{{`` or ``{%``), as vLLM reads it.
+
+    Raises:
+        ValueError: no such file, or the template is not valid Jinja.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat-template: no such file: {value}")
+    try:
+        compile_template(template)
+    except TemplateError as exc:
+        raise ValueError(f"--chat-template: {exc}") from exc
+    return template
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Turn parsed arguments into a `ServerConfig` (raises ValueError on bad combinations)."""
     model = args.model or args.model_tag or DEFAULT_MODEL
@@ -329,6 +361,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         engine_step_timeout=args.engine_step_timeout or None,
         api_key=args.api_key if args.api_key is not None else default_api_key(),
+        chat_template=read_chat_template(args.chat_template),
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),

@@ -327,6 +327,8 @@ class ServerConfig:
             the connection is closed).
         detokenizer_mode: "inline" detokenizes in the API server; "process" runs a third
             process (the detokenizer) between the API server and the engine core.
+        chat_template: the Jinja chat template text to use instead of the model's own
+            (``--chat-template``); None keeps the model's.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -338,6 +340,7 @@ class ServerConfig:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     engine_step_timeout: float | None = 60.0
     api_key: str | None = field(default=None, repr=False)
+    chat_template: str | None = field(default=None, repr=False)
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)

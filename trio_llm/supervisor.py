@@ -99,7 +99,9 @@ async def serve(
                 f"{engine.info.num_kv_blocks} KV blocks of {engine.info.block_size} tokens, "
                 f"engine restart {config.engine_restart})"
             )
-            tokenizer = await trio.to_thread.run_sync(Tokenizer.load, engine.info.model_dir)
+            tokenizer = await trio.to_thread.run_sync(
+                Tokenizer.load, engine.info.model_dir, config.chat_template
+            )
             serving = OpenAIServing(
                 engine,
                 tokenizer,

@@ -72,8 +72,12 @@ class Tokenizer:
         self._token_bytes: dict[int, list[int]] = {}
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> Tokenizer:
+    def load(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
         """Load ``tokenizer.json`` and the chat template from ``model_dir``.
+
+        Args:
+            chat_template: a Jinja chat template to use instead of the folder's own
+                (``--chat-template``), e.g. for a model that has none.
 
         Raises:
             FileNotFoundError: the folder has no ``tokenizer.json``.
@@ -98,7 +102,7 @@ class Tokenizer:
                 value = value.get("content")
             if isinstance(value, str):
                 special[key] = value
-        return cls(backend, template, special)
+        return cls(backend, chat_template if chat_template is not None else template, special)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's own special tokens, e.g. BOS).

@@ -1,0 +1,40 @@
+"""``--chat-template``: a model's template replaced, or given to a model without one."""
+
+from pathlib import Path
+
+import pytest
+
+from trio_llm.cli import build_parser, config_from_args, main
+from trio_llm.text.tokenizer import Tokenizer
+
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+
+
+def _config(*flags: str):
+    return config_from_args(build_parser().parse_args(["serve", *flags]))
+
+
+def test_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    assert _config("--chat-template", str(path)).chat_template == TEMPLATE
+    assert _config("--chat-template", TEMPLATE).chat_template == TEMPLATE
+    assert _config().chat_template is None
+
+
+def test_a_missing_file_or_bad_jinja_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--chat-template", "/no/such/template.jinja"])
+    assert info.value.code == 2
+    assert "--chat-template: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--chat-template", "{% for m in messages %}"])
+    assert "--chat-template:" in capsys.readouterr().err
+
+
+def test_the_tokenizer_renders_with_the_given_template(real_model_dir: Path) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    own = Tokenizer.load(real_model_dir)
+    given = Tokenizer.load(real_model_dir, TEMPLATE)
+    assert given.render_chat(messages) == "[user] hi\n[assistant] "
+    assert own.render_chat(messages) != given.render_chat(messages)
