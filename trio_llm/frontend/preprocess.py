@@ -67,7 +67,7 @@ class InputPreprocessor:
                 tokenized (a lone surrogate), or text with no tokens.
         """
         self._check_chars(text, param, what)
-        return self._checked(self._encode(text, special_tokens), param, what)
+        return self._non_empty(self._tokenize(text, param, special_tokens), param, what)
 
     async def encode_async(
         self, text: str, param: str, *, special_tokens: bool, what: str | None = None
@@ -75,7 +75,8 @@ class InputPreprocessor:
         """`encode`, in a worker thread when ``text`` is long (the tokenizer releases the
         GIL: other requests keep streaming meanwhile). Raises as `encode`."""
         self._check_chars(text, param, what)
-        return self._checked(await self._encode_async(text, special_tokens), param, what)
+        token_ids = await self.tokenize_async(text, param, special_tokens=special_tokens)
+        return self._non_empty(token_ids, param, what)
 
     async def tokenize_async(self, text: str, param: str, *, special_tokens: bool) -> list[int]:
         """Token ids of ``text`` whatever its length (for ``/tokenize``, which counts
@@ -84,21 +85,15 @@ class InputPreprocessor:
         Raises:
             InvalidRequest: text that cannot be tokenized (a lone surrogate).
         """
-        token_ids = await self._encode_async(text, special_tokens)
-        if isinstance(token_ids, InvalidTextError):
-            raise InvalidRequest(str(token_ids), param) from token_ids
-        return token_ids
-
-    async def _encode_async(self, text: str, special_tokens: bool) -> list[int] | InvalidTextError:
         if len(text) < INLINE_ENCODE_CHARS:
-            return self._encode(text, special_tokens)
-        return await trio.to_thread.run_sync(self._encode, text, special_tokens)
+            return self._tokenize(text, param, special_tokens)
+        return await trio.to_thread.run_sync(self._tokenize, text, param, special_tokens)
 
-    def _encode(self, text: str, special_tokens: bool) -> list[int] | InvalidTextError:
+    def _tokenize(self, text: str, param: str, special_tokens: bool) -> list[int]:
         try:
             return self.tokenizer.encode(text, add_special_tokens=special_tokens)
         except InvalidTextError as exc:
-            return exc
+            raise InvalidRequest(str(exc), param) from exc
 
     def _check_chars(self, text: str, param: str, what: str | None) -> None:
         if self.tokenizer.surely_longer_than(text, self.max_model_len):
@@ -109,11 +104,7 @@ class InputPreprocessor:
             )
 
     @staticmethod
-    def _checked(
-        token_ids: list[int] | InvalidTextError, param: str, what: str | None
-    ) -> list[int]:
-        if isinstance(token_ids, InvalidTextError):
-            raise InvalidRequest(str(token_ids), param) from token_ids
+    def _non_empty(token_ids: list[int], param: str, what: str | None) -> list[int]:
         if not token_ids:
             raise InvalidRequest(f"the {what or param} has no tokens", param)
         return token_ids
