@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, plugged into transformers' attention interface.
 
 The model runner packs every scheduled token of every request into one sequence of
-length ``T`` (batch dimension 1) and passes a `PagedAttentionMetadata` as the keyword
-argument ``paged``; transformers forwards it to `paged_attention` in every layer. There,
+length ``T`` (batch dimension 1) and runs the decoder inside `step_metadata`, which makes
+a `PagedAttentionMetadata` visible to `paged_attention` in every layer (a context
+variable rather than a keyword argument, because some families' layers do not pass their
+keyword arguments on to the attention). There,
 the layer's new keys and values are written into the cache at ``slot_mapping``, then:
 
 - requests with one new token (decode) are attended in batched calls of a few requests
@@ -12,13 +14,23 @@ the layer's new keys and values are written into the cache at ``slot_mapping``, 
 - requests with several new tokens (prefill chunks) are attended one by one, causally,
   over their whole context (straight from the new keys when there is no earlier context).
 
+Each layer's own attention is kept: its softmax ``scaling``, its ``sliding_window`` (a
+query at position ``p`` sees the keys at positions ``p - window + 1 .. p``, as transformers'
+sliding-window masks do) and its logit ``softcap`` (``tanh(s / cap) * cap`` before the
+mask, as transformers' eager attention does), all read from what the layer passes to the
+attention function. `probe_layers` runs the model once at start-up to learn each layer's
+key/value shapes from its actual projections and to refuse what this function cannot do.
+
 Registered with ``transformers.AttentionInterface`` under `ATTENTION_NAME`; transformers
 builds no attention mask for a name it does not know, which is what we want.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -30,36 +42,52 @@ ATTENTION_NAME = "trio_llm_paged"
 GATHER_CHUNK_BYTES = 4 * 1024 * 1024
 
 
-class KVCache:
-    """Per-layer key and value tensors of shape ``[num_blocks * block_size, H_kv, D]``.
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one attention layer keeps in the cache and how it attends, from `probe_layers`.
 
-    A slot is ``block_id * block_size + offset``. Memory: ``2 * layers * num_blocks *
-    block_size * H_kv * D * itemsize`` bytes, allocated once on ``device``.
+    Attributes:
+        num_kv_heads: key/value heads of the layer's projections.
+        head_dim: size of each key/value head.
+        sliding_window: tokens a query sees (itself included), or None for the whole context.
+        softcap: attention logit softcapping, or None.
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
+class KVCache:
+    """Per-layer key and value tensors; layer ``i`` is ``[num_blocks * block_size,
+    layers[i].num_kv_heads, layers[i].head_dim]``.
+
+    A slot is ``block_id * block_size + offset``. Memory: `bytes_per_block` ``*
+    num_blocks`` bytes, allocated once on ``device``.
     """
 
     def __init__(
         self,
-        num_layers: int,
+        layers: Sequence[LayerSpec],
         num_blocks: int,
         block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.layers = tuple(layers)
+        shapes = [(num_blocks * block_size, spec.num_kv_heads, spec.head_dim) for spec in layers]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
 
     @staticmethod
-    def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
+    def bytes_per_block(layers: Sequence[LayerSpec], block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block takes across all layers, keys and values."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        per_token = sum(spec.num_kv_heads * spec.head_dim for spec in layers)
+        return 2 * block_size * per_token * itemsize
 
 
 @dataclass
@@ -90,19 +118,54 @@ class PagedAttentionMetadata:
         num_decode: the first ``num_decode`` packed tokens are single-token requests.
         decode_blocks: int64 ``[num_decode * max_blocks]``, each decode request's block
             table padded with block 0 to ``max_blocks`` entries (row-major).
-        decode_mask: ``[num_decode, 1, 1, max_blocks * block_size]`` in the model dtype;
-            0 where a key position is inside the request's context, -inf past it.
+        decode_lengths: int64 ``[num_decode]``, each decode request's context length
+            (tokens, its new one included).
         prefills: the multi-token chunks, in packed order after the decodes.
         workspace: reused buffers for gathered keys/values (grown on demand).
+        dtype: the model's dtype (of the additive decode masks).
     """
 
     kv_cache: KVCache
     slot_mapping: torch.Tensor
     num_decode: int
     decode_blocks: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_lengths: torch.Tensor | None
     prefills: list[PrefillSpan]
     workspace: dict[str, torch.Tensor]
+    dtype: torch.dtype = torch.float32
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """Additive ``[num_decode, 1, 1, max_blocks * block_size]`` mask (model dtype): 0
+        where a key is inside the request's context (and within ``window`` tokens of its
+        new token), -inf elsewhere. Built once per step and window, shared by the layers."""
+        mask = self._decode_masks.get(window)
+        if mask is None:
+            lengths = self.decode_lengths[:, None]
+            width = self.decode_blocks.numel() // self.num_decode * self.kv_cache.block_size
+            key_pos = torch.arange(width, device=lengths.device)[None, :]
+            hidden = key_pos >= lengths
+            if window is not None:
+                hidden |= key_pos < lengths - window
+            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=lengths.device)
+            mask = mask.masked_fill_(hidden, -torch.inf)[:, None, None]
+            self._decode_masks[window] = mask
+        return mask
+
+
+_STEP: ContextVar[PagedAttentionMetadata | AttentionProbe | None] = ContextVar(
+    "trio_llm_paged_step", default=None
+)
+
+
+@contextmanager
+def step_metadata(metadata: PagedAttentionMetadata | AttentionProbe) -> Iterator[None]:
+    """Make ``metadata`` the one `paged_attention` uses for the forward passes inside."""
+    token = _STEP.set(metadata)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
 
 
 def _gather_blocks(
@@ -128,7 +191,9 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    paged: PagedAttentionMetadata | None = None,
+    paged: PagedAttentionMetadata | AttentionProbe | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Attention for one layer over the paged cache (transformers' attention signature).
@@ -139,16 +204,23 @@ def paged_attention(
         key, value: ``[1, H_kv, T, D]`` for the new tokens.
         attention_mask: ignored (None: the layout comes from ``paged``).
         scaling: softmax scale, usually ``D ** -0.5``.
-        paged: the step's `PagedAttentionMetadata`.
+        paged: the step's `PagedAttentionMetadata` (or the start-up `AttentionProbe`);
+            by default the one `step_metadata` set.
+        sliding_window: the layer's window in tokens, or None.
+        softcap: the layer's attention logit softcapping, or None.
 
     Returns:
         ``([1, T, H, D], None)``: the attention output in transformers' expected layout.
 
     Raises:
-        ValueError: called without ``paged`` metadata (e.g. ``generate()`` on this model).
+        ValueError: called outside `step_metadata` (e.g. ``generate()`` on this model).
     """
     if paged is None:
-        raise ValueError("paged_attention needs the `paged` metadata from the model runner")
+        paged = _STEP.get()
+    if isinstance(paged, AttentionProbe):
+        return paged.record(module, query, key, value, sliding_window, softcap, kwargs)
+    if paged is None:
+        raise ValueError("paged_attention runs only inside step_metadata (the model runner)")
     layer = module.layer_idx
     k_cache = paged.kv_cache.keys[layer]
     v_cache = paged.kv_cache.values[layer]
@@ -168,6 +240,7 @@ def paged_attention(
         block_size = paged.kv_cache.block_size
         blocks = paged.decode_blocks.view(num_decode, -1)
         context = blocks.shape[1] * block_size
+        mask = paged.decode_mask(sliding_window)
         # Grouped-query attention without repeating keys: the `group` query heads that
         # share a KV head become `group` query rows of that head.
         q_decode = q[:num_decode].reshape(num_decode, num_kv_heads, group, head_dim)
@@ -183,13 +256,7 @@ def paged_attention(
             values = _gather_blocks(v_cache, ids, block_size, "v", paged.workspace)
             keys = keys.view(end - start, context, num_kv_heads, head_dim).transpose(1, 2)
             values = values.view(end - start, context, num_kv_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q_decode[start:end],
-                keys,
-                values,
-                attn_mask=paged.decode_mask[start:end],
-                scale=scaling,
-            )
+            o = _attend(q_decode[start:end], keys, values, mask[start:end], scaling, softcap)
             out[start:end] = o.reshape(end - start, num_heads, head_dim)
 
     for span in paged.prefills:
@@ -198,24 +265,195 @@ def paged_attention(
         if span.slots is None:
             k_span = key[:, :, span.start : end]
             v_span = value[:, :, span.start : end]
+            first_key = 0
+        else:
+            # Keys before the first query's window are never seen: skip them.
+            first_key = 0
+            if sliding_window is not None:
+                first_key = max(0, span.context_len - span.num_new - sliding_window + 1)
+            slots = span.slots[first_key:]
+            k_span = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            v_span = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        if span.slots is None and sliding_window is None and softcap is None:
             o = F.scaled_dot_product_attention(
                 q_span, k_span, v_span, is_causal=True, scale=scaling, enable_gqa=True
             )
         else:
-            k_span = k_cache.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
-            v_span = v_cache.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
-            mask = _lower_right_causal(span.num_new, span.context_len, query.device)
-            o = F.scaled_dot_product_attention(
-                q_span, k_span, v_span, attn_mask=mask, scale=scaling, enable_gqa=True
+            mask = _chunk_mask(
+                span.num_new, span.context_len, first_key, sliding_window, query.device
             )
+            o = _attend_grouped(q_span, k_span, v_span, mask, scaling, softcap)
         out[span.start : end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
-def _lower_right_causal(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
-    """Boolean ``[q, k]`` mask: query ``i`` sees keys ``0 .. num_keys - num_queries + i``."""
-    rows = torch.arange(num_queries, device=device)[:, None] + (num_keys - num_queries)
-    return torch.arange(num_keys, device=device)[None, :] <= rows
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Softmax attention of ``q`` over ``k``/``v`` with a broadcastable mask (additive, or
+    boolean with True = visible); the logits are softcapped first when ``softcap`` is set,
+    in the order of transformers' eager attention (scale, cap, mask, float32 softmax)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, -torch.inf)
+    else:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def _attend_grouped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`_attend` for ``q`` ``[1, H, n, D]`` over ``k``/``v`` ``[1, H_kv, L, D]`` (grouped
+    query heads: head ``h`` reads KV head ``h // (H / H_kv)``) with a boolean ``[n, L]``
+    mask. Returns ``[1, H, n, D]``."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
+        )
+    _, num_heads, n, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q5 = q.view(1, num_kv_heads, num_heads // num_kv_heads, n, head_dim)
+    o = _attend(q5, k.unsqueeze(2), v.unsqueeze(2), mask, scaling, softcap)
+    return o.view(1, num_heads, n, head_dim)
+
+
+def _chunk_mask(
+    num_queries: int,
+    context_len: int,
+    first_key: int,
+    window: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Boolean ``[q, k]`` mask of a chunk whose queries are the last ``num_queries`` of
+    ``context_len`` positions, over the keys at positions ``first_key .. context_len - 1``:
+    query ``i`` (position ``p``) sees keys ``max(0, p - window + 1) .. p``."""
+    query_pos = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
+    key_pos = torch.arange(first_key, context_len, device=device)[None, :]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    return visible
+
+
+#: Keyword arguments layers pass to the attention function that `paged_attention` may
+#: ignore (they matter only to other kernels, to training, or carry our own metadata).
+IGNORED_ATTENTION_KWARGS = frozenset(
+    {"dropout", "position_ids", "paged", "output_attentions", "is_causal", "use_cache"}
+)
+
+
+@dataclass
+class AttentionProbe:
+    """Set by `step_metadata` for a one-token forward pass at start-up: each layer records
+    its `LayerSpec` instead of attending (see `probe_layers`).
+
+    Attributes:
+        layers: ``layer_idx`` → the layer's spec, in call order.
+        problems: why a layer cannot be served by `paged_attention`, one line each.
+    """
+
+    layers: dict[int, LayerSpec] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def record(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        sliding_window: int | None,
+        softcap: float | None,
+        kwargs: dict[str, object],
+    ) -> tuple[torch.Tensor, None]:
+        """Record one layer's call; returns zeros of the attention output's shape."""
+        layer = getattr(module, "layer_idx", None)
+        name = type(module).__name__
+        if not isinstance(layer, int):
+            self.problems.append(f"{name} has no integer layer_idx")
+        elif layer in self.layers:
+            self.problems.append(f"layer {layer} attends twice in one forward pass")
+        if key.shape[1:] != value.shape[1:] or key.shape[-1] != query.shape[-1]:
+            self.problems.append(
+                f"{name}: keys {tuple(key.shape)}, values {tuple(value.shape)} and "
+                f"queries {tuple(query.shape)} differ in shape (only equal head sizes are "
+                "implemented)"
+            )
+        if query.shape[1] % key.shape[1]:
+            self.problems.append(f"{name}: {query.shape[1]} query heads over {key.shape[1]}")
+        for arg, value_ in kwargs.items():
+            if arg == "s_aux" and value_ is not None:
+                self.problems.append(f"{name} uses attention sinks (not implemented)")
+            elif arg == "is_causal" and value_ is False:
+                self.problems.append(f"{name} attends bidirectionally (is_causal=False)")
+            elif arg not in IGNORED_ATTENTION_KWARGS and value_ is not None:
+                self.problems.append(f"{name} passes {arg}={value_!r}, which is not implemented")
+        if isinstance(layer, int):
+            self.layers[layer] = LayerSpec(
+                num_kv_heads=key.shape[1],
+                head_dim=key.shape[-1],
+                sliding_window=None if sliding_window is None else int(sliding_window),
+                softcap=None if softcap is None else float(softcap),
+            )
+        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        return out, None
+
+
+@torch.inference_mode()
+def probe_layers(
+    decoder: torch.nn.Module, num_layers: int, device: torch.device
+) -> list[LayerSpec]:
+    """Learn every attention layer's `LayerSpec` from one forward pass of one token.
+
+    Args:
+        decoder: the model's decoder (``model.get_decoder()``), loaded with
+            ``attn_implementation=ATTENTION_NAME``.
+        num_layers: decoder layers the configuration declares.
+        device: where the model lives.
+
+    Returns:
+        One spec per layer, indexed by ``layer_idx`` (``0 .. num_layers - 1``).
+
+    Raises:
+        ValueError: why this model's attention cannot be served by `paged_attention`:
+            no layer called it (its attention does not go through transformers' attention
+            interface), some layers have none (recurrent or hybrid layers), or a layer
+            needs what is not implemented (attention sinks, bidirectional attention,
+            unequal key/value head sizes, unknown arguments).
+    """
+    probe = AttentionProbe()
+    with step_metadata(probe):
+        decoder(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+            position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+            use_cache=False,
+        )
+    if not probe.layers and not probe.problems:
+        raise ValueError("its attention does not go through transformers' attention interface")
+    if probe.problems:
+        raise ValueError("; ".join(dict.fromkeys(probe.problems)))
+    missing = sorted(set(range(num_layers)) - set(probe.layers))
+    if missing or len(probe.layers) != num_layers:
+        raise ValueError(
+            f"layers {missing or sorted(probe.layers)} of {num_layers} do not attend through "
+            "transformers' attention interface (recurrent or hybrid layers are not implemented)"
+        )
+    return [probe.layers[i] for i in range(num_layers)]
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from trio_llm.engine.attention import ATTENTION_NAME, KVCache
+from trio_llm.engine.attention import ATTENTION_NAME, KVCache, probe_layers
 from trio_llm.engine.block_manager import BlockManager
 from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, PromptHidden
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
-from trio_llm.engine.support import check_supported
+from trio_llm.engine.support import check_supported, describe
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import (
     AddRequest,
@@ -48,9 +48,14 @@ class EngineCore:
     `add_request` / `abort` between steps and ships what `step` returns.
 
     Args:
-        model: causal LM loaded with ``attn_implementation=ATTENTION_NAME``.
+        model: a transformers causal LM; its attention implementation is switched to
+            ``ATTENTION_NAME`` (the engine's paged attention) if it is not already.
         config: engine configuration (cache size, scheduler limits, seed).
         model_dir: where the model came from (reported to the server).
+
+    Raises:
+        EngineConfigError: the model is one the engine would serve wrongly (see
+            `trio_llm.engine.support`), or the cache and context settings do not fit it.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, model_dir: str) -> None:
@@ -63,20 +68,19 @@ class EngineCore:
                 f"max_position_embeddings {mconf.max_position_embeddings}"
             )
         check_supported(mconf, max_model_len)
-        num_kv_heads = mconf.num_key_value_heads
-        head_dim = (
-            getattr(mconf, "head_dim", None) or mconf.hidden_size // mconf.num_attention_heads
-        )
+        if getattr(mconf, "_attn_implementation", None) != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
         dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        try:
+            layers = probe_layers(model.get_decoder(), mconf.num_hidden_layers, device)
+        except ValueError as exc:
+            raise EngineConfigError(f"{describe(mconf)} is not supported: {exc}") from exc
         block_size = config.cache.block_size
-        num_layers = mconf.num_hidden_layers
         num_blocks = config.cache.num_kv_blocks
         if num_blocks is None:
             memory = config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-            per_block = KVCache.bytes_per_block(
-                num_layers, block_size, num_kv_heads, head_dim, dtype
-            )
-            num_blocks = memory // per_block
+            num_blocks = memory // KVCache.bytes_per_block(layers, block_size, dtype)
         if num_blocks * block_size < max_model_len:
             raise EngineConfigError(
                 f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of "
@@ -96,10 +100,9 @@ class EngineCore:
             vocab_size=mconf.vocab_size,
             dtype=str(dtype).removeprefix("torch."),
         )
-        device = next(model.parameters()).device
-        self.kv_cache = KVCache(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
-        )
+        #: Each attention layer's key/value shape, window and softcap, probed from the model.
+        self.layers = layers
+        self.kv_cache = KVCache(layers, num_blocks, block_size, dtype, device)
         self.block_manager = BlockManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
