@@ -28,7 +28,7 @@ def _config(model_type: str, **fields):
     ],
 )
 def test_accepted_configurations(model_type: str, fields: dict) -> None:
-    check_supported(_config(model_type, **fields), 8192)
+    check_supported(_config(model_type, **fields))
 
 
 @pytest.mark.parametrize(
@@ -46,11 +46,11 @@ def test_accepted_configurations(model_type: str, fields: dict) -> None:
 )
 def test_refused_with_the_reason(model_type: str, fields: dict, message: str) -> None:
     with pytest.raises(EngineConfigError, match=message):
-        check_supported(_config(model_type, **fields), 4096)
+        check_supported(_config(model_type, **fields))
 
 
 def test_the_message_lists_what_is_supported() -> None:
     with pytest.raises(EngineConfigError) as info:
-        check_supported(_config("mamba"), 4096)
+        check_supported(_config("mamba"))
     for model_type in VERIFIED_MODEL_TYPES:
         assert model_type in str(info.value)

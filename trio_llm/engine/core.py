@@ -61,13 +61,13 @@ class EngineCore:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         mconf = model.config
+        check_supported(mconf)
         max_model_len = config.model.max_model_len or mconf.max_position_embeddings
         if max_model_len > mconf.max_position_embeddings:
             raise EngineConfigError(
                 f"max_model_len {max_model_len} exceeds the model's "
                 f"max_position_embeddings {mconf.max_position_embeddings}"
             )
-        check_supported(mconf, max_model_len)
         if getattr(mconf, "_attn_implementation", None) != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
         dtype = next(model.parameters()).dtype

@@ -52,12 +52,11 @@ def describe(config: Any) -> str:
     return f"{architectures[0]} ({model_type})" if architectures else model_type
 
 
-def check_supported(config: Any, max_model_len: int) -> None:
+def check_supported(config: Any) -> None:
     """Refuse a model configuration this engine would serve wrongly (before any probing).
 
     Args:
         config: the model's transformers configuration (``model.config``).
-        max_model_len: the context length the engine will serve (tokens).
 
     Raises:
         EngineConfigError: the architecture and the reason.
