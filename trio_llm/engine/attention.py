@@ -36,6 +36,8 @@ import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
 
+from trio_llm.engine.block_manager import cdiv
+
 ATTENTION_NAME = "trio_llm_paged"
 
 #: Bytes of gathered keys and values per decode chunk (sized to stay in the L2/L3 cache).
@@ -133,24 +135,42 @@ class PagedAttentionMetadata:
     prefills: list[PrefillSpan]
     workspace: dict[str, torch.Tensor]
     dtype: torch.dtype = torch.float32
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """Additive ``[num_decode, 1, 1, max_blocks * block_size]`` mask (model dtype): 0
-        where a key is inside the request's context (and within ``window`` tokens of its
-        new token), -inf elsewhere. Built once per step and window, shared by the layers."""
-        mask = self._decode_masks.get(window)
-        if mask is None:
+    def decode_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks the decode requests attend to and their additive mask, built once
+        per step and window and shared by the layers.
+
+        Returns:
+            ``(blocks, mask)``: int64 ``[num_decode, columns]`` block ids (the whole
+            padded table, or with a ``window`` only the blocks that overlap it) and the
+            ``[num_decode, 1, 1, columns * block_size]`` mask (model dtype): 0 where the
+            key is inside the request's context and within ``window`` tokens of its new
+            token, -inf elsewhere.
+        """
+        view = self._decode_views.get(window)
+        if view is None:
+            bs = self.kv_cache.block_size
+            table = self.decode_blocks.view(self.num_decode, -1)
             lengths = self.decode_lengths[:, None]
-            width = self.decode_blocks.numel() // self.num_decode * self.kv_cache.block_size
-            key_pos = torch.arange(width, device=lengths.device)[None, :]
+            columns = torch.arange(table.shape[1], device=table.device)[None, :]
+            if window is not None and cdiv(window, bs) + 1 < table.shape[1]:
+                first = (lengths - window).clamp(min=0) // bs
+                columns = first + columns[:, : cdiv(window, bs) + 1]
+                # Past the table: a repeated last block, masked (its positions >= length).
+                table = table.gather(1, columns.clamp(max=table.shape[1] - 1))
+            offsets = torch.arange(bs, device=table.device)
+            key_pos = (columns[:, :, None] * bs + offsets).expand(table.shape[0], -1, -1)
+            key_pos = key_pos.reshape(table.shape[0], -1)
             hidden = key_pos >= lengths
             if window is not None:
                 hidden |= key_pos < lengths - window
-            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=lengths.device)
-            mask = mask.masked_fill_(hidden, -torch.inf)[:, None, None]
-            self._decode_masks[window] = mask
-        return mask
+            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=table.device)
+            view = table, mask.masked_fill_(hidden, -torch.inf)[:, None, None]
+            self._decode_views[window] = view
+        return view
 
 
 _STEP: ContextVar[PagedAttentionMetadata | AttentionProbe | None] = ContextVar(
@@ -238,9 +258,8 @@ def paged_attention(
     num_decode = paged.num_decode
     if num_decode:
         block_size = paged.kv_cache.block_size
-        blocks = paged.decode_blocks.view(num_decode, -1)
+        blocks, mask = paged.decode_view(sliding_window)
         context = blocks.shape[1] * block_size
-        mask = paged.decode_mask(sliding_window)
         # Grouped-query attention without repeating keys: the `group` query heads that
         # share a KV head become `group` query rows of that head.
         q_decode = q[:num_decode].reshape(num_decode, num_kv_heads, group, head_dim)
