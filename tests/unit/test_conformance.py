@@ -26,6 +26,7 @@ tokens at every step well above float32 noise, so a token mismatch is the engine
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from collections.abc import Callable, Generator
@@ -37,6 +38,7 @@ import pytest
 import torch
 
 from tests.support.architectures import (
+    ARCHITECTURES,
     REFUSED,
     VERIFIED,
     WINDOW,
@@ -44,6 +46,7 @@ from tests.support.architectures import (
     engine_copy,
 )
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from trio_llm.engine import support
 from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.core import EngineCore
 from trio_llm.errors import EngineConfigError
@@ -297,3 +300,32 @@ def test_refused_at_start_up(name: str, tmp_path: Path) -> None:
     assert any(n in message for n in names), f"the message names neither of {names}: {message}"
     reason = re.sub("|".join(map(re.escape, names)), "", message)
     assert len(reason.split()) >= 4, f"no reason given: {message}"
+
+
+#: Why each refused architecture is refused once the list of verified families no longer
+#: stops it: the checks behind that list (configuration, rope, the layer probe) name it.
+REASONS = {
+    "falcon": "attention does not go through transformers' attention interface",
+    "gpt_oss": "uses attention sinks",
+    "mamba": r"layer types \['linear_attention'\]",
+    "jamba": r"layer types \['linear_attention'\]",
+    "bart": r"attention layers \[0, 1\] do not match the 1 decoder layers",
+    "phi3_longrope": r"longrope .* --max-model-len 32 or less",
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_refused_for_its_own_reason_even_if_listed(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A family added to the verified list by mistake is still refused, with the reason."""
+    arch = ARCHITECTURES[name]
+    monkeypatch.setattr(
+        support, "VERIFIED_MODEL_TYPES", support.VERIFIED_MODEL_TYPES | {arch.model_type}
+    )
+    config = EngineConfig(
+        model=ModelConfig(model="tiny", max_model_len=MAX_MODEL_LEN),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=ROOMY_BLOCKS),
+    )
+    with pytest.raises(EngineConfigError, match=REASONS[name]):
+        EngineCore(copy.deepcopy(build_model(name)), config, "tiny")

@@ -467,10 +467,15 @@ def probe_layers(
     if probe.problems:
         raise ValueError("; ".join(dict.fromkeys(probe.problems)))
     missing = sorted(set(range(num_layers)) - set(probe.layers))
-    if missing or len(probe.layers) != num_layers:
+    if missing:
         raise ValueError(
-            f"layers {missing or sorted(probe.layers)} of {num_layers} do not attend through "
-            "transformers' attention interface (recurrent or hybrid layers are not implemented)"
+            f"layers {missing} of {num_layers} do not attend through transformers' attention "
+            "interface (recurrent or hybrid layers are not implemented)"
+        )
+    if len(probe.layers) != num_layers:
+        raise ValueError(
+            f"attention layers {sorted(probe.layers)} do not match the {num_layers} decoder "
+            "layers its configuration declares"
         )
     return [probe.layers[i] for i in range(num_layers)]
 

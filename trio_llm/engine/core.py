@@ -15,7 +15,7 @@ from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, Prompt
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
-from trio_llm.engine.support import check_supported, describe
+from trio_llm.engine.support import check_context, check_supported, describe
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import (
     AddRequest,
@@ -68,6 +68,7 @@ class EngineCore:
                 f"max_model_len {max_model_len} exceeds the model's "
                 f"max_position_embeddings {mconf.max_position_embeddings}"
             )
+        check_context(mconf, max_model_len)
         if getattr(mconf, "_attn_implementation", None) != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
         dtype = next(model.parameters()).dtype
@@ -127,11 +128,14 @@ class EngineCore:
             trio_llm.model_loader.ModelConversionError: a GGUF file that cannot be read.
             EngineConfigError: the cache or context settings do not fit the model.
         """
-        from trio_llm.model_loader import load_model, resolve_model_dir
+        from trio_llm.model_loader import load_config, load_model, resolve_model_dir
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_dir = resolve_model_dir(config.model.model, config.cache_dir())
+        # Refuse an unsupported family before reading its weights (some cannot even be
+        # loaded with the paged attention).
+        check_supported(load_config(model_dir))
         model = load_model(model_dir, config.model.dtype, ATTENTION_NAME, config.model.device)
         return cls(model, config, str(model_dir))
 

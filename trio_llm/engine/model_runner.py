@@ -254,6 +254,16 @@ class ModelRunner:
         return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous().float()
 
 
+class _HeadInput(BaseModelOutputWithPast):
+    """The decoder output a model's head reads; any other field (router logits of a
+    mixture of experts, ...) reads as None."""
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _GivenHiddenStates(torch.nn.Module):
     """Stands in for the decoder inside the model's forward: returns ``hidden``."""
 
@@ -264,7 +274,7 @@ class _GivenHiddenStates(torch.nn.Module):
 
     def forward(self, *args: object, **kwargs: object) -> BaseModelOutputWithPast:
         self.calls += 1
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        return _HeadInput(last_hidden_state=self.hidden)
 
 
 class _OwnHead:

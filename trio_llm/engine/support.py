@@ -8,6 +8,7 @@ with a message naming the architecture and why:
 - `check_supported` (configuration only): encoder-decoder models, families not verified
   against transformers' ``generate()`` by the conformance suite (tests/unit/
   test_conformance.py), and layer types other than full and sliding-window attention;
+  `check_context`: a context at which the rotary embedding would depend on the batch;
 - `trio_llm.engine.attention.probe_layers` (one forward pass of one token): layers whose
   attention does not go through transformers' attention interface (recurrent or hybrid
   layers), attention sinks, bidirectional attention, arguments it does not implement;
@@ -41,6 +42,9 @@ VERIFIED_MODEL_TYPES = frozenset(
         "gpt_neox",
         "stablelm",
         "phi",
+        "mixtral",
+        "olmo",
+        "gpt2",
     }
 )
 
@@ -76,3 +80,31 @@ def check_supported(config: Any) -> None:
     other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if other:
         raise EngineConfigError(f"{name} is not supported: layer types {other} are not implemented")
+
+
+def check_context(config: Any, max_model_len: int) -> None:
+    """Refuse a context length at which the model's rotary embedding would depend on the
+    batch: transformers' ``longrope`` switches every sequence of a forward pass to its long
+    factors once the pass's longest sequence exceeds ``original_max_position_embeddings``,
+    so a request's output would depend on the others batched with it.
+
+    Raises:
+        EngineConfigError: the architecture, the reason and the ``--max-model-len`` that
+            serves it exactly.
+    """
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(parameters, dict):
+        return
+    per_layer_type = [p for p in parameters.values() if isinstance(p, dict)]
+    for rope in per_layer_type or [parameters]:
+        if rope.get("rope_type", rope.get("type")) != "longrope":
+            continue
+        original = rope.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        if original is not None and max_model_len > original:
+            raise EngineConfigError(
+                f"{describe(config)} is not supported at max_model_len {max_model_len}: its "
+                f"longrope embedding changes for a whole batch once a sequence passes "
+                f"{original} tokens; serve it with --max-model-len {original} or less"
+            )
