@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from tests.support.tiny_model import TOKENIZER_FILES
 
 VOCAB_SIZE = 512
 MAX_POSITIONS = 256
@@ -365,13 +369,15 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
 
 
 @functools.cache
-def build_model(name: str) -> PreTrainedModel:
+def build_model(name: str, vocab_size: int = VOCAB_SIZE) -> PreTrainedModel:
     """The tiny model ``name`` (float32, eval mode, ``eager`` attention), built once.
 
-    Callers must not modify it: `engine_copy` gives a copy for the engine.
+    Callers must not modify it: `engine_copy` gives a copy for the engine. ``vocab_size``
+    other than `VOCAB_SIZE`: to pair it with a real tokenizer (to be served).
     """
     arch = ARCHITECTURES[name]
     config = arch.config()
+    config.vocab_size = vocab_size
     config._attn_implementation = "eager"
     torch.manual_seed(arch.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -389,3 +395,13 @@ def engine_copy(model: PreTrainedModel, attn_implementation: str) -> PreTrainedM
     clone = copy.deepcopy(model)
     clone.set_attn_implementation(attn_implementation)
     return clone
+
+
+def save_for_serving(name: str, path: Path, tokenizer_dir: Path, vocab_size: int) -> Path:
+    """Write the tiny model ``name`` with the tokenizer of ``tokenizer_dir`` (whose
+    vocabulary has ``vocab_size`` tokens) as a folder ``trio-llm serve --model`` loads."""
+    build_model(name, vocab_size).save_pretrained(path)
+    for file in TOKENIZER_FILES:
+        if (tokenizer_dir / file).exists():
+            shutil.copy(tokenizer_dir / file, path / file)
+    return path
