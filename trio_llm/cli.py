@@ -17,6 +17,7 @@ from trio_llm.config import (
     DETOKENIZER_MODES,
     DEVICES,
     DTYPES,
+    GEMMA3_270M_MODEL,
     RESTART_MODES,
     CacheConfig,
     RequestLimits,
@@ -91,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("model_tag", nargs="?", help="same as --model")
     serve.add_argument(
-        "--model", default=None, help=f"local HF folder, .gguf file, or {DEFAULT_MODEL} (default)"
+        "--model",
+        default=None,
+        help=f"local HF folder, .gguf file, {DEFAULT_MODEL} (default) or {GEMMA3_270M_MODEL} "
+        "(make gemma3)",
     )
     serve.add_argument(
         "--served-model-name", nargs="+", default=None, help="name(s) clients use in `model`"

