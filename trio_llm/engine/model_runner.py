@@ -163,7 +163,7 @@ class ModelRunner:
             for request, first, row, count in step.prompt_rows
         ]
         if not step.sample_rows:
-            empty = hidden.new_empty(0, 0, dtype=torch.float32)
+            empty = hidden.new_empty(0, self._head.vocab_size, dtype=torch.float32)
             return ModelOutput([], empty, prompt_hidden)
         logits = self.compute_logits(hidden[torch.tensor(step.sample_rows).to(self.device)])
         return ModelOutput(step.sample_requests, logits, prompt_hidden)
@@ -316,6 +316,8 @@ class _OwnHead:
                 f"{describe(model.config)} is not supported: its head returned "
                 f"{tuple(logits.shape)} logits for 3 hidden states"
             )
+        #: Width of the logits (the output projection's rows).
+        self.vocab_size = logits.shape[1]
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
