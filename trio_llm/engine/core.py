@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from trio_llm.engine.attention import ATTENTION_NAME, KVCache, probe_layers
+from trio_llm.engine.attention import ATTENTION_NAME, KVCache, LayerSpec, probe_layers
 from trio_llm.engine.block_manager import BlockManager
 from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, PromptHidden
@@ -26,6 +27,8 @@ from trio_llm.messages import (
     StepStats,
     TokenLogprobs,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,12 @@ class EngineCore:
             ),
         )
         self.runner = ModelRunner(model, self.kv_cache)
+        logger.info(
+            "%s: %s; logits from %s",
+            describe(mconf),
+            _describe_layers(layers),
+            "the output projection" if self.runner.lm_head_weight is not None else "its own head",
+        )
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
 
     @classmethod
@@ -285,6 +294,21 @@ class EngineCore:
         manager = self.block_manager
         manager.reset_prefix_cache()
         manager.num_queried_tokens = manager.num_hit_tokens = 0
+
+
+def _describe_layers(layers: list[LayerSpec]) -> str:
+    """E.g. ``"18 attention layers (15 with a 512-token window), 1 KV head of 256"``."""
+    windows = sorted({spec.sliding_window for spec in layers if spec.sliding_window})
+    windowed = sum(1 for spec in layers if spec.sliding_window)
+    parts = [f"{len(layers)} attention layers"]
+    if windowed:
+        sizes = "/".join(str(w) for w in windows)
+        parts[0] += f" ({windowed} with a {sizes}-token window)"
+    if any(spec.softcap for spec in layers):
+        parts.append("softcapped attention")
+    shapes = sorted({(spec.num_kv_heads, spec.head_dim) for spec in layers})
+    parts.append(", ".join(f"{h} KV heads of {d}" for h, d in shapes))
+    return ", ".join(parts)
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:
