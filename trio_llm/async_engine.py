@@ -37,6 +37,7 @@ from trio_llm.frontend.engine_client import EngineClient, RequestStream, TokenDe
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
+from trio_llm.text.chat_template import read_chat_template
 from trio_llm.text.choice import Choice
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -441,6 +442,7 @@ async def open_engine(
     *,
     detokenizer_mode: str = "inline",
     shutdown_timeout: float = 5.0,
+    chat_template: str | os.PathLike[str] | None = None,
     **engine_args: Any,
 ) -> AsyncIterator[AsyncEngine]:
     """Start the engine child process(es); yield an `AsyncEngine` once the model is ready.
@@ -455,18 +457,22 @@ async def open_engine(
         detokenizer_mode: "inline" (text is made in this process) or "process" (in a
             detokenizer child between this process and the engine core).
         shutdown_timeout: seconds the engine gets to exit after being told to stop.
+        chat_template: a Jinja chat template (a file, or the template text) used instead
+            of the model's own, as ``--chat-template``.
         **engine_args: keyword arguments of `trio_llm.config.engine_config` (``dtype``,
             ``max_model_len``, ``max_num_seqs``, ``num_kv_blocks``, ``kv_cache_memory``,
             ``num_threads``, ``seed``, ...).
 
     Raises:
         TypeError: an unknown engine argument (before any process starts).
-        ValueError: a value out of range (before any process starts).
+        ValueError: a value out of range, or a chat template that is no file and no valid
+            Jinja (before any process starts).
         EngineStartupError: the engine failed to load the model or exited while starting.
         EngineDeadError: the engine died while the block ran; the block is cancelled and
             this plain exception (not a group; its message has the exit status) is raised.
     """
     config = resolve_engine_config(model, detokenizer_mode, shutdown_timeout, engine_args)
+    template = read_chat_template(chat_template, "chat_template")
     engine_task = _EngineTask(config, detokenizer_mode, shutdown_timeout)
     try:
         async with trio.open_nursery() as nursery:
@@ -475,7 +481,9 @@ async def open_engine(
             # a cancelled caller still gets a graceful stop (with deadlines).
             engine_task.scope.shield = True
             try:
-                tokenizer = await trio.to_thread.run_sync(Tokenizer.load, client.info.model_dir)
+                tokenizer = await trio.to_thread.run_sync(
+                    Tokenizer.load, client.info.model_dir, template
+                )
                 yield AsyncEngine(client, tokenizer)
             finally:
                 with trio.CancelScope(shield=True):

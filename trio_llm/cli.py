@@ -6,7 +6,6 @@ import argparse
 import os
 import re
 import sys
-from pathlib import Path
 
 from trio_llm.config import (
     API_KEY_ENV,
@@ -34,7 +33,7 @@ from trio_llm.logging_setup import (
     configure_logging,
     resolve_log_level,
 )
-from trio_llm.text.chat_template import TemplateError, compile_template
+from trio_llm.text.chat_template import read_chat_template
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -306,29 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
         "else info)",
     )
     return parser
-
-
-def read_chat_template(value: str | None) -> str | None:
-    """The template text of ``--chat-template``: a file's contents, or the value itself
-    when it is no file and looks like Jinja (``{{`` or ``{%``), as vLLM reads it.
-
-    Raises:
-        ValueError: no such file, or the template is not valid Jinja.
-    """
-    if value is None:
-        return None
-    path = Path(value)
-    if path.is_file():
-        template = path.read_text(encoding="utf-8")
-    elif "{{" in value or "{%" in value:
-        template = value
-    else:
-        raise ValueError(f"--chat-template: no such file: {value}")
-    try:
-        compile_template(template)
-    except TemplateError as exc:
-        raise ValueError(f"--chat-template: {exc}") from exc
-    return template
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

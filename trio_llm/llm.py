@@ -40,6 +40,7 @@ from trio_llm.errors import EngineDeadError, EngineError
 from trio_llm.frontend.preprocess import run_all
 from trio_llm.frontend.request_timing import EngineStats
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
+from trio_llm.text.chat_template import read_chat_template
 from trio_llm.text.tokenizer import Tokenizer
 
 #: Name of the thread that runs the engine's event loop.
@@ -88,11 +89,14 @@ class LLM:
         model: a local Hugging Face folder, a ``.gguf`` file, or `DEFAULT_MODEL`.
         detokenizer_mode: "inline" or "process" (see `trio_llm.async_engine.open_engine`).
         shutdown_timeout: seconds the engine gets to exit on `close`.
+        chat_template: a Jinja chat template (a file, or the template text) used instead
+            of the model's own, as ``--chat-template``.
         **engine_args: keyword arguments of `trio_llm.config.engine_config`.
 
     Raises:
         TypeError: an unknown engine argument (before anything starts).
-        ValueError: a value out of range (before anything starts).
+        ValueError: a value out of range, or a chat template that is no file and no valid
+            Jinja (before anything starts).
         EngineStartupError: the engine failed to start (the model could not be loaded).
         KeyboardInterrupt: while the model loads; the engine is stopped first.
     """
@@ -103,13 +107,16 @@ class LLM:
         *,
         detokenizer_mode: str = "inline",
         shutdown_timeout: float = 5.0,
+        chat_template: str | os.PathLike[str] | None = None,
         **engine_args: Any,
     ) -> None:
         resolve_engine_config(model, detokenizer_mode, shutdown_timeout, engine_args)
+        template = read_chat_template(chat_template, "chat_template")
         self._open = lambda: open_engine(
             model,
             detokenizer_mode=detokenizer_mode,
             shutdown_timeout=shutdown_timeout,
+            chat_template=template,
             **engine_args,
         )
         self._lock = threading.Lock()

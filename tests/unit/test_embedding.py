@@ -271,7 +271,24 @@ async def test_bad_arguments_fail_before_anything_starts(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="detokenizer_mode"):
         async with open_engine(tmp_path, detokenizer_mode="thread"):
             pass  # pragma: no cover
+    with pytest.raises(ValueError, match="chat_template: no such file"):
+        async with open_engine(tmp_path, chat_template=tmp_path / "missing.jinja"):
+            pass  # pragma: no cover
+    with pytest.raises(ValueError, match="chat_template: invalid chat template"):
+        async with open_engine(tmp_path, chat_template="{% for m in messages %}"):
+            pass  # pragma: no cover
     assert _our_children() == set()
+
+
+async def test_a_chat_template_replaces_the_models_own(tiny_model_dir: Path) -> None:
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    async with open_engine(tiny_model_dir, chat_template=template, **ENGINE_ARGS) as engine:
+        messages = [{"role": "user", "content": "Hi"}]
+        rendered = engine.tokenizer.render_chat(messages)
+        assert rendered == "<user>Hi"
+        # Chat prompts are rendered, then encoded without adding special tokens again.
+        as_ids = engine.tokenizer.encode("<user>Hi", add_special_tokens=False)
+        assert await _run(engine, messages) == await _run(engine, as_ids)
 
 
 # ---------------------------------------------------------------- LLM
@@ -352,6 +369,8 @@ def test_llm_bad_arguments_raise_in_the_constructor(tmp_path: Path) -> None:
         LLM(tmp_path, max_num_seq=4)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         LLM(tmp_path, num_kv_blocks=0)
+    with pytest.raises(ValueError, match="chat_template: no such file"):
+        LLM(tmp_path, chat_template="missing.jinja")
     assert "trio-llm-engine" not in [t.name for t in threading.enumerate()]
 
 

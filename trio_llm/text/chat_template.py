@@ -11,8 +11,10 @@ filter, and the globals ``raise_exception`` and ``strftime_now``. The template s
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -78,3 +80,29 @@ def render_chat(
         raise
     except jinja2.TemplateError as exc:
         raise TemplateError(f"cannot apply the chat template: {exc}") from exc
+
+
+def read_chat_template(
+    value: str | os.PathLike[str] | None, name: str = "--chat-template"
+) -> str | None:
+    """The template text of ``--chat-template`` (or the ``chat_template`` argument of the
+    embedding API): a file's contents, or the value itself when it is no file and looks
+    like Jinja (``{{`` or ``{%``), as vLLM reads it. None stays None (the model's own).
+
+    Raises:
+        ValueError: ``name``: no such file, or the template is not valid Jinja.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif isinstance(value, str) and ("{{" in value or "{%" in value):
+        template = value
+    else:
+        raise ValueError(f"{name}: no such file: {value}")
+    try:
+        compile_template(template)
+    except TemplateError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
+    return template
