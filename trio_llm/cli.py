@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=CacheConfig.enable_prefix_caching,
         help="reuse the KV blocks of prompt prefixes computed before (default on)",
     )
+    serve.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="keep the whole context's keys and values in sliding-window layers too "
+        "(by default they free the KV blocks behind their window)",
+    )
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument(
         "--download-dir",
@@ -321,6 +327,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

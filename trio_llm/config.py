@@ -106,12 +106,16 @@ class CacheConfig:
             count is ``kv_cache_memory // bytes_per_block``. Default `DEFAULT_KV_CACHE_MEMORY`.
         enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before
             (on by default, as in vLLM V1; see `trio_llm.engine.block_manager`).
+        disable_hybrid_kv_cache_manager: keep every layer's keys and values for the whole
+            context, even in sliding-window layers that no longer read them (vLLM's flag;
+            by default they free the blocks behind their window).
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -201,6 +205,7 @@ def engine_config(
     num_kv_blocks: int | None = None,
     kv_cache_memory: int | None = None,
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+    disable_hybrid_kv_cache_manager: bool = CacheConfig.disable_hybrid_kv_cache_manager,
     max_num_seqs: int = SchedulerConfig.max_num_seqs,
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
     long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold,

@@ -29,7 +29,8 @@ def served(
     name, mode = request.param
     folder = save_for_serving(name, tmp_path_factory.mktemp(name), real_model_dir, VOCAB)
     args = ["--model", str(folder), "--dtype", "float32", "--max-model-len", "128"]
-    args += ["--max-num-batched-tokens", "16", "--detokenizer-mode", mode]
+    args += ["--max-num-batched-tokens", "16", "--kv-cache-memory", "64MiB"]
+    args += ["--detokenizer-mode", mode]
     with ServerProcess(args, log_path=tmp_path_factory.mktemp("log") / "server.log") as server:
         yield name, server.url, str(folder)
 

@@ -47,7 +47,7 @@ from tests.support.architectures import (
 )
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine import support
-from trio_llm.engine.attention import ATTENTION_NAME
+from trio_llm.engine.attention import ATTENTION_NAME, KVCache
 from trio_llm.engine.core import EngineCore
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, SamplingParams, TokenLogprobs
@@ -81,9 +81,10 @@ BLOCK_SIZE = 4
 #: Step budget: the 23-, 40- and 70-token prompts are prefilled in chunks.
 BUDGET = 16
 #: Enough blocks for all four requests at full length (48 blocks).
-ROOMY_BLOCKS = 64
-#: max_model_len's worth and no more: the four requests cannot all stay (preemption).
-TINY_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE
+ROOMY_BLOCKS = 256
+#: The fewest blocks the engine accepts (one request of max_model_len): the four requests
+#: cannot all stay (preemption).
+TINY_BLOCKS = None
 LOGPROB_TOL = 1e-4
 #: Smallest gap between the two best reference logprobs at a generated position.
 MIN_MARGIN = 1e-3
@@ -163,18 +164,40 @@ class EngineRun:
     prompt_logprobs: list[list[TokenLogprobs]]
     num_preemptions: int
     num_steps: int
+    #: Most KV cache bytes held at once, and the windows of the KV cache groups.
+    peak_kv_bytes: int = 0
+    windows: tuple[int | None, ...] = ()
+
+
+def _config(
+    name: str, num_kv_blocks: int, hybrid: bool, max_model_len: int = MAX_MODEL_LEN
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=name, max_model_len=max_model_len),
+        cache=CacheConfig(
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=num_kv_blocks,
+            disable_hybrid_kv_cache_manager=not hybrid,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=BUDGET),
+    )
 
 
 @_memo
-def _engine_run(name: str, num_kv_blocks: int, prompt_logprobs: bool = False) -> EngineRun:
-    """All prompts at once through an `EngineCore` on a copy of the model's weights."""
+def _engine_run(
+    name: str, num_kv_blocks: int | None, prompt_logprobs: bool = False, hybrid: bool = True
+) -> EngineRun:
+    """All prompts at once through an `EngineCore` on a copy of the model's weights
+    (``num_kv_blocks`` None: the fewest the engine accepts). ``hybrid``: sliding-window
+    layers free the KV blocks behind their window (the default)."""
     model = engine_copy(build_model(name), ATTENTION_NAME)
-    config = EngineConfig(
-        model=ModelConfig(model=name, max_model_len=MAX_MODEL_LEN),
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=BUDGET),
-    )
-    core = EngineCore(model, config, name)
+    core = EngineCore(model, _config(name, num_kv_blocks or ROOMY_BLOCKS, hybrid), name)
+    if num_kv_blocks is None:
+        # Room for one request of the longest sequence here, and no more.
+        longest = max(map(len, PROMPTS)) + MAX_NEW_TOKENS
+        tight = EngineCore(model, _config(name, ROOMY_BLOCKS, hybrid, longest), name)
+        blocks = tight.min_num_kv_blocks
+        core = EngineCore(model, _config(name, blocks, hybrid, longest), name)
     params = SamplingParams(
         max_tokens=1 if prompt_logprobs else MAX_NEW_TOKENS,
         temperature=0.0,
@@ -185,9 +208,14 @@ def _engine_run(name: str, num_kv_blocks: int, prompt_logprobs: bool = False) ->
     for i, prompt in enumerate(PROMPTS):
         assert core.add_request(AddRequest(f"p{i}", prompt, params)) is None
     run = EngineRun([[] for _ in PROMPTS], [[] for _ in PROMPTS], [[] for _ in PROMPTS], 0, 0)
+    run.windows = core.kv_groups.windows
+    block_bytes = KVCache.bytes_per_block(core.layers, core.kv_groups, BLOCK_SIZE, torch.float32)
+    manager = core.block_manager
     while core.has_unfinished_requests():
         assert run.num_steps < MAX_STEPS, "the engine does not finish"
         result = core.step()
+        held = (manager.num_blocks - result.stats.num_free_blocks) * block_bytes
+        run.peak_kv_bytes = max(run.peak_kv_bytes, held)
         run.num_steps += 1
         run.num_preemptions += result.stats.num_preemptions
         for output in result.outputs:
@@ -269,6 +297,41 @@ def test_sampled_logprobs_match_transformers(name: str) -> None:
         for prompt, tokens, entries in zip(PROMPTS, run.tokens, run.logprobs, strict=True):
             assert [e.token_id for e in entries] == tokens
             _check_logprobs(name, prompt, entries, len(prompt))
+
+
+#: The verified architectures with sliding-window layers (their KV cache groups say so).
+WINDOWED = [
+    "mistral",
+    "mixtral",
+    "qwen2_swa",
+    "qwen3_swa",
+    "gemma2",
+    "gemma3_text",
+    "phi3_swa",
+    "starcoder2",
+]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_windowed_layers_free_the_blocks_behind_their_window(name: str) -> None:
+    """The sliding-window layers' KV cache groups free what their window leaves: less KV
+    memory held at the peak than with every block kept, and the same tokens."""
+    hybrid = _engine_run(name, ROOMY_BLOCKS)
+    kept = _engine_run(name, ROOMY_BLOCKS, False, False)
+    assert WINDOW in hybrid.windows and kept.windows == (None,)
+    assert hybrid.peak_kv_bytes < kept.peak_kv_bytes
+    assert hybrid.tokens == kept.tokens == _generate(name)
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_every_block_kept_is_exact_too(name: str) -> None:
+    """--disable-hybrid-kv-cache-manager: preempted and recomputed, as generate()."""
+    run = _engine_run(name, TINY_BLOCKS, False, False)
+    assert run.num_preemptions > 0, "the small cache did not force a preemption"
+    expected = _generate(name)
+    assert run.tokens == expected, _first_difference(expected, run.tokens)
+    for prompt, entries in zip(PROMPTS, run.logprobs, strict=True):
+        _check_logprobs(name, prompt, entries, len(prompt))
 
 
 @pytest.mark.parametrize("name", VERIFIED)

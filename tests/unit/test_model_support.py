@@ -36,7 +36,7 @@ def test_accepted_configurations(model_type: str, fields: dict) -> None:
     [
         ("t5", {}, r"T5ForCausalLM \(t5\) is not supported: encoder-decoder"),
         ("mamba", {}, r"Mamba.* \(mamba\) is not supported: .* not been verified"),
-        ("gpt2", {}, r"\(gpt2\) is not supported: .* not been verified"),
+        ("bloom", {}, r"\(bloom\) is not supported: .* not been verified"),
         (
             "gemma3_text",
             {"layer_types": ["sliding_attention", "chunked_attention"], "num_hidden_layers": 2},

@@ -27,6 +27,7 @@ builds no attention mask for a name it does not know, which is what we want.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -61,17 +62,81 @@ class LayerSpec:
     softcap: float | None = None
 
 
-class KVCache:
-    """Per-layer key and value tensors; layer ``i`` is ``[num_blocks * block_size,
-    layers[i].num_kv_heads, layers[i].head_dim]``.
+@dataclass(frozen=True)
+class KVGroups:
+    """How the layers share the KV cache (vLLM's hybrid KV cache manager).
 
-    A slot is ``block_id * block_size + offset``. Memory: `bytes_per_block` ``*
-    num_blocks`` bytes, allocated once on ``device``.
+    Layers are split into groups of equal size, each group of one kind (full attention,
+    or one sliding window); each group has its own block table per request
+    (`trio_llm.engine.block_manager.BlockManager`). Slot ``j`` of every group shares one
+    physical tensor, so a block id addresses slot ``j`` of each layer of a group.
+
+    Attributes:
+        layers: per group, its layer indices (``layer_idx``), in order.
+        windows: per group, its sliding window in tokens, or None (every block kept).
+    """
+
+    layers: tuple[tuple[int, ...], ...]
+    windows: tuple[int | None, ...]
+
+    @classmethod
+    def plan(cls, specs: Sequence[LayerSpec], max_model_len: int, hybrid: bool = True) -> KVGroups:
+        """Group ``specs`` (one per layer).
+
+        Args:
+            specs: what `probe_layers` found.
+            max_model_len: a window at least this long never binds: full attention.
+            hybrid: False puts every layer in one group that keeps every block (vLLM's
+                ``--disable-hybrid-kv-cache-manager``).
+
+        Returns:
+            One group when every layer is of the same kind (a window group if they share
+            a window that binds), when ``hybrid`` is False, or when the layers' key/value
+            shapes differ; else groups of ``gcd`` of the kinds' layer counts.
+        """
+        windows = [
+            spec.sliding_window
+            if spec.sliding_window is not None and spec.sliding_window < max_model_len
+            else None
+            for spec in specs
+        ]
+        every = tuple(range(len(specs)))
+        kinds = list(dict.fromkeys(windows))
+        if len(kinds) == 1 and hybrid:
+            return cls((every,), (kinds[0],))
+        shapes = {(spec.num_kv_heads, spec.head_dim) for spec in specs}
+        if not hybrid or len(shapes) > 1:
+            return cls((every,), (None,))
+        members = {kind: [i for i in every if windows[i] == kind] for kind in kinds}
+        size = math.gcd(*(len(layers) for layers in members.values()))
+        groups, group_windows = [], []
+        for kind in kinds:
+            layers = members[kind]
+            for start in range(0, len(layers), size):
+                groups.append(tuple(layers[start : start + size]))
+                group_windows.append(kind)
+        return cls(tuple(groups), tuple(group_windows))
+
+    @property
+    def group_size(self) -> int:
+        """Layers per group (slots of the physical tensors)."""
+        return len(self.layers[0])
+
+
+class KVCache:
+    """Key and value tensors shared by the KV cache groups.
+
+    Slot ``j`` of every group is one pair of tensors ``[num_blocks * block_size,
+    num_kv_heads, head_dim]`` (the shape of the layers in that slot). Layer ``l`` of
+    group ``g`` reads and writes at ``block_id * block_size + offset`` with ``g``'s
+    block table. Memory: `bytes_per_block` ``* num_blocks`` bytes, allocated once on
+    ``device``.
     """
 
     def __init__(
         self,
         layers: Sequence[LayerSpec],
+        groups: KVGroups,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -80,15 +145,29 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layers = tuple(layers)
-        shapes = [(num_blocks * block_size, spec.num_kv_heads, spec.head_dim) for spec in layers]
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.groups = groups
+        slots = [layers[i] for i in groups.layers[0]]
+        shapes = [(num_blocks * block_size, spec.num_kv_heads, spec.head_dim) for spec in slots]
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        #: Per layer (``layer_idx``): its group, and its key and value tensors.
+        self.group_of = [0] * len(layers)
+        self.keys: list[torch.Tensor] = [keys[0]] * len(layers)
+        self.values: list[torch.Tensor] = [values[0]] * len(layers)
+        for group, members in enumerate(groups.layers):
+            for slot, layer in enumerate(members):
+                self.group_of[layer] = group
+                self.keys[layer] = keys[slot]
+                self.values[layer] = values[slot]
 
     @staticmethod
-    def bytes_per_block(layers: Sequence[LayerSpec], block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers, keys and values."""
+    def bytes_per_block(
+        layers: Sequence[LayerSpec], groups: KVGroups, block_size: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one block takes: keys and values of one group's layers."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        per_token = sum(spec.num_kv_heads * spec.head_dim for spec in layers)
+        slots = [layers[i] for i in groups.layers[0]]
+        per_token = sum(spec.num_kv_heads * spec.head_dim for spec in slots)
         return 2 * block_size * per_token * itemsize
 
 
@@ -100,14 +179,16 @@ class PrefillSpan:
         start: index of its first new token in the packed sequence.
         num_new: number of new (query) tokens.
         context_len: tokens attended to, earlier ones included (``>= num_new``).
-        slots: cache slots of all ``context_len`` tokens (int64 ``[context_len]``), or
-            None when ``context_len == num_new`` (keys are taken from the new ones).
+        slots: per KV cache group, the cache slots of all ``context_len`` tokens (int64
+            ``[context_len]``; behind a sliding window, where the group holds no block,
+            slots of block 0 that are never read), or None when ``context_len ==
+            num_new`` (keys are taken from the new ones).
     """
 
     start: int
     num_new: int
     context_len: int
-    slots: torch.Tensor | None
+    slots: list[torch.Tensor] | None
 
 
 @dataclass
@@ -116,10 +197,12 @@ class PagedAttentionMetadata:
 
     Attributes:
         kv_cache: the cache to read and write.
-        slot_mapping: int64 ``[T]``, cache slot of each packed token.
+        slot_mapping: per KV cache group, int64 ``[T]``: the cache slot of each packed
+            token.
         num_decode: the first ``num_decode`` packed tokens are single-token requests.
-        decode_blocks: int64 ``[num_decode * max_blocks]``, each decode request's block
-            table padded with block 0 to ``max_blocks`` entries (row-major).
+        decode_blocks: per KV cache group, int64 ``[num_decode, max_blocks]``: each decode
+            request's block table padded with block 0 to ``max_blocks`` entries (block 0
+            also stands where a sliding-window group holds no block; masked).
         decode_lengths: int64 ``[num_decode]``, each decode request's context length
             (tokens, its new one included).
         prefills: the multi-token chunks, in packed order after the decodes.
@@ -128,20 +211,20 @@ class PagedAttentionMetadata:
     """
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor
+    slot_mapping: list[torch.Tensor]
     num_decode: int
-    decode_blocks: torch.Tensor | None
+    decode_blocks: list[torch.Tensor] | None
     decode_lengths: torch.Tensor | None
     prefills: list[PrefillSpan]
     workspace: dict[str, torch.Tensor]
     dtype: torch.dtype = torch.float32
-    _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(
+    _decode_views: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False
     )
 
-    def decode_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks the decode requests attend to and their additive mask, built once
-        per step and window and shared by the layers.
+    def decode_view(self, group: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of KV cache group ``group`` the decode requests attend to and their
+        additive mask, built once per step, group and window and shared by the layers.
 
         Returns:
             ``(blocks, mask)``: int64 ``[num_decode, columns]`` block ids (the whole
@@ -150,10 +233,10 @@ class PagedAttentionMetadata:
             key is inside the request's context and within ``window`` tokens of its new
             token, -inf elsewhere.
         """
-        view = self._decode_views.get(window)
+        view = self._decode_views.get((group, window))
         if view is None:
             bs = self.kv_cache.block_size
-            table = self.decode_blocks.view(self.num_decode, -1)
+            table = self.decode_blocks[group]
             lengths = self.decode_lengths[:, None]
             columns = torch.arange(table.shape[1], device=table.device)[None, :]
             if window is not None and cdiv(window, bs) + 1 < table.shape[1]:
@@ -169,7 +252,7 @@ class PagedAttentionMetadata:
                 hidden |= key_pos < lengths - window
             mask = torch.zeros(hidden.shape, dtype=self.dtype, device=table.device)
             view = table, mask.masked_fill_(hidden, -torch.inf)[:, None, None]
-            self._decode_views[window] = view
+            self._decode_views[group, window] = view
         return view
 
 
@@ -242,12 +325,13 @@ def paged_attention(
     if paged is None:
         raise ValueError("paged_attention runs only inside step_metadata (the model runner)")
     layer = module.layer_idx
+    kv_group = paged.kv_cache.group_of[layer]
     k_cache = paged.kv_cache.keys[layer]
     v_cache = paged.kv_cache.values[layer]
     new_k = key[0].transpose(0, 1)  # [T, H_kv, D]
     new_v = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, paged.slot_mapping, new_k)
-    v_cache.index_copy_(0, paged.slot_mapping, new_v)
+    k_cache.index_copy_(0, paged.slot_mapping[kv_group], new_k)
+    v_cache.index_copy_(0, paged.slot_mapping[kv_group], new_v)
 
     num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
     num_kv_heads = key.shape[1]
@@ -258,7 +342,7 @@ def paged_attention(
     num_decode = paged.num_decode
     if num_decode:
         block_size = paged.kv_cache.block_size
-        blocks, mask = paged.decode_view(sliding_window)
+        blocks, mask = paged.decode_view(kv_group, sliding_window)
         context = blocks.shape[1] * block_size
         # Grouped-query attention without repeating keys: the `group` query heads that
         # share a KV head become `group` query rows of that head.
@@ -290,7 +374,7 @@ def paged_attention(
             first_key = 0
             if sliding_window is not None:
                 first_key = max(0, span.context_len - span.num_new - sliding_window + 1)
-            slots = span.slots[first_key:]
+            slots = span.slots[kv_group][first_key:]
             k_span = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             v_span = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
         if span.slots is None and sliding_window is None and softcap is None:

@@ -9,8 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from trio_llm.engine.attention import ATTENTION_NAME, KVCache, LayerSpec, probe_layers
-from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.attention import (
+    ATTENTION_NAME,
+    KVCache,
+    KVGroups,
+    LayerSpec,
+    probe_layers,
+)
+from trio_llm.engine.block_manager import BlockManager, cdiv
 from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, PromptHidden
 from trio_llm.engine.request import Request
@@ -81,15 +87,21 @@ class EngineCore:
         except ValueError as exc:
             raise EngineConfigError(f"{describe(mconf)} is not supported: {exc}") from exc
         block_size = config.cache.block_size
+        groups = KVGroups.plan(
+            layers, max_model_len, hybrid=not config.cache.disable_hybrid_kv_cache_manager
+        )
         num_blocks = config.cache.num_kv_blocks
         if num_blocks is None:
             memory = config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-            num_blocks = memory // KVCache.bytes_per_block(layers, block_size, dtype)
-        if num_blocks * block_size < max_model_len:
+            num_blocks = memory // KVCache.bytes_per_block(layers, groups, block_size, dtype)
+        needed = _blocks_for_one_request(
+            groups, max_model_len, block_size, config.scheduler.max_num_batched_tokens
+        )
+        if num_blocks < needed:
             raise EngineConfigError(
-                f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of "
-                f"{block_size}), fewer than max_model_len={max_model_len}; give more "
-                "--kv-cache-memory / --num-kv-blocks or a smaller --max-model-len"
+                f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one "
+                f"request of max_model_len={max_model_len} tokens ({needed} blocks); give "
+                "more --kv-cache-memory / --num-kv-blocks or a smaller --max-model-len"
             )
 
         eos = mconf.eos_token_id
@@ -106,9 +118,17 @@ class EngineCore:
         )
         #: Each attention layer's key/value shape, window and softcap, probed from the model.
         self.layers = layers
-        self.kv_cache = KVCache(layers, num_blocks, block_size, dtype, device)
+        #: How the layers share the KV cache (sliding-window groups free what they leave).
+        self.kv_groups = groups
+        #: The fewest KV blocks this model and configuration accept: one request of
+        #: max_model_len tokens.
+        self.min_num_kv_blocks = needed
+        self.kv_cache = KVCache(layers, groups, num_blocks, block_size, dtype, device)
         self.block_manager = BlockManager(
-            num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+            num_blocks,
+            block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            windows=groups.windows,
         )
         self.scheduler = Scheduler(
             config.scheduler,
@@ -121,9 +141,10 @@ class EngineCore:
         )
         self.runner = ModelRunner(model, self.kv_cache)
         logger.info(
-            "%s: %s; logits from %s",
+            "%s: %s; %s; logits from %s",
             describe(mconf),
             _describe_layers(layers),
+            _describe_groups(groups, num_blocks, block_size),
             "the output projection" if self.runner.lm_head_weight is not None else "its own head",
         )
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
@@ -294,6 +315,32 @@ class EngineCore:
         manager = self.block_manager
         manager.reset_prefix_cache()
         manager.num_queried_tokens = manager.num_hit_tokens = 0
+
+
+def _blocks_for_one_request(
+    groups: KVGroups, max_model_len: int, block_size: int, max_step_tokens: int
+) -> int:
+    """Blocks one request of ``max_model_len`` tokens may hold at once: every block of a
+    full-attention group; in a sliding-window group, those of its window and of one step's
+    new tokens."""
+    full = cdiv(max_model_len, block_size)
+    total = 0
+    for window in groups.windows:
+        if window is None:
+            total += full
+        else:
+            total += min(full, cdiv(window - 1 + max_step_tokens, block_size) + 1)
+    return total
+
+
+def _describe_groups(groups: KVGroups, num_blocks: int, block_size: int) -> str:
+    """E.g. ``"KV cache: 6 groups of 3 layers (5 with a 512-token window), 9000 blocks"``."""
+    windowed = sum(1 for window in groups.windows if window is not None)
+    count = len(groups.windows)
+    text = f"KV cache: {count} group{'s' if count > 1 else ''} of {groups.group_size} layers"
+    if windowed:
+        text += f" ({windowed} freeing blocks behind a window)"
+    return f"{text}, {num_blocks} blocks of {block_size} tokens"
 
 
 def _describe_layers(layers: list[LayerSpec]) -> str:

@@ -80,8 +80,9 @@ class _StepInputs:
     Attributes:
         input_ids: token ids, packed (decodes first, then prefill chunks).
         positions: the position of each packed token in its request.
-        slots: KV cache slots of the decode tokens.
-        chunk_slots: int64 KV cache slots of each prefill chunk's new tokens.
+        slots: per KV cache group, the cache slots of the decode tokens.
+        chunk_slots: per KV cache group, int64 cache slots of each prefill chunk's new
+            tokens.
         sample_rows: packed rows whose logits are sampled, one per ``sample_requests``.
         sample_requests: the requests that sample a token this step.
         prompt_rows: ``(request, first_target, row, count)`` for prompt logprobs.
@@ -89,8 +90,8 @@ class _StepInputs:
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    chunk_slots: list[torch.Tensor] = field(default_factory=list)
+    slots: list[list[int]] = field(default_factory=list)
+    chunk_slots: list[list[torch.Tensor]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     sample_requests: list[Request] = field(default_factory=list)
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
@@ -115,6 +116,7 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.num_groups = len(kv_cache.groups.layers)
         self._workspace: dict[str, torch.Tensor] = {}
         parameter = next(model.parameters())
         #: Where the model lives; the step's index tensors are built on the CPU, then moved.
@@ -138,13 +140,19 @@ class ModelRunner:
         """
         decodes = [request for request, n in batch.requests if n == 1]
         chunks = [(request, n) for request, n in batch.requests if n > 1]
-        step = _StepInputs()
+        groups = range(self.num_groups)
+        step = _StepInputs(slots=[[] for _ in groups], chunk_slots=[[] for _ in groups])
         decode_blocks, decode_lengths = self.prepare_decode(decodes, step)
         spans = self.prepare_prefill(chunks, step)
-        slot_mapping = torch.cat([torch.tensor(step.slots, dtype=torch.long), *step.chunk_slots])
+        slot_mapping = [
+            torch.cat([torch.tensor(step.slots[g], dtype=torch.long), *step.chunk_slots[g]]).to(
+                self.device
+            )
+            for g in groups
+        ]
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=slot_mapping.to(self.device),
+            slot_mapping=slot_mapping,
             num_decode=len(decodes),
             decode_blocks=decode_blocks,
             decode_lengths=decode_lengths,
@@ -170,15 +178,15 @@ class ModelRunner:
 
     def prepare_decode(
         self, decodes: list[Request], step: _StepInputs
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
         """Pack one token of each single-token request into ``step`` (their slots go to
         ``step.slots``).
 
         Returns:
             ``(decode_blocks, decode_lengths)`` of `PagedAttentionMetadata` on the model's
-            device: int64 ``[len(decodes) * max_blocks]`` block tables padded with block
-            0, and int64 ``[len(decodes)]`` context lengths; both None when ``decodes`` is
-            empty.
+            device: per KV cache group, int64 ``[len(decodes), max_blocks]`` block tables
+            padded with block 0 (block 0 also where a group holds no block), and int64
+            ``[len(decodes)]`` context lengths; both None when ``decodes`` is empty.
         """
         bs = self.block_size
         for request in decodes:
@@ -187,18 +195,21 @@ class ModelRunner:
                 step.prompt_rows.append((request, pos + 1, len(step.input_ids), 1))  # 1-token chunk
             step.input_ids.append(request.token_ids[pos])
             step.positions.append(pos)
-            step.slots.append(slot_of(request.block_table, pos, bs))
+            for group, table in enumerate(request.block_tables):
+                step.slots[group].append(slot_of(table, pos, bs))
             if pos + 1 == request.num_tokens:
                 step.sample(request)
         if not decodes:
             return None, None
         max_blocks = max(cdiv(r.num_computed_tokens + 1, bs) for r in decodes)
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        tables = torch.zeros(self.num_groups, len(decodes), max_blocks, dtype=torch.long)
         for row, request in enumerate(decodes):
-            blocks = request.block_table[:max_blocks]
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            for group, table in enumerate(request.block_tables):
+                blocks = table[:max_blocks]
+                tables[group, row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        tables.clamp_(min=0)  # NO_BLOCK: behind a window, never read unmasked
         lengths = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
-        return table.view(-1).to(self.device), lengths.to(self.device)
+        return list(tables.to(self.device).unbind(0)), lengths.to(self.device)
 
     def prepare_prefill(
         self, chunks: list[tuple[Request, int]], step: _StepInputs
@@ -222,16 +233,20 @@ class ModelRunner:
                 if first < last:
                     row = len(step.input_ids) + first - 1 - start
                     step.prompt_rows.append((request, first, row, last - first))
-            table = torch.tensor(request.block_table, dtype=torch.long)
             context = torch.arange(end)
-            context_slots = table[context // bs] * bs + context % bs
-            step.chunk_slots.append(context_slots[start:])
+            span_slots = []
+            for group, table in enumerate(request.block_tables):
+                # NO_BLOCK (behind a window, never read) as block 0, not a negative slot.
+                blocks = torch.tensor(table, dtype=torch.long).clamp_(min=0)
+                context_slots = blocks[context // bs] * bs + context % bs
+                step.chunk_slots[group].append(context_slots[start:])
+                span_slots.append(context_slots.to(self.device))
             spans.append(
                 PrefillSpan(
                     start=len(step.input_ids),
                     num_new=num_new,
                     context_len=end,
-                    slots=context_slots.to(self.device) if start > 0 else None,
+                    slots=span_slots if start > 0 else None,
                 )
             )
             step.input_ids.extend(request.token_ids[start:end])

@@ -9,6 +9,9 @@ import torch
 
 from trio_llm.messages import SamplingParams
 
+#: A block-table entry where a sliding-window KV cache group holds no block.
+NO_BLOCK = -1
+
 
 class RequestStatus(enum.Enum):
     """Where a request is in the scheduler."""
@@ -29,11 +32,13 @@ class Request:
         num_prompt_tokens: length of the prompt part of ``token_ids``.
         num_computed_tokens: how many leading tokens have their keys/values in the KV cache.
             Reset to 0 on preemption (the request is recomputed later).
-        block_table: KV block ids holding tokens ``[i * block_size, (i + 1) * block_size)``.
+        block_tables: one table per KV cache group (`BlockManager`): entry ``i`` is the
+            block holding tokens ``[i * block_size, (i + 1) * block_size)`` for the layers
+            of that group, or ``NO_BLOCK`` where a sliding-window group holds none (behind
+            its window). ``block_table`` is group 0's.
         block_keys: prefix-cache keys of the leading full blocks of ``token_ids``, filled
             in lazily by the `BlockManager` (32 bytes each; they depend on tokens only).
-        num_registered_blocks: leading blocks of ``block_table`` already offered to the
-            prefix cache.
+        num_registered: per group, leading blocks already offered to the prefix cache.
         generator: per-request RNG when ``params.seed`` is set (CPU), else None.
         arrival_time: ``time.monotonic()`` when the engine received the request (seconds).
         queue_seconds: seconds from arrival to the first scheduling; None until then.
@@ -46,14 +51,14 @@ class Request:
     __slots__ = (
         "arrival_time",
         "block_keys",
-        "block_table",
+        "block_tables",
         "finish_reason",
         "generator",
         "group",
         "next_prompt_logprob",
         "num_computed_tokens",
         "num_prompt_tokens",
-        "num_registered_blocks",
+        "num_registered",
         "params",
         "queue_seconds",
         "queue_time_reported",
@@ -75,9 +80,9 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]
         self.block_keys: list[bytes] = []
-        self.num_registered_blocks = 0
+        self.num_registered: list[int] = [0]
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
@@ -87,6 +92,11 @@ class Request:
         self.next_prompt_logprob = 1
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The block table of KV cache group 0 (the only one without sliding windows)."""
+        return self.block_tables[0]
 
     @property
     def num_tokens(self) -> int:

@@ -243,15 +243,15 @@ class Scheduler:
             request = self._next_waiting(skip_long=num_long >= self._max_long)
             if request is None:
                 break
-            hits = manager.lookup(request)
-            num_cached = len(hits) * manager.block_size
+            hit = manager.lookup(request)
+            num_cached = hit.num_blocks * manager.block_size
             num_new, long = self._num_new_tokens(request.num_tokens - num_cached, budget, num_long)
-            if num_new == 0 or not manager.can_take(request, hits, num_cached + num_new):
+            if num_new == 0 or not manager.can_take(request, hit, num_cached + num_new):
                 break
             self.waiting.remove(request)
             if request.queue_seconds is None:
                 request.queue_seconds = time.monotonic() - request.arrival_time
-            manager.take(request, hits)
+            manager.take(request, hit)
             manager.allocate(request, num_cached + num_new)
             self._start_running(request)
             self._add(batch, request, num_new)
@@ -382,6 +382,7 @@ class Scheduler:
         for request, num_new in batch.requests:
             request.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(request)
+            self.block_manager.release_behind_window(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
