@@ -1,18 +1,12 @@
-"""One model's serving figures: output tok/s at 1 and 32 concurrent clients, KV bytes per
-token, and the longest context the default KV memory holds.
+"""One model's serving figures: output tok/s at 1 and 32 concurrent clients (its KV
+memory figures: bench/kv_memory.py).
 
     python bench/models.py --model gemma-3-270m --dtype float32
-    python bench/models.py --model gemma-3-270m --max-model-len 512   # while windows bind
 
 Starts ``trio-llm serve --model M`` itself (or measures ``--base-url``), then sends
 ``--requests-1`` requests one at a time and ``--requests-32`` requests 32 at once
 (streaming completions of ``--input-len`` sonnet tokens, ``--output-len`` tokens each, EOS
-ignored; both counts are bounded, so a run takes a minute or two on a CPU). The KV figures
-come from the converted folder's ``config.json`` and the default ``--kv-cache-memory``:
-today the engine keeps every layer's keys and values for the whole context (the longest
-context is also capped by ``max_position_embeddings``); the last figure says how many
-tokens a sliding-window model's cache would hold if its windowed layers kept only their
-window.
+ignored; both counts are bounded, so a run takes a minute or two on a CPU).
 """
 
 from __future__ import annotations
@@ -32,45 +26,11 @@ from common import print_table, sonnet_prompts, write_json
 from serve import run as run_clients
 
 from tests.support.server_process import ServerProcess
-from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, CacheConfig, default_cache_dir
+from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import resolve_dtype, resolve_model_dir
 from trio_llm.text.tokenizer import Tokenizer
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
-
-
-def kv_figures(config: dict, dtype: str, memory: int, block_size: int) -> dict:
-    """KV bytes per token and the longest context ``memory`` holds, from ``config.json``."""
-    layers = config["num_hidden_layers"]
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_layer_token = 2 * kv_heads * head_dim * ITEMSIZE[dtype]  # keys and values
-    per_token = layers * per_layer_token
-    max_positions = config.get("max_position_embeddings") or math.inf
-    kv_tokens = memory // (per_token * block_size) * block_size
-    window = config.get("sliding_window")
-    layer_types = config.get("layer_types") or []
-    windowed = layer_types.count("sliding_attention") if window else 0
-    if windowed:
-        # full layers hold the whole context; windowed layers at most `window` tokens
-        full = layers - windowed
-        budget = memory // per_layer_token - windowed * window
-        kv_tokens_windowed = budget // full if full else math.inf
-    else:
-        kv_tokens_windowed = kv_tokens
-    return {
-        "layers": layers,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "sliding_window": window,
-        "windowed_layers": windowed,
-        "kv_bytes_per_token": per_token,
-        "kv_memory": memory,
-        "kv_cache_tokens": kv_tokens,
-        "max_position_embeddings": config.get("max_position_embeddings"),
-        "max_context": min(kv_tokens, max_positions),
-        "kv_cache_tokens_if_windowed_layers_kept_only_their_window": kv_tokens_windowed,
-    }
 
 
 def served_name(url: str) -> str:
@@ -121,10 +81,7 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model, default_cache_dir())  # converts once
     config = json.loads((model_dir / "config.json").read_text())
     dtype = resolve_dtype(args.dtype, args.device)
-    kv = kv_figures(config, dtype, DEFAULT_KV_CACHE_MEMORY, CacheConfig.block_size)
     print(f"{args.model} ({config.get('model_type')}, {dtype}): {model_dir}")
-    for key, value in kv.items():
-        print(f"  {key}: {value}")
 
     tokenizer = Tokenizer.load(model_dir)
     prompts = sonnet_prompts(tokenizer, args.requests_1 + args.requests_32, args.input_len)
@@ -152,7 +109,7 @@ def main() -> None:
     for row in rows:
         if row["first_error"]:
             print(f"{row['clients']} client(s): first error: {row['first_error']}")
-    write_json(args.json, {"model": args.model, "dtype": dtype, "kv": kv, "runs": rows})
+    write_json(args.json, {"model": args.model, "dtype": dtype, "runs": rows})
 
 
 if __name__ == "__main__":

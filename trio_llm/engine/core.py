@@ -94,7 +94,7 @@ class EngineCore:
         if num_blocks is None:
             memory = config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
             num_blocks = memory // KVCache.bytes_per_block(layers, groups, block_size, dtype)
-        needed = _blocks_for_one_request(
+        needed = blocks_for_one_request(
             groups, max_model_len, block_size, config.scheduler.max_num_batched_tokens
         )
         if num_blocks < needed:
@@ -317,7 +317,7 @@ class EngineCore:
         manager.num_queried_tokens = manager.num_hit_tokens = 0
 
 
-def _blocks_for_one_request(
+def blocks_for_one_request(
     groups: KVGroups, max_model_len: int, block_size: int, max_step_tokens: int
 ) -> int:
     """Blocks one request of ``max_model_len`` tokens may hold at once: every block of a
