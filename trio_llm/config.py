@@ -101,7 +101,10 @@ class CacheConfig:
 
     Attributes:
         block_size: tokens per KV block.
-        num_kv_blocks: number of blocks; overrides ``kv_cache_memory``.
+        num_kv_blocks: number of blocks; overrides ``kv_cache_memory``. A block holds
+            ``block_size`` tokens of the layers of one KV cache group: all layers for most
+            models; with sliding-window layers, a fraction of them (Gemma 3: 3 of 18), so
+            the same count is less memory and its tokens are not the cache's capacity.
         kv_cache_memory: bytes for the KV cache of all layers (keys and values); the block
             count is ``kv_cache_memory // bytes_per_block``. Default `DEFAULT_KV_CACHE_MEMORY`.
         enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before

@@ -374,7 +374,12 @@ def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) 
 
 
 def load_config(model_dir: Path) -> PretrainedConfig:
-    """The transformers configuration of a local model folder (no weights are read)."""
+    """The transformers configuration of a local model folder (no weights are read).
+
+    Raises:
+        OSError: no readable ``config.json``.
+        ValueError: a ``model_type`` transformers does not know.
+    """
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)

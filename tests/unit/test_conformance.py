@@ -170,12 +170,16 @@ class EngineRun:
 
 
 def _config(
-    name: str, num_kv_blocks: int, hybrid: bool, max_model_len: int = MAX_MODEL_LEN
+    name: str,
+    num_kv_blocks: int,
+    hybrid: bool,
+    max_model_len: int = MAX_MODEL_LEN,
+    block_size: int = BLOCK_SIZE,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=name, max_model_len=max_model_len),
         cache=CacheConfig(
-            block_size=BLOCK_SIZE,
+            block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             disable_hybrid_kv_cache_manager=not hybrid,
         ),
@@ -185,19 +189,24 @@ def _config(
 
 @_memo
 def _engine_run(
-    name: str, num_kv_blocks: int | None, prompt_logprobs: bool = False, hybrid: bool = True
+    name: str,
+    num_kv_blocks: int | None,
+    prompt_logprobs: bool = False,
+    hybrid: bool = True,
+    block_size: int = BLOCK_SIZE,
 ) -> EngineRun:
     """All prompts at once through an `EngineCore` on a copy of the model's weights
     (``num_kv_blocks`` None: the fewest the engine accepts). ``hybrid``: sliding-window
     layers free the KV blocks behind their window (the default)."""
     model = engine_copy(build_model(name), ATTENTION_NAME)
-    core = EngineCore(model, _config(name, num_kv_blocks or ROOMY_BLOCKS, hybrid), name)
+    roomy = num_kv_blocks or ROOMY_BLOCKS
+    core = EngineCore(model, _config(name, roomy, hybrid, block_size=block_size), name)
     if num_kv_blocks is None:
         # Room for one request of the longest sequence here, and no more.
         longest = max(map(len, PROMPTS)) + MAX_NEW_TOKENS
-        tight = EngineCore(model, _config(name, ROOMY_BLOCKS, hybrid, longest), name)
+        tight = EngineCore(model, _config(name, roomy, hybrid, longest, block_size), name)
         blocks = tight.min_num_kv_blocks
-        core = EngineCore(model, _config(name, blocks, hybrid, longest), name)
+        core = EngineCore(model, _config(name, blocks, hybrid, longest, block_size), name)
     params = SamplingParams(
         max_tokens=1 if prompt_logprobs else MAX_NEW_TOKENS,
         temperature=0.0,
@@ -209,7 +218,7 @@ def _engine_run(
         assert core.add_request(AddRequest(f"p{i}", prompt, params)) is None
     run = EngineRun([[] for _ in PROMPTS], [[] for _ in PROMPTS], [[] for _ in PROMPTS], 0, 0)
     run.windows = core.kv_groups.windows
-    block_bytes = KVCache.bytes_per_block(core.layers, core.kv_groups, BLOCK_SIZE, torch.float32)
+    block_bytes = KVCache.bytes_per_block(core.layers, core.kv_groups, block_size, torch.float32)
     manager = core.block_manager
     while core.has_unfinished_requests():
         assert run.num_steps < MAX_STEPS, "the engine does not finish"
@@ -332,6 +341,21 @@ def test_every_block_kept_is_exact_too(name: str) -> None:
     assert run.tokens == expected, _first_difference(expected, run.tokens)
     for prompt, entries in zip(PROMPTS, run.logprobs, strict=True):
         _check_logprobs(name, prompt, entries, len(prompt))
+
+
+@pytest.mark.parametrize("block_size", [3, 16])
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3_text"])
+def test_windows_across_block_boundaries(name: str, block_size: int) -> None:
+    """Blocks of 3 (the window of 8 spans parts of 3 or 4 blocks) and of 16 (wider than
+    the window): batched, then preempted, with window groups freeing blocks; the tokens
+    and logprobs of generate()."""
+    expected = _generate(name)
+    for blocks in (ROOMY_BLOCKS, TINY_BLOCKS):
+        run = _engine_run(name, blocks, False, True, block_size)
+        assert run.tokens == expected, _first_difference(expected, run.tokens)
+        for prompt, entries in zip(PROMPTS, run.logprobs, strict=True):
+            _check_logprobs(name, prompt, entries, len(prompt))
+    assert run.num_preemptions > 0, "the small cache did not force a preemption"
 
 
 @pytest.mark.parametrize("name", VERIFIED)

@@ -20,10 +20,10 @@ def _config(model_type: str, **fields):
     ("model_type", "fields"),
     [
         ("llama", {}),
-        ("mistral", {"sliding_window": 16}),  # windows are implemented
-        ("gemma2", {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
-        ("gemma3_text", {"sliding_window": 512}),
-        ("granite", {"logits_scaling": 8.0}),  # the model's own head applies it
+        ("mistral", {}),
+        ("gemma2", {}),
+        ("gemma3_text", {}),
+        ("granite", {}),
         ("gpt_neox", {}),
     ],
 )

@@ -12,7 +12,8 @@ the layer's new keys and values are written into the cache at ``slot_mapping``, 
   (small enough to stay in the CPU cache until attention reads it) and masked past each
   request's length;
 - requests with several new tokens (prefill chunks) are attended one by one, causally,
-  over their whole context (straight from the new keys when there is no earlier context).
+  over their context (straight from the new keys when there is no earlier context; in a
+  sliding-window layer, from the first key the chunk's first query sees).
 
 Each layer's own attention is kept: its softmax ``scaling``, its ``sliding_window`` (a
 query at position ``p`` sees the keys at positions ``p - window + 1 .. p``, as transformers'
@@ -142,6 +143,16 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
+        """
+        Args:
+            layers: one spec per layer, indexed by ``layer_idx`` (`probe_layers`).
+            groups: how the layers share the cache (`KVGroups.plan`).
+            num_blocks: blocks in the pool (each ``block_size`` tokens of one group's
+                layers).
+            block_size: tokens per block.
+            dtype: of the keys and values (the model's).
+            device: where the tensors live.
+        """
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layers = tuple(layers)

@@ -10,8 +10,9 @@ registered keys takes those blocks (reference count + 1) instead of computing th
 Freed blocks keep their key and stay reusable until the allocator needs a fresh block:
 free blocks are handed out least recently freed first (LRU eviction), and a request's
 blocks are freed last block first, so the tail of a sequence is evicted before its
-prefix. This is the policy of vLLM V1's KV cache manager; the key is a cryptographic hash
-so that one client cannot craft a prompt whose blocks collide with another's.
+prefix (blocks a sliding window left behind were freed earlier, and go first). This is
+the policy of vLLM V1's KV cache manager; the key is a cryptographic hash so that one
+client cannot craft a prompt whose blocks collide with another's.
 
 KV cache groups (vLLM's hybrid KV cache manager): a model whose layers attend differently
 (Gemma 3: 15 layers with a 512-token window, 3 over the whole context) has its layers
@@ -24,6 +25,7 @@ prefix-cache hit needs, in such a group, only the blocks inside the window befor
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections.abc import Sequence
@@ -123,7 +125,9 @@ class BlockManager:
         return request.block_tables
 
     def first_needed_block(self, group: int, num_computed: int) -> int:
-        """First block of ``group`` the token at position ``num_computed`` attends to."""
+        """Index (in a block table) of the first block of ``group`` that the token at
+        position ``num_computed`` (the next one to compute) attends to: 0 for full
+        attention."""
         window = self.windows[group]
         if window is None:
             return 0
@@ -172,11 +176,14 @@ class BlockManager:
             self._free[block] = None
 
     def free(self, request: Request) -> None:
-        """Drop ``request``'s hold on its blocks (last block first) and clear its tables."""
-        for table in self._tables(request):
-            for block in reversed(table):
-                if block != NO_BLOCK:
-                    self._release(block)
+        """Drop ``request``'s hold on its blocks and clear its tables. Blocks are freed
+        last position first, across the groups alike, so eviction takes a sequence's
+        tail before its prefix in every group."""
+        tables = self._tables(request)
+        for index in range(max(map(len, tables)) - 1, -1, -1):
+            for table in tables:
+                if index < len(table) and table[index] != NO_BLOCK:
+                    self._release(table[index])
         request.block_tables = [[] for _ in self.windows]
         request.num_registered = [0] * len(self.windows)
 
@@ -224,14 +231,18 @@ class BlockManager:
                 blocks.append(block)
             found.append(blocks)
         num_blocks = min(len(blocks) for blocks in found)
-        while num_blocks > 0 and not all(
-            None
-            not in found[group][
-                self.first_needed_block(group, num_blocks * self.block_size) : num_blocks
-            ]
-            for group in groups
-        ):
-            num_blocks -= 1
+        # In a window group, a missing block at index m < num_blocks stops the hit at m
+        # unless it lies behind the window of position num_blocks * block_size.
+        missing = [[i for i, block in enumerate(blocks) if block is None] for blocks in found]
+        while num_blocks > 0:
+            for group in groups:
+                stop = bisect.bisect_left(missing[group], num_blocks)
+                last = missing[group][stop - 1] if stop else -1
+                if last >= self.first_needed_block(group, num_blocks * self.block_size):
+                    num_blocks = last
+                    break
+            else:
+                break
         tables = []
         for group in groups:
             first = self.first_needed_block(group, num_blocks * self.block_size)

@@ -334,7 +334,8 @@ def blocks_for_one_request(
 
 
 def _describe_groups(groups: KVGroups, num_blocks: int, block_size: int) -> str:
-    """E.g. ``"KV cache: 6 groups of 3 layers (5 with a 512-token window), 9000 blocks"``."""
+    """E.g. ``"KV cache: 6 groups of 3 layers (5 freeing blocks behind a window), 21845
+    blocks of 16 tokens"``."""
     windowed = sum(1 for window in groups.windows if window is not None)
     count = len(groups.windows)
     text = f"KV cache: {count} group{'s' if count > 1 else ''} of {groups.group_size} layers"
@@ -344,7 +345,7 @@ def _describe_groups(groups: KVGroups, num_blocks: int, block_size: int) -> str:
 
 
 def _describe_layers(layers: list[LayerSpec]) -> str:
-    """E.g. ``"18 attention layers (15 with a 512-token window), 1 KV head of 256"``."""
+    """E.g. ``"18 attention layers (15 with a 512-token window), 1 KV heads of 256"``."""
     windows = sorted({spec.sliding_window for spec in layers if spec.sliding_window})
     windowed = sum(1 for spec in layers if spec.sliding_window)
     parts = [f"{len(layers)} attention layers"]

@@ -95,7 +95,8 @@ class Request:
 
     @property
     def block_table(self) -> list[int]:
-        """The block table of KV cache group 0 (the only one without sliding windows)."""
+        """The block table of KV cache group 0 (the only group of a model without
+        sliding windows; with them, possibly a window group with ``NO_BLOCK`` entries)."""
         return self.block_tables[0]
 
     @property
