@@ -180,7 +180,10 @@ class Tokenizer:
             ChatTemplateError: the model has no chat template or rendering failed.
         """
         if not self.chat_template:
-            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+            raise ChatTemplateError(
+                "this model has no chat template: send a plain prompt (/v1/completions), or "
+                "give it one with --chat-template (chat_template in the embedding API)"
+            )
         try:
             return render_chat(
                 self.chat_template,
