@@ -26,6 +26,27 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY = 0.01
 
 
+#: `StructuredOutput.kind` values.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A constraint on a request's output, enforced token by token (vLLM's
+    ``structured_outputs``).
+
+    Attributes:
+        kind: ``"json"`` (``spec`` is a JSON Schema, as JSON text), ``"json_object"``
+            (any JSON object; ``spec`` unused), ``"regex"`` (``spec`` is a regular
+            expression the whole output matches), ``"choice"`` (``spec`` is a JSON list
+            of strings, the output is one of them) or ``"grammar"`` (``spec`` is a Lark
+            grammar, llguidance's dialect).
+        spec: the schema, expression, choices or grammar.
+    """
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the engine picks each output token and when it stops (a subset of vLLM's).
 
@@ -71,6 +92,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         include_stop_str_in_output: keep the matched stop string, or the stop token's
             text, in the output.
         skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
+        structured_output: constrain the output to a JSON Schema, a regex, a choice or a
+            grammar (`StructuredOutput`); None: unconstrained.
     """
 
     max_tokens: int = 16
@@ -91,6 +114,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field that is out of range.
@@ -126,6 +150,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be non-negative")
+        so = self.structured_output
+        if so is not None and so.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise ValueError(f"structured_output.kind must be one of {STRUCTURED_OUTPUT_KINDS}")
         if vocab_size is None:
             return
         ids = [token for token, _ in self.logit_bias] + list(self.stop_token_ids)

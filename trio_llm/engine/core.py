@@ -22,6 +22,7 @@ from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, Prompt
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
+from trio_llm.engine.structured import GrammarCompiler, StructuredOutputError
 from trio_llm.engine.support import check_context, check_supported, describe
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import (
@@ -148,6 +149,8 @@ class EngineCore:
             "the output projection" if self.runner.lm_head_weight is not None else "its own head",
         )
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
+        #: Matchers for constrained outputs (the tokenizer is loaded on first use).
+        self.grammars = GrammarCompiler(model_dir, self.runner.vocab_size, self.info.eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -190,9 +193,16 @@ class EngineCore:
         error = self._check(message)
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
-        self.scheduler.add(
-            Request(message.request_id, message.prompt_token_ids, message.params, message.group)
+        request = Request(
+            message.request_id, message.prompt_token_ids, message.params, message.group
         )
+        if message.params.structured_output is not None:
+            try:
+                request.matcher = self.grammars.matcher(message.params.structured_output)
+            except StructuredOutputError as exc:
+                error = f"structured_output: {exc}"
+                return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
+        self.scheduler.add(request)
         return None
 
     def _check(self, message: AddRequest) -> str | None:
@@ -249,6 +259,9 @@ class EngineCore:
             }
             tokens = dict(zip(result.requests, sampled.token_ids, strict=True))
             logprobs = dict(zip(result.requests, sampled.logprobs, strict=True))
+            for request, token in tokens.items():
+                if request.matcher is not None and not request.matcher.consume_token(token):
+                    request.error = f"structured output: {request.matcher.get_error()}"
             self.scheduler.update(batch, {r.request_id: t for r, t in tokens.items()})
             for request, _ in batch.requests:
                 token = tokens.get(request)
@@ -261,6 +274,7 @@ class EngineCore:
                     request.request_id,
                     new_tokens,
                     request.finish_reason,
+                    error=request.error,
                     logprobs=[entry] if entry is not None and new_tokens else None,
                     prompt_logprobs=entries,
                 )

@@ -130,6 +130,11 @@ class ModelRunner:
         if _is_plain_projection(model, head) and self._head.agrees_with(head.weight):
             self.lm_head_weight = head.weight
 
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits (rows of the output projection)."""
+        return self._head.vocab_size
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one forward pass over the batch.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import torch
 
@@ -52,9 +53,11 @@ class Request:
         "arrival_time",
         "block_keys",
         "block_tables",
+        "error",
         "finish_reason",
         "generator",
         "group",
+        "matcher",
         "next_prompt_logprob",
         "num_computed_tokens",
         "num_prompt_tokens",
@@ -90,6 +93,11 @@ class Request:
         self.queue_seconds: float | None = None
         self.queue_time_reported = False
         self.next_prompt_logprob = 1
+        #: The llguidance matcher of a constrained output (`trio_llm.engine.structured`).
+        self.matcher: Any = None
+        #: Why the engine ended the request (finish_reason "abort"), e.g. a token the
+        #: matcher rejected.
+        self.error: str | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

@@ -25,6 +25,7 @@ import torch
 
 from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.request import Request
+from trio_llm.engine.structured import apply_masks
 from trio_llm.messages import TokenLogprobs
 
 
@@ -113,13 +114,18 @@ class Sampler:
         return (
             params.greedy
             and params.logprobs is None
+            and request.matcher is None
             and not params.logit_bias
             and not params.has_penalties
             and request.num_output_tokens >= params.min_tokens
         )
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Apply logit_bias, the min_tokens mask and the penalties in place."""
+        """Apply the structured-output masks, logit_bias, the min_tokens mask and the
+        penalties in place."""
+        constrained = [(row, r.matcher) for row, r in enumerate(requests) if r.matcher is not None]
+        if constrained:
+            apply_masks(logits, constrained)
         for row, request in enumerate(requests):
             params = request.params
             if params.logit_bias:

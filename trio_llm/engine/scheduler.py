@@ -408,6 +408,10 @@ class Scheduler:
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params
+        if request.error is not None:
+            return "abort"
+        if request.matcher is not None and request.matcher.is_stopped():
+            return "stop"  # the grammar is complete (EOS, or nothing can follow)
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
