@@ -34,7 +34,7 @@ from trio_llm.errors import (
     ModelNotFoundError,
     RequestRejectedError,
 )
-from trio_llm.messages import SamplingParams
+from trio_llm.messages import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from trio_llm.async_engine import AsyncEngine, GenerationOutput, open_engine
@@ -70,6 +70,7 @@ __all__ = [
     "ModelNotFoundError",
     "RequestRejectedError",
     "SamplingParams",
+    "StructuredOutput",
     "SchedulerConfig",
     "ServerConfig",
     "__version__",

@@ -10,7 +10,9 @@ repeated schema is compiled once.
 
 from __future__ import annotations
 
+import functools
 import json
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,12 +136,22 @@ def apply_masks(logits: torch.Tensor, matchers: list[tuple[int, llguidance.LLMat
         logits: float32 ``[N, vocab]`` on the CPU.
         matchers: ``(row, matcher)`` for the constrained rows.
     """
-    import llguidance.torch
-
-    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    llg_torch = _llguidance_torch()
+    bitmask = llg_torch.allocate_token_bitmask(len(matchers), logits.shape[-1])
     for index, (_, matcher) in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
+        llg_torch.fill_next_token_bitmask(matcher, bitmask, index)
     rows = torch.tensor([row for row, _ in matchers])
     constrained = logits[rows]
-    llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask)
+    llg_torch.apply_token_bitmask_inplace(constrained, bitmask)
     logits[rows] = constrained
+
+
+@functools.cache
+def _llguidance_torch() -> Any:
+    """``llguidance.torch``, imported once without the DeprecationWarning its
+    ``torch.jit.script`` kernel raises on this torch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import llguidance.torch
+
+    return llguidance.torch

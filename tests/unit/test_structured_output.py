@@ -1,0 +1,172 @@
+"""Constrained decoding in the engine (`SamplingParams.structured_output`): an in-process
+`EngineCore` on the tiny random model with SmolLM2's tokenizer. A random model is the
+hardest client: whatever it would say, every finished output must be valid."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from trio_llm.engine.core import EngineCore
+from trio_llm.messages import AddRequest, SamplingParams, StructuredOutput
+from trio_llm.model_loader import load_model
+
+#: Runs an engine core in this process: the slow tier.
+pytestmark = pytest.mark.slow
+
+PROMPT = [1, 2, 3, 4, 5]
+SAMPLES = 12
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "integer", "minimum": -5, "maximum": 5},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2},
+    {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "label": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 4}]},
+        },
+        "required": ["point", "label"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3},
+    {"type": "boolean"},
+    {"const": "fixed"},
+]
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir: Path) -> EngineCore:
+    model = load_model(tiny_model_dir, "float32", "sdpa")
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir), max_model_len=512),
+        cache=CacheConfig(num_kv_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
+    )
+    return EngineCore(model, config, str(tiny_model_dir))
+
+
+def _run(core: EngineCore, requests: dict[str, SamplingParams]) -> dict[str, dict]:
+    """Every request at once; per request its tokens, finish_reason, error, logprobs."""
+    results: dict[str, dict] = {}
+    for request_id, params in requests.items():
+        rejected = core.add_request(AddRequest(request_id, PROMPT, params))
+        results[request_id] = {"tokens": [], "logprobs": [], "finish": None, "error": None}
+        if rejected is not None:
+            results[request_id].update(finish=rejected.finish_reason, error=rejected.error)
+    while core.has_unfinished_requests():
+        for output in core.step().outputs:
+            result = results[output.request_id]
+            result["tokens"] += output.new_token_ids
+            result["logprobs"] += output.logprobs or []
+            if output.finish_reason is not None:
+                result["finish"], result["error"] = output.finish_reason, output.error
+    return results
+
+
+def _params(kind: str, spec: str = "", seed: int = 0, **fields: object) -> SamplingParams:
+    fields.setdefault("max_tokens", 64)
+    return SamplingParams(
+        temperature=1.0, seed=seed, structured_output=StructuredOutput(kind, spec), **fields
+    )
+
+
+def test_sampled_json_validates_against_its_schema(core: EngineCore, smol_tokenizer) -> None:
+    requests = {
+        f"s{i}-{n}": _params("json", json.dumps(schema), seed=n)
+        for i, schema in enumerate(SCHEMAS)
+        for n in range(SAMPLES)
+    }
+    results = _run(core, requests)
+    for request_id, result in results.items():
+        schema = SCHEMAS[int(request_id[1:].split("-")[0])]
+        assert result["finish"] == "stop", (schema, result)
+        text = smol_tokenizer.decode(result["tokens"])
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_choice_and_grammar(core: EngineCore, smol_tokenizer) -> None:
+    regex = r"[a-z]{2,5}-[0-9]{2}"
+    choices = ["yes", "no", "not sure"]
+    grammar = 'start: "(" NUMBER ("+" NUMBER)* ")"\nNUMBER: /[0-9]{1,3}/'
+    requests = {}
+    for n in range(SAMPLES):
+        requests[f"regex-{n}"] = _params("regex", regex, seed=n)
+        requests[f"choice-{n}"] = _params("choice", json.dumps(choices), seed=n)
+        requests[f"grammar-{n}"] = _params("grammar", grammar, seed=n)
+    results = _run(core, requests)
+    for request_id, result in results.items():
+        text = smol_tokenizer.decode(result["tokens"])
+        kind = request_id.split("-")[0]
+        if kind == "regex":
+            assert result["finish"] == "stop" and re.fullmatch(regex, text), text
+        elif kind == "choice":
+            assert result["finish"] == "stop" and text in choices, text
+        else:
+            assert result["finish"] == "stop", result
+            assert re.fullmatch(r"\(\d{1,3}(\+\d{1,3})*\)", text), text
+
+
+def test_a_constrained_output_cut_by_max_tokens_ends_with_length(core: EngineCore) -> None:
+    schema = {"type": "array", "items": {"type": "string"}, "minItems": 50}
+    results = _run(core, {"cut": _params("json", json.dumps(schema), max_tokens=5)})
+    assert results["cut"]["finish"] == "length" and len(results["cut"]["tokens"]) == 5
+
+
+def test_logprobs_describe_the_masked_distribution(core: EngineCore, smol_tokenizer) -> None:
+    choices = ["yes", "no"]
+    params = _params("choice", json.dumps(choices), logprobs=20)
+    entry = _run(core, {"lp": params})["lp"]["logprobs"][0]
+
+    def allowed(token: int) -> bool:  # the token starts one of the choices
+        text = smol_tokenizer.decode([token])
+        return bool(text) and any(choice.startswith(text) for choice in choices)
+
+    assert allowed(entry.token_id) and entry.logprob > -1e30
+    pairs = zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+    finite = [token for token, logprob in pairs if logprob > -1e30]
+    assert finite and all(allowed(token) for token in finite)
+    # Some of the 20 best are outside the mask: they are reported with -inf.
+    assert len(finite) < len(entry.top_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "reason"),
+    [
+        ("json", json.dumps({"type": "array", "uniqueItems": True}), "uniqueItems"),
+        ("json", json.dumps({"not": {"type": "string"}}), "not"),
+        ("json", json.dumps({"type": "strng"}), "strng"),
+        ("json", "{not json", "structured_output"),
+        ("regex", "[a-z", "structured_output"),
+        ("choice", "[]", "non-empty list"),
+        ("grammar", "start: undefined_rule", "structured_output"),
+    ],
+)
+def test_what_cannot_be_enforced_is_refused_with_the_reason(
+    core: EngineCore, kind: str, spec: str, reason: str
+) -> None:
+    result = _run(core, {"bad": _params(kind, spec)})["bad"]
+    assert result["finish"] == "abort" and result["tokens"] == []
+    assert result["error"].startswith("structured_output: ") and reason in result["error"]
