@@ -70,9 +70,9 @@ __all__ = [
     "ModelNotFoundError",
     "RequestRejectedError",
     "SamplingParams",
-    "StructuredOutput",
     "SchedulerConfig",
     "ServerConfig",
+    "StructuredOutput",
     "__version__",
     "open_engine",
 ]
