@@ -41,6 +41,16 @@ def test_eos_text_is_left_out_and_stop_reason_is_none(smol_tokenizer) -> None:
     assert choice.num_output_tokens == len(tokens)
 
 
+def test_a_stop_on_a_content_token_keeps_its_text(smol_tokenizer) -> None:
+    # A structured output whose grammar is complete stops on its last content token.
+    tokens = smol_tokenizer.encode('{"a":1}', add_special_tokens=False)
+    choice = _choice(smol_tokenizer, SamplingParams())
+    pieces = _feed(choice, tokens, finish="stop")
+    assert choice.text == '{"a":1}'
+    assert (pieces[-1].finish_reason, pieces[-1].stop_reason) == ("stop", None)
+    assert [entry.token_id for piece in pieces for entry in piece.logprobs] == tokens
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_token_sets_stop_reason(smol_tokenizer, include: bool) -> None:
     tokens = smol_tokenizer.encode(" one two.", add_special_tokens=False)

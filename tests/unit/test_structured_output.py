@@ -11,6 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from trio_llm import open_engine
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.core import EngineCore
 from trio_llm.messages import AddRequest, SamplingParams, StructuredOutput
@@ -170,3 +171,29 @@ def test_what_cannot_be_enforced_is_refused_with_the_reason(
     result = _run(core, {"bad": _params(kind, spec)})["bad"]
     assert result["finish"] == "abort" and result["tokens"] == []
     assert result["error"].startswith("structured_output: ") and reason in result["error"]
+
+
+@pytest.mark.parametrize("mode", ["inline", "process"])
+async def test_the_embedding_api_streams_the_whole_constrained_text(
+    tiny_model_dir: Path, mode: str
+) -> None:
+    """Through the real engine process (and the detokenizer child): the text ends with
+    the grammar's last token, which is content, not a stop token."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutput("json", json.dumps(schema))
+    args = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 256}
+    async with open_engine(tiny_model_dir, detokenizer_mode=mode, **args) as engine:
+        for seed in range(3):
+            params = SamplingParams(max_tokens=64, seed=seed, structured_output=spec)
+            async with engine.generate("Where?", params) as generation:
+                outputs = [output async for output in generation]
+            text = "".join(output.text for output in outputs)
+            assert outputs[-1].finish_reason == "stop"
+            ids = [token for output in outputs for token in output.token_ids]
+            assert text == engine.tokenizer.decode(ids)
+            jsonschema.validate(json.loads(text), schema)

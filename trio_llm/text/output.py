@@ -134,7 +134,10 @@ class RequestDetokenizer:
             last = token_ids[-1]
             if last in self.params.stop_token_ids and last not in self.eos_token_ids:
                 stop_reason = last
-            if not self.params.include_stop_str_in_output:
+            # A "stop" on any other token (a structured output whose grammar is complete)
+            # ends on content, which stays in the text.
+            is_stop_token = last in self.params.stop_token_ids or last in self.eos_token_ids
+            if is_stop_token and not self.params.include_stop_str_in_output:
                 # The stop token is not part of the text, so not of the logprobs either
                 # (OpenAI: the logprob tokens spell the content).
                 text_tokens = token_ids[:-1]
