@@ -32,6 +32,7 @@ INLINE_ONLY_MODULES = {
     "test_hostile_clients",
     "test_prefix_caching",
     "test_sampling_params",
+    "test_structured_output_api",
     "test_tokenize",
 }
 

@@ -10,6 +10,7 @@ unknown fields are ignored, as OpenAI does.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -25,7 +26,8 @@ from pydantic import (
 )
 
 from trio_llm.api.errors import bad_request
-from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams
+from trio_llm.engine.structured import StructuredOutputError, check_structured_output
+from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
 
 #: Largest integer accepted where the engine takes a 64-bit or 32-bit value.
 INT32_MAX = 2**31 - 1
@@ -78,7 +80,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, False, True),
     "prediction": (None,),
     "audio": (None,),
@@ -88,11 +89,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "continue_final_message": (None, False),
@@ -142,6 +138,14 @@ class GenerationRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # Structured output (OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields); at most one of them, see `structured_output`.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -229,7 +233,40 @@ class GenerationRequest(BaseModel):
             stop=self.stop_strings,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_output=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint this request asks for, checked (no tokenizer needed).
+
+        Raises:
+            APIError: a 400 naming the field: more than one constraint, a malformed one,
+                or one the grammar library cannot enforce (an unimplemented JSON Schema
+                keyword, for example).
+        """
+        found = [
+            (name, spec)
+            for name, spec in (
+                ("response_format", _from_response_format(self.response_format)),
+                ("structured_outputs", _from_structured_outputs(self.structured_outputs)),
+                ("guided_json", _json_spec(self.guided_json, "guided_json")),
+                ("guided_regex", _plain("regex", self.guided_regex)),
+                ("guided_choice", _choice_spec(self.guided_choice, "guided_choice")),
+                ("guided_grammar", _plain("grammar", self.guided_grammar)),
+            )
+            if spec is not None
+        ]
+        if not found:
+            return None
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise bad_request(f"give one output constraint, not several ({names})", found[1][0])
+        name, spec = found[0]
+        try:
+            check_structured_output(spec)
+        except StructuredOutputError as exc:
+            raise bad_request(f"{name}: {exc}", name) from exc
+        return spec
 
     @property
     def include_usage(self) -> bool:
@@ -300,3 +337,83 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+
+
+def _json_spec(value: Any, name: str) -> StructuredOutput | None:
+    """A JSON Schema given as an object or as JSON text."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise bad_request(f"{name}: the schema is not valid JSON ({exc})", name) from exc
+    if not isinstance(value, dict | bool):
+        raise bad_request(f"{name}: a JSON Schema must be an object", name)
+    return StructuredOutput("json", json.dumps(value))
+
+
+def _plain(kind: str, value: str | None) -> StructuredOutput | None:
+    return None if value is None else StructuredOutput(kind, value)
+
+
+def _choice_spec(value: list[str] | None, name: str) -> StructuredOutput | None:
+    if value is None:
+        return None
+    if not value:
+        raise bad_request(f"{name} must list at least one choice", name)
+    return StructuredOutput("choice", json.dumps(value))
+
+
+def _from_response_format(value: dict[str, Any] | None) -> StructuredOutput | None:
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text" and len(value) == 1:
+        return None
+    if kind == "json_object" and len(value) == 1:
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        schema = value.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
+            raise bad_request(
+                "response_format.json_schema must be an object with a name and a schema",
+                "response_format",
+            )
+        return _json_spec(schema.get("schema", {}), "response_format")
+    raise bad_request(
+        "response_format must be {type: text}, {type: json_object} or {type: json_schema, "
+        "json_schema: {name, schema, strict}}",
+        "response_format",
+    )
+
+
+#: vLLM's ``structured_outputs`` keys and the `StructuredOutput` kind of each.
+_STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _from_structured_outputs(value: dict[str, Any] | None) -> StructuredOutput | None:
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar,
+    json_object (other keys: a 400)."""
+    if value is None:
+        return None
+    name = "structured_outputs"
+    given = {key: v for key, v in value.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(_STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise bad_request(f"{name}: {unknown} are not supported by this server", name)
+    if len(given) != 1:
+        raise bad_request(f"{name} must give one of {list(_STRUCTURED_OUTPUTS_KEYS)}", name)
+    ((key, spec),) = given.items()
+    if key == "json":
+        return _json_spec(spec, name)
+    if key == "json_object":
+        return StructuredOutput("json_object")
+    if key == "choice":
+        if not isinstance(spec, list) or not all(isinstance(c, str) for c in spec):
+            raise bad_request(f"{name}.choice must be a list of strings", name)
+        return _choice_spec(spec, name)
+    if not isinstance(spec, str):
+        raise bad_request(f"{name}.{key} must be a string", name)
+    return StructuredOutput(key, spec)

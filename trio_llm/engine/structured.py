@@ -17,12 +17,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from trio_llm.messages import StructuredOutput
 
 if TYPE_CHECKING:
     import llguidance
+    import torch
 
 #: JSON without optional whitespace (as ``json.dumps(separators=(",", ":"))`` writes it):
 #: a model cannot spend its tokens on blank space between the fields.
@@ -84,27 +83,38 @@ class GrammarCompiler:
         return matcher
 
     def _grammar(self, spec: StructuredOutput) -> str:
-        import llguidance
 
         key = (spec.kind, spec.spec)
         grammar = self._grammars.get(key)
         if grammar is not None:
             self._grammars.move_to_end(key)
             return grammar
-        try:
-            grammar = _grammar_source(spec, llguidance.LLMatcher)
-        except (ValueError, TypeError) as exc:
-            raise StructuredOutputError(str(exc)) from exc
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer
-        )
-        if is_error or messages:
-            # A warning is an unimplemented keyword: refused, never silently unenforced.
-            raise StructuredOutputError("; ".join(messages) or "invalid grammar")
+        grammar = check_structured_output(spec, self.tokenizer)
         self._grammars[key] = grammar
         if len(self._grammars) > GRAMMAR_CACHE_SIZE:
             self._grammars.popitem(last=False)
         return grammar
+
+
+def check_structured_output(spec: StructuredOutput, tokenizer: Any = None) -> str:
+    """llguidance's grammar for ``spec``, checked (with or without the model's tokenizer:
+    the API process checks without one, before the request reaches the engine).
+
+    Raises:
+        StructuredOutputError: malformed, or using what llguidance does not implement (a
+            warning, such as an unknown JSON Schema keyword, is refused too: never
+            silently unenforced).
+    """
+    import llguidance
+
+    try:
+        grammar = _grammar_source(spec, llguidance.LLMatcher)
+    except (ValueError, TypeError) as exc:
+        raise StructuredOutputError(str(exc)) from exc
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if is_error or messages:
+        raise StructuredOutputError("; ".join(messages) or "invalid grammar")
+    return grammar
 
 
 def _grammar_source(spec: StructuredOutput, matcher: Any) -> str:
@@ -136,6 +146,8 @@ def apply_masks(logits: torch.Tensor, matchers: list[tuple[int, llguidance.LLMat
         logits: float32 ``[N, vocab]`` on the CPU.
         matchers: ``(row, matcher)`` for the constrained rows.
     """
+    import torch
+
     llg_torch = _llguidance_torch()
     bitmask = llg_torch.allocate_token_bitmask(len(matchers), logits.shape[-1])
     for index, (_, matcher) in enumerate(matchers):
