@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -146,6 +147,8 @@ class GenerationRequest(BaseModel):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    _structured_output: StructuredOutput | None = PrivateAttr(default=None)
+    _structured_checked: bool = PrivateAttr(default=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -236,14 +239,29 @@ class GenerationRequest(BaseModel):
             structured_output=self.structured_output(),
         )
 
+    @property
+    def asks_for_structured_output(self) -> bool:
+        """Whether any structured-output field is given (its check grows with the spec:
+        the server runs `structured_output` in a worker thread first)."""
+        fields = (self.response_format, self.structured_outputs, self.guided_json)
+        others = (self.guided_regex, self.guided_choice, self.guided_grammar)
+        return any(value is not None for value in (*fields, *others))
+
     def structured_output(self) -> StructuredOutput | None:
-        """The output constraint this request asks for, checked (no tokenizer needed).
+        """The output constraint this request asks for, checked (no tokenizer needed);
+        computed once, later calls return the same result.
 
         Raises:
             APIError: a 400 naming the field: more than one constraint, a malformed one,
                 or one the grammar library cannot enforce (an unimplemented JSON Schema
                 keyword, for example).
         """
+        if not self._structured_checked:
+            self._structured_output = self._check_structured_output()
+            self._structured_checked = True
+        return self._structured_output
+
+    def _check_structured_output(self) -> StructuredOutput | None:
         found = [
             (name, spec)
             for name, spec in (

@@ -160,6 +160,9 @@ class OpenAIServing:
         if sum(map(len, stops)) > INLINE_STOP_CHARS:
             # Build the automaton off the loop; the choices then find it in the cache.
             await trio.to_thread.run_sync(compile_stops, tuple(dict.fromkeys(stops)))
+        if request.asks_for_structured_output:
+            # Parse and check the spec off the loop; `_params` then finds the result.
+            await trio.to_thread.run_sync(request.structured_output)
 
     def _params(
         self,
