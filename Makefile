@@ -30,7 +30,8 @@ test-gemma3: gemma3
 	HF_HUB_OFFLINE=1 TRIO_LLM_GEMMA3=1 $(BIN)/pytest tests/e2e/test_gemma3.py
 
 serve: install
-	HF_HUB_OFFLINE=1 $(BIN)/trio-llm serve --host $(HOST) --port $(PORT)
+	HF_HUB_OFFLINE=1 $(BIN)/trio-llm serve --host $(HOST) --port $(PORT) \
+		--enable-auto-tool-choice --tool-call-parser hermes
 
 lint: install
 	$(BIN)/ruff check trio_llm tests bench examples

@@ -18,6 +18,7 @@ from trio_llm.config import (
     DTYPES,
     GEMMA3_270M_MODEL,
     RESTART_MODES,
+    TOOL_CALL_PARSERS,
     CacheConfig,
     RequestLimits,
     RestartPolicy,
@@ -217,6 +218,19 @@ def build_parser() -> argparse.ArgumentParser:
         "model's own, e.g. for a model that has none",
     )
     serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default when a request has tools): the model '
+        "decides, and --tool-call-parser reads its calls out of the text",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: "
+        "Hermes, Qwen, and the SmolLM2 template trio_llm ships) or llama3_json",
+    )
+    serve.add_argument(
         "--allowed-origins",
         nargs="+",
         default=[],
@@ -349,6 +363,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine_step_timeout=args.engine_step_timeout or None,
         api_key=args.api_key if args.api_key is not None else default_api_key(),
         chat_template=read_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),

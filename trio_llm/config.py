@@ -46,6 +46,9 @@ DETOKENIZER_MODES = ("inline", "process")
 #: What the supervisor does when an engine child dies or hangs (``--engine-restart``).
 RESTART_MODES = ("never", "on-failure")
 
+#: ``--tool-call-parser`` names (`trio_llm.api.tools`).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
 
 def default_cache_dir() -> Path:
     """The folder for converted model weights: $TRIO_LLM_CACHE_DIR, else ~/.cache/trio_llm."""
@@ -341,6 +344,10 @@ class ServerConfig:
             process (the detokenizer) between the API server and the engine core.
         chat_template: the Jinja chat template text to use instead of the model's own
             (``--chat-template``); None keeps the model's.
+        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (the default when a request
+            has tools), reading calls out of the text with ``tool_call_parser``.
+        tool_call_parser: the format of the model's tool calls (`TOOL_CALL_PARSERS`);
+            required by ``enable_auto_tool_choice``.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -363,6 +370,8 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     request_body_timeout: float = 30.0
     detokenizer_mode: str = "inline"
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -399,6 +408,16 @@ class ServerConfig:
             raise ValueError("engine_step_timeout must be positive (or None for no limit)")
         if not self.shutdown_timeout >= 0:
             raise ValueError("shutdown_timeout must not be negative")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser (one of "
+                f"{', '.join(TOOL_CALL_PARSERS)})"
+            )
         if self.detokenizer_mode not in DETOKENIZER_MODES:
             raise ValueError(
                 f"detokenizer_mode must be one of {DETOKENIZER_MODES}, "

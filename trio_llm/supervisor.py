@@ -110,6 +110,9 @@ async def serve(
                 max_num_waiting_requests=config.max_num_waiting_requests,
                 limits=config.limits,
                 request_body_timeout=config.request_body_timeout,
+                tool_call_parser=config.tool_call_parser
+                if config.enable_auto_tool_choice
+                else None,
             )
             app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
             connection_guard.install()  # one connection's protocol error ends only it

@@ -15,9 +15,11 @@ carries an echoed prompt) went out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
+from trio_llm.api.tools import CallDelta, ToolCallParser
 from trio_llm.text.choice import Choice, ChoiceDelta
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -87,8 +89,9 @@ class ResponseFormat:
         """Choice entries of the chunks a stream starts with, one chunk each (none here)."""
         return []
 
-    def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any]:
-        """The ``choices`` entry of the stream chunk that carries ``piece``."""
+    def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any] | None:
+        """The ``choices`` entry of the stream chunk that carries ``piece``, or None when
+        there is nothing to send yet."""
         raise NotImplementedError
 
     def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
@@ -149,32 +152,87 @@ class CompletionFormat(ResponseFormat):
 
 class ChatFormat(ResponseFormat):
     """``/v1/chat/completions``: an assistant ``message`` (a ``delta`` when streamed, the
-    first one with the role) and chat logprobs."""
+    first one with the role) and chat logprobs.
+
+    With a ``tool_parser`` (a request with tools and a tool_choice other than "none"),
+    each choice's text goes through its own parser (`trio_llm.api.tools`): the message
+    gets ``content`` and ``tool_calls``, a stream gets ``delta.tool_calls`` pieces (id and
+    name first, then the arguments), and a choice that made calls and stopped on its own
+    ends with finish_reason "tool_calls".
+
+    Args:
+        tool_parser: makes one parser per choice; None for plain text.
+        parallel_tool_calls: False keeps only a choice's first call.
+    """
 
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        tool_parser: Callable[[], ToolCallParser] | None = None,
+        *,
+        parallel_tool_calls: bool = True,
+    ) -> None:
+        super().__init__(tokenizer)
+        self.tool_parser = tool_parser
+        self.parallel_tool_calls = parallel_tool_calls
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def _logprobs(self, plan: Plan, entries: list) -> Any:
         if plan.num_top_logprobs is None:
             return None
         return chat_logprobs(self.tokenizer, entries, plan.num_top_logprobs)
 
+    def _allowed(self, calls: list[CallDelta]) -> list[CallDelta]:
+        return calls if self.parallel_tool_calls else [c for c in calls if c.index == 0]
+
+    @staticmethod
+    def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+        return "tool_calls" if made_calls and reason == "stop" else reason
+
     def final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
-        message = {"role": "assistant", "content": choice.text}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        if self.tool_parser is not None:
+            parsed = self.tool_parser().parse(choice.text)
+            parsed.calls = self._allowed(parsed.calls)
+            calls = parsed.tool_calls()
+            message["content"] = parsed.content or (None if calls else "")
+            if calls:
+                message["tool_calls"] = calls
+            finish_reason = self._finish_reason(finish_reason, bool(calls))
         logprobs = self._logprobs(plan, choice.all_logprobs)
-        return _choice(choice.index, "message", message, logprobs, choice.finish_reason, choice)
+        return _choice(choice.index, "message", message, logprobs, finish_reason, choice)
 
     def opening_choices(self, plan: Plan, choices: list[Choice]) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
         return [_choice(choice.index, "delta", role, None, None, None) for choice in choices]
 
-    def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any]:
-        delta: dict[str, str] = {}
-        if piece.text or piece.finish_reason is None:
-            delta["content"] = piece.text
+    def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any] | None:
+        delta: dict[str, Any] = {}
         logprobs = self._logprobs(plan, piece.logprobs) if piece.logprobs else None
-        return _choice(choice.index, "delta", delta, logprobs, piece.finish_reason, piece)
+        if self.tool_parser is None:
+            if piece.text or piece.finish_reason is None:
+                delta["content"] = piece.text
+            return _choice(choice.index, "delta", delta, logprobs, piece.finish_reason, piece)
+        parser = self._parsers.get(choice.index)
+        if parser is None:
+            parser = self._parsers[choice.index] = self.tool_parser()
+        parsed = parser.feed(piece.text)
+        if piece.finish_reason is not None:
+            parsed.extend(parser.finish())
+        calls = self._allowed(parsed.calls)
+        if parsed.content or (logprobs is not None and not calls):
+            delta["content"] = parsed.content
+        if calls:
+            delta["tool_calls"] = [call.to_openai() for call in calls]
+        if not delta and piece.finish_reason is None:
+            return None  # text held back by the parser (a call's beginning, say)
+        finish_reason = self._finish_reason(piece.finish_reason, parser.num_calls > 0)
+        return _choice(choice.index, "delta", delta, logprobs, finish_reason, piece)
 
     def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
         return self._logprobs(plan, piece.logprobs) if piece.logprobs else None

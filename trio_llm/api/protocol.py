@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from trio_llm.api.errors import bad_request
+from trio_llm.api.tools import EMPTY_PARAMETERS, tool_call_grammar
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
 
@@ -77,11 +78,8 @@ MAX_LOGIT_BIAS = 100.0
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -306,6 +304,18 @@ class CompletionRequest(GenerationRequest):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
     suffix: Text | None = None
 
+    def check_supported(self) -> None:
+        """As `GenerationRequest.check_supported`; tools are a chat feature (a 400 here).
+
+        Raises:
+            APIError: naming the field.
+        """
+        super().check_supported()
+        extra = self.model_extra or {}
+        for name in ("tools", "tool_choice"):
+            if extra.get(name) not in (None, [], "none"):
+                raise bad_request(f"`{name}` is only supported on /v1/chat/completions", name)
+
 
 class TextContentPart(BaseModel):
     """A ``{"type": "text", "text": ...}`` part of a chat message."""
@@ -330,21 +340,115 @@ class _Message(BaseModel):
 
 
 class PromptMessage(_Message):
-    """A system, developer, user or tool message: ``content`` (a string or text parts)."""
+    """A system, developer or user message: ``content`` (a string or text parts)."""
 
-    role: Literal["system", "developer", "user", "tool"]
+    role: Literal["system", "developer", "user"]
     content: Text | list[TextContentPart]
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template sees it."""
+        return {"role": self.role, "content": self.text()}
+
+
+class ToolMessage(_Message):
+    """A tool's result (``role: "tool"``), answering the call ``tool_call_id``."""
+
+    role: Literal["tool"]
+    content: Text | list[TextContentPart]
+    tool_call_id: Text
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template sees it."""
+        return {"role": "tool", "content": self.text(), "tool_call_id": self.tool_call_id}
+
+
+class FunctionCall(BaseModel):
+    """The function of an assistant's tool call; ``arguments`` is JSON text."""
+
+    name: Text
+    arguments: Text
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as the response carried it."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class AssistantMessage(_Message):
-    """An assistant message; ``content`` may be left out (OpenAI allows it here only)."""
+    """An assistant message; ``content`` may be left out (OpenAI allows it here only),
+    as it is when the turn made ``tool_calls``."""
 
     role: Literal["assistant"]
     content: Text | list[TextContentPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template sees it: tool calls with their arguments
+        decoded, as Hugging Face templates expect (left as text if not JSON)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _decoded(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _decoded(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 #: One chat message, told apart by ``role``.
-ChatMessage = Annotated[PromptMessage | AssistantMessage, Field(discriminator="role")]
+ChatMessage = Annotated[PromptMessage | ToolMessage | AssistantMessage, Field(discriminator="role")]
+
+
+#: A function name as OpenAI allows it.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: ``name``, ``description``, ``parameters`` (a JSON Schema of
+    the arguments object) and ``strict`` (calls are always held to the schema here)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    """The function a named ``tool_choice`` forces."""
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -355,6 +459,104 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them."""
+        return [message.template_message() for message in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as the chat template sees them (None without tools)."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @property
+    def effective_tool_choice(self) -> str:
+        """``none``, ``auto``, ``required`` or ``function`` (a named one, see
+        `forced_function`); OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function a named tool_choice forces, else None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """Whether the output is constrained to a tool call (required or named)."""
+        return self.effective_tool_choice in ("required", "function")
+
+    @property
+    def asks_for_structured_output(self) -> bool:
+        """As `GenerationRequest.asks_for_structured_output`; tools count (their
+        schemas are checked)."""
+        return bool(self.tools) or super().asks_for_structured_output
+
+    def _check_structured_output(self) -> StructuredOutput | None:
+        spec = super()._check_structured_output()
+        functions = self._check_tools()
+        if self.tools and self.effective_tool_choice != "none" and spec is not None:
+            raise bad_request(
+                "response_format and the other output constraints cannot be combined with "
+                'tools (unless tool_choice is "none")',
+                "response_format",
+            )
+        if not self.forces_tool_call:
+            return spec
+        grammar = tool_call_grammar(functions, self.forced_function, self.parallel_tool_calls)
+        try:
+            check_structured_output(grammar)
+        except StructuredOutputError as exc:
+            raise bad_request(f"tools: {exc}", "tools") from exc
+        return grammar
+
+    def _check_tools(self) -> dict[str, dict[str, Any]]:
+        """Each function's name and parameters schema, checked.
+
+        Raises:
+            APIError: a 400 naming ``tools`` (a bad name, a repeated name, a schema that
+                cannot be enforced) or ``tool_choice`` (no tools, an unknown function).
+        """
+        functions: dict[str, dict[str, Any]] = {}
+        for i, tool in enumerate(self.tools or ()):
+            function = tool.function
+            if not _FUNCTION_NAME.fullmatch(function.name):
+                raise bad_request(
+                    f"tools[{i}].function.name must be 1 to 64 letters, digits, underscores "
+                    f"or dashes, got {function.name!r}",
+                    "tools",
+                )
+            if function.name in functions:
+                raise bad_request(
+                    f"tools: the function name {function.name!r} is repeated", "tools"
+                )
+            schema = EMPTY_PARAMETERS if function.parameters is None else function.parameters
+            try:
+                check_structured_output(StructuredOutput("json", json.dumps(schema)))
+            except StructuredOutputError as exc:
+                raise bad_request(
+                    f"tools[{i}].function.parameters ({function.name}): {exc}", "tools"
+                ) from exc
+            functions[function.name] = schema
+        name = self.forced_function
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
+        if name is not None and name not in functions:
+            raise bad_request(
+                f"tool_choice names the function {name!r}, which is not among the tools "
+                f"({sorted(functions)})",
+                "tool_choice",
+            )
+        return functions
 
 
 def _json_spec(value: Any, name: str) -> StructuredOutput | None:

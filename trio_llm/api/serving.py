@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import trio
@@ -30,6 +32,7 @@ from trio_llm.api.parsing import parse_body
 from trio_llm.api.plan import Plan, run_choices
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from trio_llm.api.streaming import Stream
+from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
 from trio_llm.errors import EngineError, InvalidRequest
 from trio_llm.frontend.engine_client import Admission, EngineClient
@@ -69,6 +72,8 @@ class OpenAIServing:
         request_body_timeout: seconds a request body may take to arrive (a client that
             sends its headers and then trickles or withholds the body holds a connection
             only this long).
+        tool_call_parser: the parser that serves ``tool_choice: "auto"``
+            (``--enable-auto-tool-choice --tool-call-parser``); None refuses "auto".
     """
 
     def __init__(
@@ -81,8 +86,10 @@ class OpenAIServing:
         max_num_waiting_requests: int | None = None,
         limits: RequestLimits | None = None,
         request_body_timeout: float = 30.0,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
         self.limits = limits or RequestLimits()
         self.request_body_timeout = request_body_timeout
         self.tokenizer = tokenizer
@@ -277,16 +284,50 @@ class OpenAIServing:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self._check_logprobs(request.top_logprobs, "top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        text = await self.inputs.render_chat_async(messages)
+        tool_parser = self._tool_parser(request)
+        text = await self.inputs.render_chat_async(
+            request.template_messages(), tools=request.template_tools()
+        )
         prompt_ids = await self.inputs.encode_async(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.inputs.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        plan = Plan(ChatFormat(self.tokenizer), model, num_top_logprobs=logprobs)
+        chat_format = ChatFormat(
+            self.tokenizer, tool_parser, parallel_tool_calls=request.parallel_tool_calls
+        )
+        plan = Plan(chat_format, model, num_top_logprobs=logprobs)
         plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
         return plan
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> Callable[[], ToolCallParser] | None:
+        """What reads tool calls out of each choice's text (None: plain text).
+
+        Raises:
+            APIError: ``tool_choice: "auto"`` on a server without a parser, or with a
+                model whose chat template cannot show the tools (400s naming the field).
+        """
+        choice = request.effective_tool_choice
+        if choice == "none":
+            return None
+        if choice == "required":
+            return required_parser
+        if request.forced_function is not None:
+            return partial(NamedCallParser, request.forced_function)
+        if self.tool_call_parser is None:
+            raise bad_request(
+                'tool_choice "auto" (the default when tools are given) needs a server '
+                "started with --enable-auto-tool-choice --tool-call-parser NAME; or send "
+                'tool_choice "required", "none" or a named function',
+                "tool_choice",
+            )
+        if self.tokenizer.tool_template is None:
+            raise bad_request(
+                "this model's chat template cannot show tools to the model; start the "
+                "server with a tool-aware --chat-template",
+                "tools",
+            )
+        return partial(make_parser, self.tool_call_parser)
 
     # ------------------------------------------------------------ generation
 

@@ -56,7 +56,9 @@ class Stream:
             await self._emit(data)
 
     async def _on_delta(self, choice: Choice, piece: ChoiceDelta) -> None:
-        await self._send(self._chunk([self.plan.format.chunk_choice(self.plan, choice, piece)]))
+        entry = self.plan.format.chunk_choice(self.plan, choice, piece)
+        if entry is not None:
+            await self._send(self._chunk([entry]))
 
     async def run(self, emit: Emit, *, include_usage: bool) -> None:
         """Emit every chunk, then ``[DONE]``; an engine error becomes an error event."""

@@ -384,6 +384,13 @@ class _Connection:
             request = await trio.to_thread.run_sync(_parse_request, kind, message, serving)
         else:
             request = _parse_request(kind, message, serving)
+        if isinstance(request, ChatCompletionRequest) and request.effective_tool_choice != "none":
+            # Delta events carry text only; tool calls are an HTTP feature for now.
+            raise bad_request(
+                "tools are served on POST /v1/chat/completions; over the WebSocket only with "
+                'tool_choice "none"',
+                "tools",
+            )
         plan = await serving.plan(request)
         admission = serving.admit(plan)
         try:

@@ -20,6 +20,7 @@ it with a 400, the embedding API raises it (it is a `ValueError`).
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
@@ -115,15 +116,18 @@ class InputPreprocessor:
         param: str = "messages",
         *,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text of chat ``messages`` (the model's chat template; with the
-        assistant's prompt unless ``add_generation_prompt`` is False).
+        """The prompt text of chat ``messages`` and ``tools`` (the model's chat template;
+        with the assistant's prompt unless ``add_generation_prompt`` is False).
 
         Raises:
             InvalidRequest: the template rejects the messages, or the model has none.
         """
         try:
-            return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.render_chat(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param) from exc
 
@@ -133,13 +137,19 @@ class InputPreprocessor:
         param: str = "messages",
         *,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """`render_chat`, in a worker thread when the conversation is long (the template's
         cost grows with it). Raises as `render_chat`."""
         render = partial(
-            self.render_chat, messages, param, add_generation_prompt=add_generation_prompt
+            self.render_chat,
+            messages,
+            param,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
-        if sum(len(m["content"]) for m in messages) < INLINE_ENCODE_CHARS:
+        size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        if size < INLINE_ENCODE_CHARS:
             return render()
         return await trio.to_thread.run_sync(render)
 

@@ -4,16 +4,18 @@ The environment matches what Hugging Face chat templates are written against (se
 transformers documentation on chat templating): a sandboxed, immutable Jinja environment
 with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
 filter, and the globals ``raise_exception`` and ``strftime_now``. The template sees
-``messages``, ``add_generation_prompt`` and the tokenizer's special tokens
+``messages``, ``tools``, ``add_generation_prompt`` and the tokenizer's special tokens
 (``bos_token``, ``eos_token``, ...).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from datetime import datetime
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +59,43 @@ def compile_template(source: str) -> jinja2.Template:
         raise TemplateError(f"invalid chat template: {exc}") from exc
 
 
+#: Tool-aware templates shipped with trio_llm (``trio_llm/templates/``) for models whose
+#: own template cannot show tools, by the SHA-256 of that template (stripped).
+TOOL_TEMPLATES = {
+    # SmolLM2-Instruct (135M, 360M, 1.7B share it)
+    "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788": "smollm2_tools.jinja",
+}
+
+
+def shipped_template(name: str) -> str:
+    """The text of a template shipped in ``trio_llm/templates/``."""
+    return resources.files("trio_llm").joinpath("templates", name).read_text(encoding="utf-8")
+
+
+def tool_template_for(source: str | None) -> str | None:
+    """The template to render a conversation with tools: ``source`` itself when it reads
+    the ``tools`` variable, a shipped tool-aware version of it when there is one, else
+    None (the template cannot show tools to the model)."""
+    if source is None:
+        return None
+    if "tools" in source:
+        return source
+    digest = hashlib.sha256(source.strip().encode("utf-8")).hexdigest()
+    name = TOOL_TEMPLATES.get(digest)
+    return shipped_template(name) if name is not None else None
+
+
 def render_chat(
     source: str,
     messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render ``messages`` (dicts with ``role`` and ``content``) to the prompt text.
+    """Render ``messages`` (dicts with ``role`` and ``content``; assistant messages may
+    have ``tool_calls``, tool messages ``tool_call_id``) and the ``tools`` (OpenAI's
+    definitions) to the prompt text.
 
     Raises:
         TemplateError: the template rejected the conversation or failed to render.
@@ -73,6 +104,7 @@ def render_chat(
     try:
         return template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             **(special_tokens or {}),
         )

@@ -17,7 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer as FastTokenizer
 
 from trio_llm.errors import ChatTemplateError, InvalidTextError
-from trio_llm.text.chat_template import TemplateError, render_chat
+from trio_llm.text.chat_template import TemplateError, render_chat, tool_template_for
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -49,6 +49,8 @@ class Tokenizer:
     Attributes:
         backend: the fast ``tokenizers.Tokenizer`` (also used by the detokenizer).
         chat_template: Jinja source of the chat template, or None if the model has none.
+        tool_template: the template that shows ``tools`` to the model: the chat template
+            itself if it reads them, a shipped tool-aware version of it, or None.
         special_tokens: ``bos_token``, ``eos_token``, ... as strings, for the template.
     """
 
@@ -60,6 +62,7 @@ class Tokenizer:
     ) -> None:
         self.backend = backend
         self.chat_template = chat_template
+        self.tool_template = tool_template_for(chat_template)
         self.special_tokens = special_tokens or {}
         # No token covers more characters than its vocabulary string has (byte-level
         # strings have one character per byte), so a text of more than
@@ -168,10 +171,14 @@ class Tokenizer:
         return result
 
     def render_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Chat messages (plus, by default, the assistant prompt), rendered with the
-        model's template.
+        model's template; with ``tools``, with `tool_template` when there is one.
 
         The server encodes the result with ``add_special_tokens=False`` (the template
         writes the special tokens itself).
@@ -185,11 +192,13 @@ class Tokenizer:
                 "give it one with --chat-template (chat_template in the embedding API)"
             )
         try:
+            template = (tools and self.tool_template) or self.chat_template
             return render_chat(
-                self.chat_template,
+                template,
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 special_tokens=self.special_tokens,
+                tools=tools,
             )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
