@@ -34,6 +34,7 @@ INLINE_ONLY_MODULES = {
     "test_sampling_params",
     "test_structured_output_api",
     "test_tokenize",
+    "test_tool_calls_api",
 }
 
 
@@ -73,6 +74,8 @@ def server(
     flags = ["--max-num-seqs", "32", "--dtype", "float32", "--detokenizer-mode", detokenizer_mode]
     # A short body timeout, so the hostile-client test of a withheld body is quick.
     flags += ["--request-body-timeout", "3"]
+    # As `make serve`: tool_choice "auto" with the Hermes parser.
+    flags += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     process = ServerProcess(flags, log_path=log)
     with process:
         yield process

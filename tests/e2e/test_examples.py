@@ -58,3 +58,13 @@ def test_websocket_example_streams_one_answer_and_cancels_the_other(base_url: st
     assert ": abort," in cancelled
     # Cancelled long before its 1,000 tokens.
     assert int(cancelled.split()[3]) < 100
+
+
+def test_tool_calls_example_makes_a_call_and_answers_from_its_result(base_url: str) -> None:
+    out = _run([sys.executable, str(EXAMPLES / "tool_calls.py"), "--base-url", base_url])
+    call, answer = out.strip().splitlines()[-2:]
+    assert call.startswith("call: get_weather(")
+    arguments = json.loads(call.removeprefix("call: get_weather(").split(") -> ")[0])
+    assert arguments["city"] == "Paris"
+    assert arguments["unit"] in ("celsius", "fahrenheit")
+    assert answer.startswith("answer: ") and len(answer) > len("answer: ")

@@ -223,7 +223,7 @@ def test_the_tool_template_shows_tools_calls_and_results(smol_tokenizer) -> None
     assert (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     )
-    assert "<tool_response>\n3 C\n</tool_response>" in text
+    assert "<|im_start|>ipython\n3 C<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
 
 
@@ -384,7 +384,7 @@ async def test_tool_calls_and_results_in_the_history_reach_the_prompt(smol_token
     (added,) = [m for m in fake.received if isinstance(m, AddRequest)]
     prompt = smol_tokenizer.decode(added.prompt_token_ids, skip_special_tokens=False)
     assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt
-    assert "<tool_response>\n3 C and snow\n</tool_response>" in prompt
+    assert "<|im_start|>ipython\n3 C and snow<|im_end|>" in prompt
 
 
 BAD_REQUESTS = [
