@@ -418,6 +418,15 @@ BAD_REQUESTS = [
         "uniqueItems",
     ),
     ({"tools": [{"type": "function"}]}, "tools", None),
+    (
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+            ]
+        },
+        "tools",
+        'type "object"',
+    ),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools", None),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", None),

@@ -540,6 +540,12 @@ class ChatCompletionRequest(GenerationRequest):
                     f"tools: the function name {function.name!r} is repeated", "tools"
                 )
             schema = EMPTY_PARAMETERS if function.parameters is None else function.parameters
+            if schema.get("type", "object") != "object":
+                raise bad_request(
+                    f"tools[{i}].function.parameters ({function.name}) must be a JSON Schema "
+                    f'of type "object" (the arguments are an object), got {schema["type"]!r}',
+                    "tools",
+                )
             try:
                 check_structured_output(StructuredOutput("json", json.dumps(schema)))
             except StructuredOutputError as exc:
