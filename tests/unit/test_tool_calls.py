@@ -410,7 +410,10 @@ BAD_REQUESTS = [
             "tools": [
                 {
                     "type": "function",
-                    "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}},
+                    "function": {
+                        "name": "f",
+                        "parameters": {"properties": {"a": {"type": "array", "uniqueItems": True}}},
+                    },
                 }
             ]
         },
