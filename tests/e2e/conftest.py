@@ -30,6 +30,7 @@ INLINE_ONLY_MODULES = {
     "test_concurrency",
     "test_examples",
     "test_hostile_clients",
+    "test_langchain",
     "test_prefix_caching",
     "test_sampling_params",
     "test_structured_output_api",

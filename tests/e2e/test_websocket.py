@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import socket
 
 import httpx
+import jsonschema
 import pytest
 import trio
 from wsproto import ConnectionType, WSConnection
@@ -168,6 +170,49 @@ async def test_invalid_messages_get_error_events_and_the_connection_stays(
 
         _, _, done = await _run(client, "completion", prompt="Hi", max_tokens=2)
         assert done.usage["completion_tokens"] == 2
+
+
+async def test_structured_output_fields_constrain_the_streamed_text(base_url: str) -> None:
+    """The HTTP bodies' structured-output fields constrain what a ``chat`` message streams;
+    a spec that cannot be enforced gets the HTTP 400's body as an ``error`` event naming the
+    field (in ``completion`` messages too)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "colors": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 12},
+                "minItems": 1,
+                "maxItems": 2,
+            }
+        },
+        "required": ["colors"],
+        "additionalProperties": False,
+    }
+    regex = r"#[0-9a-f]{6}"
+    async with open_ws_client(ws_url(base_url)) as client:
+        unenforceable = {"name": "u", "schema": {"type": "array", "uniqueItems": True}}
+        message = {"type": "chat", "id": "bad", "model": MODEL, "messages": CHAT}
+        message["response_format"] = {"type": "json_schema", "json_schema": unenforceable}
+        await client.send_raw(json.dumps(message))
+        event = await client.receive_unclaimed()
+        assert (event["type"], event["id"]) == ("error", "bad")
+        error = event["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "response_format")
+        assert error["message"].startswith("response_format: ")
+        assert "uniqueItems" in error["message"]
+        with pytest.raises(GenerationError) as refused:
+            await _run(client, "completion", prompt="Hi", guided_regex="[a-z")
+        assert refused.value.param == "guided_regex"
+
+        # The connection stays; constrained generations stream valid text.
+        response_format = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+        params = {"messages": CHAT, "max_tokens": 60, "seed": 0}
+        text, deltas, done = await _run(client, "chat", response_format=response_format, **params)
+        assert done.choices[0]["finish_reason"] == "stop" and len(deltas) > 1
+        jsonschema.validate(json.loads(text), schema)
+        text, _, done = await _run(client, "chat", structured_outputs={"regex": regex}, **params)
+        assert done.choices[0]["finish_reason"] == "stop" and re.fullmatch(regex, text), text
 
 
 async def test_a_binary_frame_closes_with_1003(base_url: str) -> None:
