@@ -54,3 +54,46 @@ def test_json_mode_returns_a_json_object(chat) -> None:
     assert result["parsing_error"] is None
     assert result["raw"].response_metadata["finish_reason"] == "stop"
     assert isinstance(result["parsed"], dict)
+
+
+def test_function_calling_method_returns_a_valid_pydantic_object(chat) -> None:
+    """``function_calling`` binds the model as a tool and forces it (a named tool_choice)."""
+    structured = chat.with_structured_output(City, method="function_calling", include_raw=True)
+    result = structured.invoke(MESSAGES)
+    assert result["parsing_error"] is None
+    assert isinstance(result["parsed"], City)
+
+
+def _get_weather(city: str) -> str:
+    """The current weather in a city."""
+    return f"18 C and light rain in {city}"
+
+
+def test_bind_tools_round_trip_streamed_and_not(chat) -> None:
+    """``bind_tools`` with tool_choice "any" (sent as "required"): a valid call, the same
+    one streamed, then the tool's result back and a text answer."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    weather = tool(_get_weather)
+    greedy = chat.bind(temperature=0)
+    # strict: the schema gets additionalProperties false (else a small model adds keys
+    # until max_tokens)
+    forced = greedy.bind_tools([weather], tool_choice="any", strict=True, parallel_tool_calls=False)
+    question = HumanMessage("What is the weather in Paris?")
+    message = forced.invoke([question])
+    assert message.tool_calls
+    assert all(call["name"] == "_get_weather" for call in message.tool_calls)
+    assert all(isinstance(call["args"].get("city"), str) for call in message.tool_calls)
+    streamed = None
+    for chunk in forced.stream([question]):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [
+        (c["name"], c["args"]) for c in message.tool_calls
+    ]
+    history = [question, message]
+    for call in message.tool_calls:
+        history.append(ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"]))
+    final = greedy.bind_tools([weather], tool_choice="none").invoke(history)
+    assert isinstance(final.content, str) and final.content
+    assert not final.tool_calls
