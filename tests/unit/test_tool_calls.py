@@ -422,6 +422,11 @@ BAD_REQUESTS = [
     ),
     ({"tools": [{"type": "function"}]}, "tools", None),
     (
+        {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+        "tools",
+        "128",
+    ),
+    (
         {
             "tools": [
                 {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}

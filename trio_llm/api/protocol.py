@@ -67,6 +67,9 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 #: Most samples per prompt (``n``); more is refused with a 400.
 MAX_N = 128
 
+#: Most ``tools`` in one request (OpenAI's limit); each one's schema is checked.
+MAX_TOOLS = 128
+
 #: Largest ``repetition_penalty`` (vLLM's bound).
 MAX_REPETITION_PENALTY = 2.0
 
@@ -459,7 +462,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
 
