@@ -342,3 +342,24 @@ def test_only_paused_requests_left_means_no_work() -> None:
     scheduler.pause(["a"])
     assert not scheduler.has_work and scheduler.num_unfinished == 1
     assert scheduler.schedule().is_empty()
+
+
+def test_a_request_waiting_for_its_grammar_is_skipped_without_claiming_a_slot() -> None:
+    scheduler = _fair(max_num_seqs=2)
+    scheduler.add(_grouped("a", "a"))
+    compiling = _grouped("c", "c")
+    compiling.grammar = object()  # what the engine core sets while the grammar compiles
+    scheduler.add(compiling)
+    scheduler.add(_grouped("b", "b"))
+    # Neither admitted nor given blocks; the request behind it goes ahead.
+    assert _step(scheduler)[0] == [("a", 2), ("b", 2)]
+    assert compiling.block_table == [] and list(scheduler.waiting) == [compiling]
+    # The batch is full, but a request waiting for its grammar preempts no one.
+    for _ in range(3):
+        scheduled, _ = _step(scheduler)
+        assert scheduled == [("a", 1), ("b", 1)]
+    scheduler.abort(["a", "b"])
+    assert not scheduler.has_work and scheduler.num_unfinished == 1
+    assert scheduler.schedule().is_empty()
+    compiling.grammar = None  # compiled: the engine core gave it its matcher
+    assert scheduler.has_work and _step(scheduler)[0] == [("c", 2)]

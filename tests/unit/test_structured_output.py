@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -197,3 +199,141 @@ async def test_the_embedding_api_streams_the_whole_constrained_text(
             ids = [token for output in outputs for token in output.token_ids]
             assert text == engine.tokenizer.decode(ids)
             jsonschema.validate(json.loads(text), schema)
+
+
+# ------------------------------------------------------------ compiling in a worker thread
+
+
+class _HeldCompiles:
+    """Wraps ``core.grammars.build`` so that each compile waits for `release` (a test
+    hook): what the engine does meanwhile is observable step by step."""
+
+    def __init__(self, core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.specs: list[StructuredOutput] = []
+        self.threads: set[str] = set()
+        build = core.grammars.build
+
+        def held_build(spec: StructuredOutput) -> object:
+            self.specs.append(spec)
+            self.threads.add(threading.current_thread().name)
+            self.started.set()
+            # A safety net only: the test sets the event long before.
+            assert self.release.wait(timeout=120), "the test never released the compile"
+            return build(spec)
+
+        monkeypatch.setattr(core.grammars, "build", held_build)
+
+
+@pytest.fixture
+def held(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> Iterator[_HeldCompiles]:
+    """Compiles of the module's core held until the test releases them (at the latest,
+    when it ends)."""
+    compiles = _HeldCompiles(core, monkeypatch)
+    yield compiles
+    compiles.release.set()
+
+
+def _drain(core: EngineCore) -> dict[str, dict]:
+    """Step until every request finished; per request its tokens, finish_reason, error."""
+    results: dict[str, dict] = {}
+    while core.has_unfinished_requests():
+        for output in core.step().outputs:
+            result = results.setdefault(
+                output.request_id, {"tokens": [], "finish": None, "error": None}
+            )
+            result["tokens"] += output.new_token_ids
+            if output.finish_reason is not None:
+                result["finish"], result["error"] = output.finish_reason, output.error
+    return results
+
+
+def _waiting(core: EngineCore, request_id: str):
+    return next(r for r in core.scheduler.waiting if r.request_id == request_id)
+
+
+def _new_schema(salt: str) -> dict:
+    """A schema no other test compiled (so it is not in the module core's cache)."""
+    return {
+        "type": "object",
+        "properties": {salt: {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": [salt],
+        "additionalProperties": False,
+    }
+
+
+def test_a_new_grammar_compiles_while_running_requests_keep_decoding(
+    core: EngineCore, smol_tokenizer, held: _HeldCompiles
+) -> None:
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert core.add_request(AddRequest("plain", PROMPT, plain)) is None
+    first = core.step().outputs  # prefill: the first token
+    assert [(o.request_id, len(o.new_token_ids)) for o in first] == [("plain", 1)]
+
+    schema = _new_schema("compiled_in_a_thread")
+    constrained = _params("json", json.dumps(schema), seed=1)
+    assert core.add_request(AddRequest("constrained", PROMPT, constrained)) is None
+    same = _params("json", json.dumps(schema))
+    assert core.add_request(AddRequest("same", PROMPT, same)) is None
+    assert held.started.wait(timeout=120)
+    waiting = _waiting(core, "constrained")
+    for _ in range(5):  # the compile is held: the running request gets a token every step
+        outputs = core.step().outputs
+        assert [(o.request_id, len(o.new_token_ids)) for o in outputs] == [("plain", 1)]
+        assert waiting.waits_for_grammar and waiting.block_table == []
+        assert core.num_waiting_for_grammar == 2
+    assert held.threads and threading.current_thread().name not in held.threads
+
+    held.release.set()
+    results = _drain(core)
+    assert results["plain"]["finish"] == "length" and len(results["plain"]["tokens"]) == 10
+    for request_id in ("constrained", "same"):
+        result = results[request_id]
+        assert result["finish"] == "stop", result
+        jsonschema.validate(json.loads(smol_tokenizer.decode(result["tokens"])), schema)
+    assert len(held.specs) == 1  # one compile for both requests
+
+    # Cached: the next request with that schema does not wait at all.
+    assert core.add_request(AddRequest("again", PROMPT, constrained)) is None
+    assert core.num_waiting_for_grammar == 0
+    assert _drain(core)["again"]["finish"] == "stop" and len(held.specs) == 1
+
+
+def test_a_grammar_that_fails_to_compile_ends_only_its_request(
+    core: EngineCore, held: _HeldCompiles
+) -> None:
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert core.add_request(AddRequest("plain", PROMPT, plain)) is None
+    core.step()
+    bad = json.dumps({"type": "array", "uniqueItems": True, "maxItems": 7})
+    assert core.add_request(AddRequest("bad", PROMPT, _params("json", bad))) is None
+    assert held.started.wait(timeout=120)
+    outputs = core.step().outputs
+    assert [o.request_id for o in outputs] == ["plain"]
+    held.release.set()
+    results = _drain(core)
+    assert results["bad"]["finish"] == "abort" and results["bad"]["tokens"] == []
+    assert results["bad"]["error"].startswith("structured_output: ")
+    assert "uniqueItems" in results["bad"]["error"]
+    assert results["plain"]["finish"] == "length" and len(results["plain"]["tokens"]) == 6
+    assert "bad" not in core.scheduler and core.num_waiting_for_grammar == 0
+
+
+def test_aborting_a_request_while_its_grammar_compiles(
+    core: EngineCore, held: _HeldCompiles
+) -> None:
+    spec = _params("json", json.dumps(_new_schema("aborted_while_compiling")))
+    assert core.add_request(AddRequest("gone", PROMPT, spec)) is None
+    assert held.started.wait(timeout=120)
+    assert not core.has_work()  # only a request waiting for its grammar: nothing to step
+    core.abort(["gone"])
+    assert "gone" not in core.scheduler and core.num_waiting_for_grammar == 0
+    assert not core.has_unfinished_requests()
+    held.release.set()
+    # The compile goes on for the cache; the aborted request never produces an output.
+    core.grammars.compile(spec.structured_output).result(timeout=120)
+    assert not core.has_work() and core.step().outputs == []
+    assert core.add_request(AddRequest("gone", PROMPT, spec)) is None  # the id is free
+    assert core.num_waiting_for_grammar == 0  # compiled once, cached
+    assert _drain(core)["gone"]["finish"] == "stop" and len(held.specs) == 1

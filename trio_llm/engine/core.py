@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,6 +59,13 @@ class EngineCore:
 
     ``step()`` does no I/O: the caller (the engine loop) feeds requests in with
     `add_request` / `abort` between steps and ships what `step` returns.
+
+    A structured output's grammar is compiled in a worker thread (`GrammarCompiler`); its
+    request waits in the scheduler's waiting queue, unscheduled and holding no KV blocks,
+    while the batch keeps decoding. Each step first hands finished compiles to their
+    requests (or ends a request whose grammar failed). `has_work` is true as soon as a
+    compile is done, and `on_grammar_compiled` says so from the worker thread, so an idle
+    caller can wait for it instead of polling. Call `close` when done with the core.
 
     Args:
         model: a transformers causal LM; its attention implementation is switched to
@@ -149,8 +159,14 @@ class EngineCore:
             "the output projection" if self.runner.lm_head_weight is not None else "its own head",
         )
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
-        #: Matchers for constrained outputs (the tokenizer is loaded on first use).
+        #: Matchers for constrained outputs, compiled in a worker thread; the engine loop
+        #: calls ``grammars.start()`` at start-up to build llguidance's tokenizer there.
         self.grammars = GrammarCompiler(model_dir, self.runner.vocab_size, self.info.eos_token_ids)
+        #: Requests in the scheduler waiting for their grammar's compile, by id.
+        self._compiling: dict[str, Request] = {}
+        #: Called (from the worker thread, or at once) whenever a grammar finishes
+        #: compiling; the engine loop sets it to wake up. Must be thread-safe and quick.
+        self.on_grammar_compiled: Callable[[], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -189,7 +205,13 @@ class EngineCore:
     # ------------------------------------------------------------ requests
 
     def add_request(self, message: AddRequest) -> RequestOutput | None:
-        """Queue a request; returns a finished-with-error output if it is rejected."""
+        """Queue a request; returns a finished-with-error output if it is rejected.
+
+        A structured output whose grammar is not compiled yet is compiled in the worker
+        thread meanwhile: if it fails, a later `step` ends the request with the error
+        (finish_reason "abort", error "structured_output: ..."), as this method does for a
+        grammar that already failed.
+        """
         error = self._check(message)
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
@@ -197,13 +219,42 @@ class EngineCore:
             message.request_id, message.prompt_token_ids, message.params, message.group
         )
         if message.params.structured_output is not None:
-            try:
-                request.matcher = self.grammars.matcher(message.params.structured_output)
-            except StructuredOutputError as exc:
-                error = f"structured_output: {exc}"
-                return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
+            grammar = self.grammars.compile(message.params.structured_output)
+            if grammar.done():  # compiled before
+                error = _take_grammar(request, grammar)
+                if error is not None:
+                    return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
+            else:
+                request.grammar = grammar
+                self._compiling[request.request_id] = request
+                grammar.add_done_callback(self._grammar_compiled)
         self.scheduler.add(request)
         return None
+
+    def _grammar_compiled(self, _: Future[Any]) -> None:
+        callback = self.on_grammar_compiled
+        if callback is not None:
+            callback()
+
+    def _collect_grammars(self) -> list[RequestOutput]:
+        """Give the requests whose grammar compiled their matchers (they may be scheduled
+        from now on) and end those whose grammar failed; their outputs."""
+        failed = []
+        for request_id, request in list(self._compiling.items()):
+            if not request.grammar.done():
+                continue
+            del self._compiling[request_id]
+            error = _take_grammar(request, request.grammar)
+            if error is not None:
+                self.scheduler.abort([request_id])
+                failed.append(RequestOutput(request_id, [], finish_reason="abort", error=error))
+        return failed
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        """Requests whose grammar is still compiling (or compiled but not collected by a
+        step yet)."""
+        return len(self._compiling)
 
     def _check(self, message: AddRequest) -> str | None:
         prompt = message.prompt_token_ids
@@ -225,7 +276,10 @@ class EngineCore:
         return None
 
     def abort(self, request_ids: list[str]) -> None:
-        """Drop requests and free their KV blocks; unknown ids are ignored."""
+        """Drop requests and free their KV blocks; unknown ids are ignored. A request
+        waiting for its grammar is dropped at once (the compile goes on for the cache)."""
+        for request_id in request_ids:
+            self._compiling.pop(request_id, None)
         self.scheduler.abort(request_ids)
 
     def pause(self, request_ids: list[str]) -> None:
@@ -241,16 +295,24 @@ class EngineCore:
         return self.scheduler.num_unfinished > 0
 
     def has_work(self) -> bool:
-        """True while a step would compute something (a request is waiting or running)."""
-        return self.scheduler.has_work
+        """True while a step would do something: a request is running, or waiting and not
+        for its grammar, or a grammar finished compiling (the step hands it over). Requests
+        whose grammar is still compiling, like paused ones, are no work yet."""
+        return self.scheduler.has_work or any(r.grammar.done() for r in self._compiling.values())
+
+    def close(self) -> None:
+        """Stop the grammar worker thread (compiles not started are cancelled; the one under
+        way is not waited for). The core must not be used afterwards."""
+        self.on_grammar_compiled = None
+        self.grammars.close()
 
     # ------------------------------------------------------------ the step
 
     def step(self) -> StepOutputs:
         """Schedule, run the model once, sample, and report new tokens and finished requests."""
         start = time.perf_counter()
+        outputs = self._collect_grammars() if self._compiling else []
         batch = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
         if not batch.is_empty():
             result = self.runner.execute(batch)
             sampled = self.sampler(result.logits, result.requests)
@@ -329,6 +391,17 @@ class EngineCore:
         manager = self.block_manager
         manager.reset_prefix_cache()
         manager.num_queried_tokens = manager.num_hit_tokens = 0
+
+
+def _take_grammar(request: Request, grammar: Future[Any]) -> str | None:
+    """Give ``request`` its own copy of the compiled ``grammar`` (a done future); the
+    request's error text if the grammar failed."""
+    request.grammar = None
+    try:
+        request.matcher = grammar.result().deep_copy()
+    except StructuredOutputError as exc:
+        return f"structured_output: {exc}"
+    return None
 
 
 def blocks_for_one_request(

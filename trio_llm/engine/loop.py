@@ -6,6 +6,11 @@ worker thread, so the event loop stays responsive. Aborts that arrive during a s
 effect right after it; the server drops any output for a request it already aborted.
 A third task sends a `Heartbeat` every ``heartbeat_interval`` seconds saying how long the
 current step has been running, so the server can tell a hung engine from a busy one.
+
+Structured outputs' grammars compile in the engine core's own worker thread. When nothing
+else can run, the loop waits for the next message *or* a compile to finish (`_Wakeup`:
+the core's callback cancels the wait), so a request waiting for its grammar is neither
+forgotten nor polled for.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 
 import cloudpickle
 import trio
@@ -71,8 +77,8 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
     except Exception as exc:
         await _report_failure(channel, f"engine start-up failed: {exc}")
         return 1
-    await channel.send(core.ready_message(os.getpid()))
     try:
+        await channel.send(core.ready_message(os.getpid()))
         await _serve(core, _Outbox(channel), config.heartbeat_interval)
     except Exception as exc:
         if _server_gone(exc):
@@ -80,11 +86,16 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         await _report_failure(channel, message, exc_info=True)
         return 1
+    finally:
+        core.close()
     return 0
 
 
 def _build_core(config: EngineConfig) -> EngineCore:
     core = EngineCore.from_config(config)
+    # llguidance's tokenizer (about half a second) is built in the grammar worker thread
+    # from now on, so the first constrained request does not stall every stream for it.
+    core.grammars.start()
     core.warm_up()
     return core
 
@@ -127,28 +138,74 @@ class _Outbox:
             await self.send(Heartbeat(0.0 if started is None else time.monotonic() - started))
 
 
+class _Wakeup:
+    """Ends the loop's wait for a message when a grammar finishes compiling.
+
+    The engine core calls `notify` from its grammar worker thread; that cancels the wait
+    under way (a memory channel's receive loses nothing when cancelled). A notification
+    with no wait under way does nothing: the loop checks `EngineCore.has_work` before
+    waiting.
+    """
+
+    def __init__(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._scope: trio.CancelScope | None = None
+
+    def notify(self) -> None:
+        """Wake the loop if it is waiting (thread-safe)."""
+        try:
+            self._token.run_sync_soon(self._cancel)
+        except trio.RunFinishedError:
+            pass  # the loop is gone
+
+    def _cancel(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def receive(
+        self, inbox: trio.MemoryReceiveChannel[ToEngine], has_work: Callable[[], bool]
+    ) -> ToEngine | None:
+        """The next message, or None as soon as ``has_work()`` (a grammar compiled).
+
+        Raises:
+            trio.EndOfChannel: the server closed the channel.
+        """
+        with trio.CancelScope() as self._scope:
+            try:
+                if has_work():  # compiled before the wait began
+                    return None
+                return await inbox.receive()
+            finally:
+                self._scope = None
+        return None
+
+
 async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -> None:
     channel = outbox.channel
     inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
+    wakeup = _Wakeup()
+    core.on_grammar_compiled = wakeup.notify
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_read_messages, channel, inbox_send)
         nursery.start_soon(outbox.heartbeats, heartbeat_interval)
         reported_idle = True
         while True:
-            if not core.has_work():  # idle, or only paused requests left
+            # Idle: nothing, or only paused requests and requests waiting for a grammar.
+            if not core.has_work():
                 if not reported_idle:
                     # Aborts and pauses can empty the batch without a step; say so.
                     await outbox.send(StepOutputs([], core.stats()))
                     reported_idle = True
                 try:
-                    message = await inbox.receive()
+                    message = await wakeup.receive(inbox, core.has_work)
                 except trio.EndOfChannel:
                     break
-                if not await _apply(core, outbox, message):
-                    break
-                # An abort of a paused request changes the stats without any step: the
-                # next idle turn reports them.
-                reported_idle = False
+                if message is not None:
+                    if not await _apply(core, outbox, message):
+                        break
+                    # An abort of a paused request changes the stats without any step:
+                    # the next idle turn reports them.
+                    reported_idle = False
             if not await _apply_pending(core, outbox, inbox):
                 break
             if core.has_work():

@@ -56,6 +56,7 @@ class Request:
         "error",
         "finish_reason",
         "generator",
+        "grammar",
         "group",
         "matcher",
         "next_prompt_logprob",
@@ -95,6 +96,10 @@ class Request:
         self.next_prompt_logprob = 1
         #: The llguidance matcher of a constrained output (`trio_llm.engine.structured`).
         self.matcher: Any = None
+        #: The compile of its grammar while it runs (a ``concurrent.futures.Future``): the
+        #: scheduler leaves the request waiting, unscheduled, until the engine core sets
+        #: `matcher` from it and this back to None.
+        self.grammar: Any = None
         #: Why the engine ended the request (finish_reason "abort"), e.g. a token the
         #: matcher rejected.
         self.error: str | None = None
@@ -106,6 +111,11 @@ class Request:
         """The block table of KV cache group 0 (the only group of a model without
         sliding windows; with them, possibly a window group with ``NO_BLOCK`` entries)."""
         return self.block_tables[0]
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """True while its grammar is compiling (it must not be scheduled yet)."""
+        return self.grammar is not None
 
     @property
     def num_tokens(self) -> int:

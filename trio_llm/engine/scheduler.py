@@ -27,7 +27,10 @@ and each step hands out a token budget (``max_num_batched_tokens``):
    computes the rest (`BlockManager.lookup`).
 
 Paused requests (`pause`: their consumer stopped reading) sit outside both queues, with
-no KV blocks, until `resume` puts them back in line.
+no KV blocks, until `resume` puts them back in line. A request waiting for its grammar
+(`Request.waits_for_grammar`: a structured output compiling in a worker thread) stays in
+the waiting queue, skipped: it is not admitted, holds no KV blocks and claims no batch
+slot in the fair shares until the engine core gives it its matcher.
 
 After the model ran, `Scheduler.update` records the sampled tokens and finishes requests
 (EOS / stop token -> "stop", ``max_tokens`` or a full context -> "length").
@@ -206,8 +209,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """True when a step could schedule something (a request is running or waiting)."""
-        return bool(self.running or self.waiting)
+        """True when a step could schedule something (a request is running, or waiting and
+        not for its grammar)."""
+        return bool(self.running) or any(not r.waits_for_grammar for r in self.waiting)
 
     # ------------------------------------------------------------ one step
 
@@ -291,11 +295,12 @@ class Scheduler:
 
     def _next_waiting(self, *, skip_long: bool) -> Request | None:
         """The waiting request to admit next: of the group with the fewest running
-        requests, the first in the queue (long ones skipped when ``skip_long``)."""
+        requests, the first in the queue (long ones skipped when ``skip_long``, and those
+        waiting for their grammar always)."""
         best: Request | None = None
         best_count = 0
         for request in self.waiting:
-            if skip_long and self._is_long(request.num_tokens):
+            if request.waits_for_grammar or (skip_long and self._is_long(request.num_tokens)):
                 continue
             count = self._num_running[request.group]
             if best is None or count < best_count:
@@ -309,7 +314,10 @@ class Scheduler:
         free = self.config.max_num_seqs - len(self.running)
         if not self.waiting or free >= len(self.waiting):
             return
-        num_waiting: Counter[str] = Counter(request.group for request in self.waiting)
+        ready = [request for request in self.waiting if not request.waits_for_grammar]
+        if free >= len(ready):
+            return
+        num_waiting: Counter[str] = Counter(request.group for request in ready)
         demands = {
             group: self._num_running[group] + num_waiting[group]
             for group in (*self._num_running, *num_waiting)

@@ -3,17 +3,20 @@ that says which tokens may come next; the sampler masks the others before sampli
 before logprobs are taken, so they describe the distribution actually sampled).
 
 The library choice and its figures are in docs/structured-output.md. Grammars are
-compiled when a request is added (llguidance compiles lazily: a few milliseconds for a
-100-property schema, the rest as masks are asked for) and kept by their source, so a
-repeated schema is compiled once.
+compiled off the step's path: `GrammarCompiler` owns one worker thread that first builds
+llguidance's tokenizer (`GrammarCompiler.start`, called when the engine starts) and then
+compiles each new grammar (`GrammarCompiler.compile`: validation, matcher and its first
+mask; llguidance releases the GIL while it works). Meanwhile the request waits in the
+scheduler's waiting queue, unscheduled. A compiled grammar is kept by its source as a
+matcher at its start and each request gets a copy of it (`LLMatcher.deep_copy`, a
+fraction of a millisecond), so a repeated schema is compiled once.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import warnings
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +39,15 @@ class StructuredOutputError(ValueError):
 
 
 class GrammarCompiler:
-    """Matchers for `StructuredOutput` constraints over one model's vocabulary.
+    """Matchers for `StructuredOutput` constraints over one model's vocabulary, compiled in
+    a worker thread.
+
+    Every method is called from the engine's thread (one at a time); only `build` and the
+    tokenizer's construction run in the worker thread, which touches nothing else.
 
     Args:
-        tokenizer_dir: the model folder holding ``tokenizer.json`` (the tokenizer is
-            loaded on the first constrained request, about half a second).
+        tokenizer_dir: the model folder holding ``tokenizer.json`` (llguidance's view of
+            it is built in the worker thread, about half a second: see `start`).
         vocab_size: rows of the model's logits (may exceed the tokenizer's vocabulary).
         eos_token_ids: the tokens that end a constrained output.
     """
@@ -51,49 +58,106 @@ class GrammarCompiler:
         self.tokenizer_dir = Path(tokenizer_dir)
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None
+        self._tokenizer: Future[llguidance.LLTokenizer] | None = None
+        #: Compiled (or compiling) grammars by kind and source, least recently used first.
+        self._compiled: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
+
+    def start(self) -> None:
+        """Begin building llguidance's tokenizer in the worker thread, without waiting for
+        it (once; later calls do nothing). The engine calls this when it starts, so the
+        first constrained request does not wait for the tokenizer; `compile` calls it too.
+        """
+        if self._tokenizer is None:
+            self._tokenizer = self._submit(self._build_tokenizer)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the model's tokenizer (built once)."""
-        if self._tokenizer is None:
-            import llguidance.hf
-            from transformers import AutoTokenizer
+        """llguidance's view of the model's tokenizer (blocks until the worker built it)."""
+        self.start()
+        assert self._tokenizer is not None
+        return self._tokenizer.result()
 
-            hf_tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
-            )
-        return self._tokenizer
+    def compile(self, spec: StructuredOutput) -> Future[llguidance.LLMatcher]:
+        """The grammar of ``spec`` as a matcher at its start, compiled in the worker thread.
+
+        The same future for the same kind and source while it is cached (the last
+        `GRAMMAR_CACHE_SIZE` grammars), whether it is done or still compiling; a failed one
+        is compiled again when asked for. Each request needs its own copy of the result
+        (``deep_copy()``). Never blocks.
+
+        The future's exception is a `StructuredOutputError`: the spec is malformed or uses
+        what the library does not implement (an unknown JSON Schema keyword, for example),
+        or the tokenizer could not be built; never ignored.
+        """
+        key = (spec.kind, spec.spec)
+        future = self._compiled.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._compiled.move_to_end(key)
+            return future
+        self.start()
+        future = self._submit(self.build, spec)
+        self._compiled[key] = future
+        if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return future
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of an output constrained by ``spec``.
+        """A fresh matcher for ``spec``, waiting for its compile (for tools and tests; the
+        engine uses `compile`).
 
         Raises:
-            StructuredOutputError: the spec is malformed or uses what the library does not
-                implement (an unknown JSON Schema keyword, for example); never ignored.
+            StructuredOutputError: as `compile`'s future.
+        """
+        return self.compile(spec).result().deep_copy()
+
+    def build(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """Compile ``spec`` into a matcher at its start; the worker thread runs this.
+
+        llguidance compiles lazily; the first mask is asked for here too, so that the
+        step that first samples the request does not pay for it (copies share it).
+
+        Raises:
+            StructuredOutputError: see `compile`.
         """
         import llguidance
 
-        grammar = self._grammar(spec)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        # `compile` queued the tokenizer's construction first: it is done by now (one thread).
+        assert self._tokenizer is not None, "build() runs in the worker, after start()"
+        try:
+            tokenizer = self._tokenizer.result()
+        except Exception as exc:
+            raise StructuredOutputError(f"cannot build the grammar tokenizer: {exc}") from exc
+        grammar = check_structured_output(spec, tokenizer)
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
         if matcher.is_error():
             raise StructuredOutputError(matcher.get_error())
+        llg_numpy = _llguidance_numpy()
+        llg_numpy.fill_next_token_bitmask(
+            matcher, llg_numpy.allocate_token_bitmask(1, self.vocab_size), 0
+        )
         return matcher
 
-    def _grammar(self, spec: StructuredOutput) -> str:
+    def close(self) -> None:
+        """Cancel the compiles not started yet and let the worker thread end after the one
+        under way (without waiting for it). Nothing may be compiled afterwards."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
-        key = (spec.kind, spec.spec)
-        grammar = self._grammars.get(key)
-        if grammar is not None:
-            self._grammars.move_to_end(key)
-            return grammar
-        grammar = check_structured_output(spec, self.tokenizer)
-        self._grammars[key] = grammar
-        if len(self._grammars) > GRAMMAR_CACHE_SIZE:
-            self._grammars.popitem(last=False)
-        return grammar
+    def _submit(self, fn: Any, *args: Any) -> Future[Any]:
+        if self._executor is None:
+            # One thread: compiles wait their turn rather than take a core from the step.
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        return self._executor.submit(fn, *args)
+
+    def _build_tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance.hf
+        from transformers import AutoTokenizer
+
+        hf_tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        return llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+        )
 
 
 def check_structured_output(spec: StructuredOutput, tokenizer: Any = None) -> str:
@@ -142,28 +206,43 @@ def _grammar_source(spec: StructuredOutput, matcher: Any) -> str:
 def apply_masks(logits: torch.Tensor, matchers: list[tuple[int, llguidance.LLMatcher]]) -> None:
     """Set to -inf, in place, the logits of tokens each row's matcher does not allow.
 
+    The masks are filled one matcher after another: llguidance's parallel fill (an
+    ``LLExecutor``'s threads) was slower on the 2-core machine where the figures are taken
+    (docs/structured-output.md).
+
     Args:
         logits: float32 ``[N, vocab]`` on the CPU.
         matchers: ``(row, matcher)`` for the constrained rows.
     """
     import torch
 
-    llg_torch = _llguidance_torch()
-    bitmask = llg_torch.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    llg_numpy = _llguidance_numpy()
+    vocab = logits.shape[-1]
+    bitmask = llg_numpy.allocate_token_bitmask(len(matchers), vocab)
     for index, (_, matcher) in enumerate(matchers):
-        llg_torch.fill_next_token_bitmask(matcher, bitmask, index)
+        llg_numpy.fill_next_token_bitmask(matcher, bitmask, index)
     rows = torch.tensor([row for row, _ in matchers])
-    constrained = logits[rows]
-    llg_torch.apply_token_bitmask_inplace(constrained, bitmask)
-    logits[rows] = constrained
+    logits[rows] = logits[rows].masked_fill(_disallowed(bitmask, vocab), -torch.inf)
 
 
-@functools.cache
-def _llguidance_torch() -> Any:
-    """``llguidance.torch``, imported once without the DeprecationWarning its
-    ``torch.jit.script`` kernel raises on this torch."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import llguidance.torch
+def _disallowed(bitmask: Any, vocab: int) -> torch.Tensor:
+    """``[N, vocab]`` bool, True where a token is not allowed: token ``t`` is allowed when
+    bit ``t % 32`` of word ``t // 32`` of its row of ``bitmask`` (int32 numpy) is set."""
+    import numpy as np
+    import torch
 
-    return llguidance.torch
+    words = bitmask.astype("<i4", copy=False)  # little-endian: bit order is token order
+    bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits == 0)
+
+
+def _llguidance_numpy() -> Any:
+    """``llguidance.numpy``: its bitmasks, filled in place.
+
+    Not ``llguidance.torch``: importing it imports ``torch._dynamo`` (seconds, holding the
+    GIL), and its ``apply_token_bitmask_inplace`` is a ``torch.compile`` function, seconds
+    more of compiling on the step that first samples a constrained request.
+    """
+    import llguidance.numpy
+
+    return llguidance.numpy
