@@ -111,3 +111,42 @@ def test_prefix_cache_hits_change_nothing(tiny_model_dir: Path, roomy, smol_toke
     assert tokens == roomy
     assert again == roomy
     assert set(finish.values()) == {"stop"}
+
+
+def test_masks_match_llguidances_own_masking(real_model_dir: Path, smol_tokenizer) -> None:
+    """`apply_masks` unpacks llguidance's bitmask itself; its result must equal
+    llguidance's torch kernel on the same logits (the reference)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # its torch.jit.script kernel warns on this torch
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import llguidance.torch
+
+    from trio_llm.engine.structured import GrammarCompiler, apply_masks
+
+    vocab = 49152
+    grammars = GrammarCompiler(real_model_dir, vocab, frozenset({2}))
+    specs = [
+        StructuredOutput("json", json.dumps(SCHEMA)),
+        StructuredOutput("regex", "[a-f]{2,5}@[0-9]+"),
+        StructuredOutput("choice", json.dumps(["alpha", "beta"])),
+    ]
+    matchers = [grammars.matcher(spec) for spec in specs]
+    # Move two of them off their start: a mask in the middle of an output.
+    for matcher, prefix in zip(matchers, ['{"name":"ab', "cafe"], strict=False):
+        assert matcher.consume_tokens(smol_tokenizer.encode(prefix, add_special_tokens=False))
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
+    rows = [4, 0, 2]  # constrained rows, in no particular order; rows 1 and 3 are free
+    ours = logits.clone()
+    apply_masks(ours, list(zip(rows, matchers, strict=True)))
+    reference = logits.clone()
+    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab)
+    for index, matcher in enumerate(matchers):
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
+    constrained = reference[rows]
+    llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask)
+    reference[rows] = constrained
+    assert torch.equal(ours, reference)
+    assert torch.isinf(ours[2]).sum() > vocab - 100  # "alpha" or "beta": a few tokens left
