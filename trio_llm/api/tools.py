@@ -204,7 +204,7 @@ class _CallObject:
 
     def __init__(self, parser: ToolCallParser) -> None:
         self.parser = parser
-        self.raw = ""  # every character taken
+        self._raw: list[str] = []  # every character taken (joined on demand: `raw`)
         self.done = False
         self.failed = False
         self.started = False
@@ -217,6 +217,11 @@ class _CallObject:
         self._escape = False
         self._index = -1
 
+    @property
+    def raw(self) -> str:
+        """Every character taken so far."""
+        return "".join(self._raw)
+
     def take(self, text: str) -> tuple[ParsedDelta, str]:
         """Scan ``text``; return the release and the text after the object's end."""
         out = ParsedDelta()
@@ -227,7 +232,7 @@ class _CallObject:
         return out, ""
 
     def _take_char(self, char: str, out: ParsedDelta) -> None:
-        self.raw += char
+        self._raw.append(char)
         if self._depth == 0 and not self._in_string:
             if char.isspace():
                 return
@@ -254,7 +259,8 @@ class _CallObject:
             self._depth -= 1
             closed_bracket = True
         if self._phase == "value":
-            self._value += char
+            if self._kind not in ("{", "["):  # an object or array is released as it comes
+                self._value += char
             if self._kind in ("{", "["):
                 out.calls.append(CallDelta(self._index, char))
                 if closed_bracket and self._depth == 1:
@@ -262,8 +268,10 @@ class _CallObject:
             elif self._kind == '"' and closed_string and self._depth == 1:
                 self._end_value(out)
         elif self._phase == "head":
-            self._head += char
-            match = _HEAD.match(self._head) if len(self._head) < 4096 else None
+            match = None
+            if len(self._head) < 4096:  # past that, the object is decoded whole at its end
+                self._head += char
+                match = _HEAD.match(self._head)
             if match is not None:
                 self._begin(json.loads(f'"{match.group(1)}"'), out)
                 self._phase = "value"
