@@ -17,6 +17,8 @@ from trio_llm.config import (
     DEVICES,
     DTYPES,
     GEMMA3_270M_MODEL,
+    MODEL_IMPLS,
+    QUANTIZATION_METHODS,
     RESTART_MODES,
     TOOL_CALL_PARSERS,
     CacheConfig,
@@ -109,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto = bfloat16 on CUDA or a CPU with native bf16, else float32",
     )
     serve.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs")
+    serve.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="weight-only quantization made at load time (CPU): int8 per output channel or "
+        "int4 in groups of 32; fastest for few concurrent requests (default: none)",
+    )
+    serve.add_argument(
+        "--model-impl",
+        choices=MODEL_IMPLS,
+        default="auto",
+        help="auto: the engine's own forward pass where the family has one (Llama), else "
+        "transformers' modules; trio_llm: require it; transformers: never",
+    )
     serve.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     serve.add_argument(
         "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
@@ -334,6 +351,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
+        model_impl=args.model_impl,
         max_model_len=args.max_model_len,
         download_dir=args.download_dir,
         seed=args.seed,

@@ -40,6 +40,15 @@ DTYPES = ("auto", "float32", "bfloat16")
 #: Where the engine runs the model (``--device``).
 DEVICES = ("cpu", "cuda")
 
+#: ``--quantization`` values: weight-only modes made at load time
+#: (`trio_llm.engine.quantization`).
+QUANTIZATION_METHODS = ("int8", "int4")
+
+#: ``--model-impl`` values (vLLM's flag): ``auto`` runs the engine's own forward pass where
+#: a family has one (`trio_llm.engine.native`), ``trio_llm`` requires it, ``transformers``
+#: always runs transformers' modules.
+MODEL_IMPLS = ("auto", "trio_llm", "transformers")
+
 #: Where output tokens become text: in the API server, or in a third process.
 DETOKENIZER_MODES = ("inline", "process")
 
@@ -80,10 +89,16 @@ class ModelConfig:
         download_dir: cache folder for converted GGUF weights; ``None`` uses
             `default_cache_dir`.
         seed: seed for the engine's default random generator (requests without a seed).
+        quantization: ``int8`` or ``int4`` weight-only quantization of the linear layers,
+            made at load time (`trio_llm.engine.quantization`; CPU only), or None.
+        model_impl: ``auto`` (the engine's own forward pass where the family has one,
+            `trio_llm.engine.native`), ``trio_llm`` (require it) or ``transformers``.
     """
 
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    quantization: str | None = None
+    model_impl: str = "auto"
     max_model_len: int | None = None
     download_dir: str | None = None
     seed: int = 0
@@ -96,6 +111,14 @@ class ModelConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} runs on the CPU only")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
 
 
 @dataclass(frozen=True)
@@ -204,6 +227,8 @@ def engine_config(
     *,
     dtype: str = "auto",
     device: str = "cpu",
+    quantization: str | None = None,
+    model_impl: str = "auto",
     max_model_len: int | None = None,
     download_dir: str | None = None,
     seed: int = 0,

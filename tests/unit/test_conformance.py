@@ -167,6 +167,8 @@ class EngineRun:
     #: Most KV cache bytes held at once, and the windows of the KV cache groups.
     peak_kv_bytes: int = 0
     windows: tuple[int | None, ...] = ()
+    #: Whether the engine ran its own forward pass (`trio_llm.engine.native`).
+    native: bool = False
 
 
 def _config(
@@ -175,9 +177,10 @@ def _config(
     hybrid: bool,
     max_model_len: int = MAX_MODEL_LEN,
     block_size: int = BLOCK_SIZE,
+    model_impl: str = "auto",
 ) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=name, max_model_len=max_model_len),
+        model=ModelConfig(model=name, max_model_len=max_model_len, model_impl=model_impl),
         cache=CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -194,19 +197,23 @@ def _engine_run(
     prompt_logprobs: bool = False,
     hybrid: bool = True,
     block_size: int = BLOCK_SIZE,
+    model_impl: str = "auto",
 ) -> EngineRun:
     """All prompts at once through an `EngineCore` on a copy of the model's weights
     (``num_kv_blocks`` None: the fewest the engine accepts). ``hybrid``: sliding-window
     layers free the KV blocks behind their window (the default)."""
     model = engine_copy(build_model(name), ATTENTION_NAME)
     roomy = num_kv_blocks or ROOMY_BLOCKS
-    core = EngineCore(model, _config(name, roomy, hybrid, block_size=block_size), name)
+    impl = model_impl
+    core = EngineCore(
+        model, _config(name, roomy, hybrid, block_size=block_size, model_impl=impl), name
+    )
     if num_kv_blocks is None:
         # Room for one request of the longest sequence here, and no more.
         longest = max(map(len, PROMPTS)) + MAX_NEW_TOKENS
-        tight = EngineCore(model, _config(name, roomy, hybrid, longest, block_size), name)
+        tight = EngineCore(model, _config(name, roomy, hybrid, longest, block_size, impl), name)
         blocks = tight.min_num_kv_blocks
-        core = EngineCore(model, _config(name, blocks, hybrid, longest, block_size), name)
+        core = EngineCore(model, _config(name, blocks, hybrid, longest, block_size, impl), name)
     params = SamplingParams(
         max_tokens=1 if prompt_logprobs else MAX_NEW_TOKENS,
         temperature=0.0,
@@ -218,6 +225,7 @@ def _engine_run(
         assert core.add_request(AddRequest(f"p{i}", prompt, params)) is None
     run = EngineRun([[] for _ in PROMPTS], [[] for _ in PROMPTS], [[] for _ in PROMPTS], 0, 0)
     run.windows = core.kv_groups.windows
+    run.native = core.runner.native is not None
     block_bytes = KVCache.bytes_per_block(core.layers, core.kv_groups, block_size, torch.float32)
     manager = core.block_manager
     while core.has_unfinished_requests():
@@ -286,6 +294,26 @@ def test_greedy_tokens_match_generate(name: str) -> None:
     run = _engine_run(name, ROOMY_BLOCKS)
     expected = _generate(name)
     assert run.tokens == expected, _first_difference(expected, run.tokens)
+
+
+#: Families that run the engine's own forward pass (`trio_llm.engine.native`) by default.
+NATIVE = [name for name in VERIFIED if ARCHITECTURES[name].model_type == "llama"]
+
+
+@pytest.mark.parametrize("name", NATIVE)
+@pytest.mark.parametrize("blocks", [ROOMY_BLOCKS, TINY_BLOCKS], ids=["roomy", "preempted"])
+def test_transformers_modules_match_too(name: str, blocks: int | None) -> None:
+    """The same families through transformers' modules (``--model-impl transformers``):
+    the same tokens as generate(), and logprobs equal to the native pass's bit for bit."""
+    native = _engine_run(name, blocks)
+    modules = _engine_run(name, blocks, False, True, BLOCK_SIZE, "transformers")
+    assert native.native and not modules.native
+    expected = _generate(name)
+    assert modules.tokens == expected, _first_difference(expected, modules.tokens)
+    assert native.tokens == modules.tokens
+    assert [[e.logprob for e in row] for row in native.logprobs] == [
+        [e.logprob for e in row] for row in modules.logprobs
+    ]
 
 
 @pytest.mark.parametrize("name", VERIFIED)

@@ -150,10 +150,17 @@ class EngineCore:
                 device.type
             ),
         )
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(
+            model,
+            self.kv_cache,
+            model_impl=config.model.model_impl,
+            quantization=config.model.quantization,
+        )
         logger.info(
-            "%s: %s; %s; logits from %s",
+            "%s (%s%s): %s; %s; logits from %s",
             describe(mconf),
+            "trio_llm's forward" if self.runner.native is not None else "transformers' modules",
+            f", {config.model.quantization}" if config.model.quantization else "",
             _describe_layers(layers),
             _describe_groups(groups, num_blocks, block_size),
             "the output projection" if self.runner.lm_head_weight is not None else "its own head",

@@ -1,0 +1,253 @@
+"""The engine's own forward pass for Llama-family decoders (``--model-impl``).
+
+transformers' decoder spends a batch-1 decode step mostly in Python: 30 layers of module
+calls, keyword plumbing and separate q/k/v and gate/up projections. `NativeLlama` runs the
+same arithmetic with the same weights in one loop of plain tensor operations:
+
+- q, k and v come from one product with their weights concatenated (``[q; k; v]``), gate
+  and up from another (``[gate; up]``); the original modules' weights become views of
+  the concatenated tensors, so no weight is held twice;
+- the rotary embedding is the model's own module, called once per step;
+- attention is `trio_llm.engine.attention.paged_attention`, as on the transformers path;
+- RMSNorm, SiLU, the residual additions and the rotary arithmetic are the operations
+  transformers' Llama code performs, in its order and dtypes.
+
+In float32 its hidden states equal transformers' bit for bit on the CPUs tried (a
+concatenated product gives each output column the same sum); the conformance suite runs
+both paths against ``generate()``. With ``--quantization`` the concatenated projections
+(and the output projection, in the model runner) become `QuantizedLinear` layers.
+
+`native_decoder` decides: only a ``LlamaForCausalLM`` whose modules are exactly
+transformers' Llama classes, with SiLU, qualifies; anything else runs transformers' code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.nn import functional as F
+
+from trio_llm.config import MODEL_IMPLS
+from trio_llm.engine.attention import paged_attention
+from trio_llm.engine.quantization import QuantizedLinear, can_quantize
+
+logger = logging.getLogger(__name__)
+
+_LLAMA_CLASSES = {
+    "layer": "LlamaDecoderLayer",
+    "attention": "LlamaAttention",
+    "mlp": "LlamaMLP",
+    "norm": "LlamaRMSNorm",
+    "decoder": "LlamaModel",
+}
+
+
+class _Projection:
+    """One product ``x @ W.T (+ b)``: a float weight or a `QuantizedLinear`."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None
+    ) -> None:
+        self.quantized: QuantizedLinear | None = None
+        self.weight: torch.Tensor | None = weight
+        self.bias = bias
+        if quantization is not None and can_quantize(weight, quantization):
+            self.quantized = QuantizedLinear.from_weight(weight, bias, quantization)
+            self.weight = self.bias = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _concat(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``modules`` along the output channels and
+    make each module's parameters views of the result (shared storage)."""
+    weight = torch.cat([m.weight.detach() for m in modules], dim=0)
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                b.detach() if b is not None else weight.new_zeros(m.out_features)
+                for m, b in zip(modules, biases, strict=True)
+            ]
+        )
+    start = 0
+    for module in modules:
+        end = start + module.out_features
+        module.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+        if module.bias is not None and bias is not None:
+            module.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
+class _Layer:
+    """One decoder layer's weights, concatenated."""
+
+    def __init__(self, layer: torch.nn.Module, quantization: str | None) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attention = attn  # paged_attention reads its layer_idx
+        self.scaling = attn.scaling
+        self.head_dim = attn.head_dim
+        self.q_size = attn.q_proj.out_features
+        self.kv_size = attn.k_proj.out_features
+        self.qkv = _Projection(*_concat([attn.q_proj, attn.k_proj, attn.v_proj]), quantization)
+        self.o = _Projection(attn.o_proj.weight, attn.o_proj.bias, quantization)
+        self.intermediate = mlp.gate_proj.out_features
+        self.gate_up = _Projection(*_concat([mlp.gate_proj, mlp.up_proj]), quantization)
+        self.down = _Projection(mlp.down_proj.weight, mlp.down_proj.bias, quantization)
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+
+
+def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, operation for operation."""
+    dtype = hidden.dtype
+    h = hidden.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class NativeLlama:
+    """The decoder of a Llama-family model as plain tensor operations (module docstring).
+
+    Call it inside `trio_llm.engine.attention.step_metadata`, like the decoder it
+    replaces.
+
+    Args:
+        model: a ``LlamaForCausalLM`` that `native_decoder` accepted.
+        quantization: ``int8``, ``int4`` or None (float weights).
+    """
+
+    def __init__(self, model: torch.nn.Module, quantization: str | None = None) -> None:
+        decoder = model.get_decoder()
+        self.embed_tokens = decoder.embed_tokens
+        self.rotary_emb = decoder.rotary_emb
+        self.norm = decoder.norm
+        self.layers = [_Layer(layer, quantization) for layer in decoder.layers]
+        self.quantization = quantization
+        if quantization is not None:
+            # The transformers modules' float weights are no longer read by any step:
+            # free them (the probe at start-up ran before).
+            for layer in decoder.layers:
+                for module in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_proj,
+                    layer.mlp.up_proj,
+                    layer.mlp.down_proj,
+                ):
+                    module.weight = torch.nn.Parameter(module.weight.new_empty(0, 0))
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of a packed step.
+
+        Args:
+            input_ids: int64 ``[1, T]`` token ids.
+            position_ids: int64 ``[1, T]`` positions.
+
+        Returns:
+            ``[T, hidden_size]`` in the model's dtype, after the final norm.
+        """
+        hidden = self.embed_tokens(input_ids)  # [1, T, hidden]
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        cos = cos.unsqueeze(1)  # [1, 1, T, D]
+        sin = sin.unsqueeze(1)
+        num_tokens = input_ids.shape[1]
+        for layer in self.layers:
+            residual = hidden
+            x = _rms_norm(layer.input_norm, hidden)
+            qkv = layer.qkv(x)
+            d = layer.head_dim
+            q = qkv[..., : layer.q_size].view(1, num_tokens, -1, d).transpose(1, 2)
+            k = qkv[..., layer.q_size : layer.q_size + layer.kv_size]
+            k = k.view(1, num_tokens, -1, d).transpose(1, 2)
+            v = qkv[..., layer.q_size + layer.kv_size :].view(1, num_tokens, -1, d).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            attn, _ = paged_attention(layer.attention, q, k, v, None, scaling=layer.scaling)
+            hidden = residual + layer.o(attn.reshape(1, num_tokens, -1))
+            residual = hidden
+            x = _rms_norm(layer.post_norm, hidden)
+            gate_up = layer.gate_up(x)
+            x = F.silu(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate :]
+            hidden = residual + layer.down(x)
+        return _rms_norm(self.norm, hidden)[0]
+
+
+def native_unsupported(model: torch.nn.Module) -> str | None:
+    """Why `NativeLlama` cannot run ``model``, or None when it can."""
+    config = model.config
+    if getattr(config, "model_type", None) != "llama":
+        return f"model_type {getattr(config, 'model_type', None)!r} has no native implementation"
+    decoder = model.get_decoder()
+    if type(decoder).__name__ != _LLAMA_CLASSES["decoder"]:
+        return f"its decoder is {type(decoder).__name__}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {config.hidden_act!r} (native: silu)"
+    if type(decoder.norm).__name__ != _LLAMA_CLASSES["norm"]:
+        return f"its final norm is {type(decoder.norm).__name__}"
+    for layer in decoder.layers:
+        found = {
+            "layer": type(layer).__name__,
+            "attention": type(layer.self_attn).__name__,
+            "mlp": type(layer.mlp).__name__,
+            "norm": type(layer.input_layernorm).__name__,
+        }
+        if type(layer.post_attention_layernorm).__name__ != _LLAMA_CLASSES["norm"]:
+            return "a layer's post-attention norm is not LlamaRMSNorm"
+        for role, name in found.items():
+            if name != _LLAMA_CLASSES[role]:
+                return f"a layer's {role} is {name}"
+        for linear in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        ):
+            if type(linear) is not torch.nn.Linear:
+                return f"a projection is {type(linear).__name__}, not Linear"
+    return None
+
+
+def native_decoder(
+    model: torch.nn.Module, model_impl: str = "auto", quantization: str | None = None
+) -> NativeLlama | None:
+    """The native decoder for ``model``, or None to run transformers' modules.
+
+    Args:
+        model: the loaded causal LM.
+        model_impl: one of `MODEL_IMPLS`.
+        quantization: ``int8``, ``int4`` or None.
+
+    Raises:
+        ValueError: ``model_impl`` is ``trio_llm`` and the model does not qualify (the
+            reason is in the message), or an unknown ``model_impl``.
+    """
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+    if model_impl == "transformers":
+        return None
+    reason = native_unsupported(model)
+    if reason is not None:
+        if model_impl == "trio_llm":
+            raise ValueError(f"--model-impl trio_llm: {reason}")
+        logger.info("running transformers' modules: %s", reason)
+        return None
+    return NativeLlama(model, quantization)
