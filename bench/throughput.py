@@ -21,7 +21,13 @@ from common import print_table, sonnet_prompts, write_json
 
 from trio_llm import LLM
 from trio_llm.cli import parse_bytes
-from trio_llm.config import DEFAULT_MODEL, DEVICES, SchedulerConfig
+from trio_llm.config import (
+    DEFAULT_MODEL,
+    DEVICES,
+    MODEL_IMPLS,
+    QUANTIZATION_METHODS,
+    SchedulerConfig,
+)
 from trio_llm.messages import SamplingParams
 
 COLUMNS = ["system", "requests", "elapsed_s", "req_per_s", "output_tok_per_s", "total_tok_per_s"]
@@ -32,6 +38,8 @@ def run(args: argparse.Namespace) -> dict:
         args.model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
+        model_impl=args.model_impl,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -47,8 +55,9 @@ def run(args: argparse.Namespace) -> dict:
         dtype = llm.info.dtype
     output_tokens = sum(len(result.token_ids) for result in results)
     prompt_tokens = sum(len(p) for p in prompts)
+    quantized = f", {args.quantization}" if args.quantization else ""
     return {
-        "system": f"trio_llm offline ({dtype}, {args.device})",
+        "system": f"trio_llm offline ({dtype}{quantized}, {args.device})",
         "requests": len(prompts),
         "elapsed_s": elapsed,
         "steps": steps,
@@ -64,6 +73,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", choices=DEVICES, default="cpu")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None)
+    parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto")
     parser.add_argument(
         "--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 8GiB (default 2 GiB)"
     )

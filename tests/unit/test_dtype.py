@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trio_llm import model_loader
 from trio_llm.config import ModelConfig
 from trio_llm.model_loader import resolve_dtype
 
@@ -26,6 +27,30 @@ def test_auto_dtype_follows_the_hardware(
     dtype: str, device: str, flags: frozenset[str], expected: str
 ) -> None:
     assert resolve_dtype(dtype, device, flags) == expected
+
+
+@pytest.mark.parametrize(
+    ("speedup", "expected"), [(0.1, "float32"), (1.0, "float32"), (1.3, "bfloat16")]
+)
+def test_native_bf16_is_chosen_by_timing_at_the_model_shapes(
+    speedup: float, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the model's shapes, a CPU with native bf16 gets bf16 only where its products
+    time faster than float32's."""
+    timed = []
+    monkeypatch.setattr(
+        model_loader, "bf16_speedup", lambda *shapes: timed.append(shapes) or speedup
+    )
+    native = AVX2_ONLY | {"avx512f", "avx512_bf16"}
+    assert resolve_dtype("auto", "cpu", native, shapes=(576, 1536)) == expected
+    assert timed == [(576, 1536)]
+    # Without native bf16 no timing: float32.
+    assert resolve_dtype("auto", "cpu", AVX2_ONLY, shapes=(576, 1536)) == "float32"
+    assert len(timed) == 1
+
+
+def test_bf16_speedup_times_both_dtypes() -> None:
+    assert 0 < model_loader.bf16_speedup(64, 128, rows=4) < 1000
 
 
 def test_unknown_devices_are_rejected() -> None:

@@ -4,6 +4,9 @@ Before anything else the child asks the kernel to SIGKILL it when its parent die
 (``prctl(PR_SET_PDEATHSIG)``, Linux) and ignores SIGINT: a Ctrl-C reaches the whole
 terminal process group, and the server decides the order of shutdown. The child also
 exits when the IPC socket reaches end-of-file.
+
+It also sets torch's OpenMP threads to stop spinning soon when they wait (see
+`OPENMP_SPIN_DEFAULTS`), unless the environment already says how they should wait.
 """
 
 from __future__ import annotations
@@ -13,8 +16,24 @@ import sys
 
 from trio_llm.parent_death import start_child
 
+#: Set in the engine child before torch (and its libgomp) loads, where the environment
+#: has neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT``. libgomp's default lets a
+#: waiting thread spin 300,000 times before it sleeps: when another process takes a core,
+#: the spinning thread keeps a core busy while the thread it waits for is descheduled,
+#: and the engine ran 3x slower beside a one-core hog and 4.4x slower as one of two
+#: engines, where its fair share is 2x. Measured on 2 cores (bench/contention.py,
+#: docs/benchmarks.md): 3,000 spins keeps the engine within 10 % of its speed alone and
+#: brings both slowdowns to about 1.7x.
+OPENMP_SPIN_DEFAULTS = {"GOMP_SPINCOUNT": "3000"}
+
+
+def _openmp_defaults(environ: dict[str, str] | os._Environ[str]) -> None:
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ.update(OPENMP_SPIN_DEFAULTS)
+
 
 def main() -> None:
+    _openmp_defaults(os.environ)
     args = start_child("python -m trio_llm.engine", "--ipc-fd")
 
     import trio

@@ -229,9 +229,24 @@ class PagedAttentionMetadata:
     prefills: list[PrefillSpan]
     workspace: dict[str, torch.Tensor]
     dtype: torch.dtype = torch.float32
+    #: ``decode_lengths`` as Python ints (no device sync to read them).
+    decode_context_lens: list[int] = field(default_factory=list)
+    _decode_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _decode_views: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False
     )
+
+    def decode_slots(self, group: int, length: int) -> torch.Tensor:
+        """The cache slots of the first decode request's ``length`` context tokens in KV
+        cache group ``group`` (int64 ``[length]``), built once per step and group."""
+        slots = self._decode_slots.get(group)
+        if slots is None:
+            bs = self.kv_cache.block_size
+            table = self.decode_blocks[group][0]
+            positions = torch.arange(length, device=table.device)
+            slots = table[positions // bs] * bs + positions % bs
+            self._decode_slots[group] = slots
+        return slots
 
     def decode_view(self, group: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks of KV cache group ``group`` the decode requests attend to and their
@@ -351,7 +366,17 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
 
     num_decode = paged.num_decode
-    if num_decode:
+    if num_decode == 1 and sliding_window is None and softcap is None:
+        # One request decoding: its context's keys without padding, so no mask.
+        length = paged.decode_context_lens[0]
+        slots = paged.decode_slots(kv_group, length)
+        keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q[:1].transpose(0, 1).unsqueeze(0), keys, values, scale=scaling, enable_gqa=True
+        )
+        out[:1] = o[0].transpose(0, 1)
+    elif num_decode:
         block_size = paged.kv_cache.block_size
         blocks, mask = paged.decode_view(kv_group, sliding_window)
         context = blocks.shape[1] * block_size

@@ -195,6 +195,7 @@ class ModelRunner:
             prefills=spans,
             workspace=self._workspace,
             dtype=self.dtype,
+            decode_context_lens=[r.num_computed_tokens + 1 for r in decodes],
         )
         input_ids = torch.tensor([step.input_ids]).to(self.device)
         position_ids = torch.tensor([step.positions]).to(self.device)

@@ -23,7 +23,9 @@ transformers' Llama classes, with SiLU, qualifies; anything else runs transforme
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
@@ -43,23 +45,14 @@ _LLAMA_CLASSES = {
 }
 
 
-class _Projection:
-    """One product ``x @ W.T (+ b)``: a float weight or a `QuantizedLinear`."""
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None
-    ) -> None:
-        self.quantized: QuantizedLinear | None = None
-        self.weight: torch.Tensor | None = weight
-        self.bias = bias
-        if quantization is not None and can_quantize(weight, quantization):
-            self.quantized = QuantizedLinear.from_weight(weight, bias, quantization)
-            self.weight = self.bias = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quantized(x)
-        return F.linear(x, self.weight, self.bias)
+def _projection(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One product ``x @ W.T (+ b)``: float weights, or int8 / int4 ones through
+    `QuantizedLinear`'s kernel (its ``forward`` called directly: no module dispatch)."""
+    if quantization is not None and can_quantize(weight, quantization):
+        return QuantizedLinear.from_weight(weight, bias, quantization).forward
+    return functools.partial(F.linear, weight=weight, bias=bias)
 
 
 def _concat(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -95,18 +88,23 @@ class _Layer:
         self.head_dim = attn.head_dim
         self.q_size = attn.q_proj.out_features
         self.kv_size = attn.k_proj.out_features
-        self.qkv = _Projection(*_concat([attn.q_proj, attn.k_proj, attn.v_proj]), quantization)
-        self.o = _Projection(attn.o_proj.weight, attn.o_proj.bias, quantization)
+        self.num_heads = self.q_size // self.head_dim
+        self.qkv = _projection(*_concat([attn.q_proj, attn.k_proj, attn.v_proj]), quantization)
+        self.o = _projection(attn.o_proj.weight, attn.o_proj.bias, quantization)
         self.intermediate = mlp.gate_proj.out_features
-        self.gate_up = _Projection(*_concat([mlp.gate_proj, mlp.up_proj]), quantization)
-        self.down = _Projection(mlp.down_proj.weight, mlp.down_proj.bias, quantization)
+        self.gate_up = _projection(*_concat([mlp.gate_proj, mlp.up_proj]), quantization)
+        self.down = _projection(mlp.down_proj.weight, mlp.down_proj.bias, quantization)
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """transformers' LlamaRMSNorm, operation for operation."""
+    """transformers' LlamaRMSNorm: in float32 torch's fused ``rms_norm`` (the same
+    values, bit for bit), else operation for operation (it rounds to the model's dtype
+    before the weight multiplies)."""
     dtype = hidden.dtype
+    if dtype == torch.float32:
+        return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
     h = hidden.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + norm.variance_epsilon)
@@ -172,12 +170,14 @@ class NativeLlama:
             x = _rms_norm(layer.input_norm, hidden)
             qkv = layer.qkv(x)
             d = layer.head_dim
-            q = qkv[..., : layer.q_size].view(1, num_tokens, -1, d).transpose(1, 2)
-            k = qkv[..., layer.q_size : layer.q_size + layer.kv_size]
-            k = k.view(1, num_tokens, -1, d).transpose(1, 2)
-            v = qkv[..., layer.q_size + layer.kv_size :].view(1, num_tokens, -1, d).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            qk_size = layer.q_size + layer.kv_size
+            # The rotary embedding of q and k in one pass over both (elementwise: the
+            # same values as transformers' two).
+            qk = qkv[..., :qk_size].view(1, num_tokens, -1, d).transpose(1, 2)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            q = qk[:, : layer.num_heads]
+            k = qk[:, layer.num_heads :]
+            v = qkv[..., qk_size:].view(1, num_tokens, -1, d).transpose(1, 2)
             attn, _ = paged_attention(layer.attention, q, k, v, None, scaling=layer.scaling)
             hidden = residual + layer.o(attn.reshape(1, num_tokens, -1))
             residual = hidden
