@@ -22,9 +22,10 @@ from trio_llm.parent_death import start_child
 #: the spinning thread keeps a core busy while the thread it waits for is descheduled,
 #: and the engine ran 3x slower beside a one-core hog and 4.4x slower as one of two
 #: engines, where its fair share is 2x. Measured on 2 cores (bench/contention.py,
-#: docs/benchmarks.md): 3,000 spins keeps the engine within 10 % of its speed alone and
-#: brings both slowdowns to about 1.7x.
-OPENMP_SPIN_DEFAULTS = {"GOMP_SPINCOUNT": "3000"}
+#: docs/benchmarks.md): at 10,000 spins both slowdowns were 1.3-2.3x; fewer spins help
+#: contention further but cost a batch-1 decode step its threads' wake-ups (5,000: up to
+#: 2x slower, 3,000: 3x; 10,000 and more: unchanged).
+OPENMP_SPIN_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 
 
 def _openmp_defaults(environ: dict[str, str] | os._Environ[str]) -> None:
