@@ -226,3 +226,32 @@ def test_model_impl_trio_llm_refuses_other_families() -> None:
     qwen = _tiny(Qwen2ForCausalLM, Qwen2Config)
     with pytest.raises(EngineConfigError, match="model_type 'qwen2' has no native"):
         _run(qwen, None, model_impl="trio_llm")
+
+
+# ---------------------------------------------------------------- OpenMP waiting
+
+
+def test_engine_child_sets_openmp_spinning_unless_the_environment_does() -> None:
+    from trio_llm.engine.__main__ import OPENMP_SPIN_DEFAULTS, _openmp_defaults
+
+    env: dict[str, str] = {"PATH": "/bin"}
+    _openmp_defaults(env)
+    assert env == {"PATH": "/bin", **OPENMP_SPIN_DEFAULTS}
+    for given in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        env = dict(given)
+        _openmp_defaults(env)
+        assert env == given
+
+
+@pytest.mark.slow
+def test_engine_entry_point_loads_no_torch_before_main() -> None:
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads: the entry module must not
+    import torch before `main` sets it."""
+    import subprocess
+    import sys
+
+    code = "import sys, trio_llm.engine.__main__; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

@@ -11,6 +11,9 @@ Structured outputs' grammars compile in the engine core's own worker thread. Whe
 else can run, the loop waits for the next message *or* a compile to finish (`_Wakeup`:
 the core's callback cancels the wait), so a request waiting for its grammar is neither
 forgotten nor polled for.
+
+On the CPU each step runs on the torch thread count `CpuShare` recommends: one thread
+fewer for each core other processes take (unless ``num_threads`` was configured).
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import time
 from collections.abc import Callable
 
 import cloudpickle
+import torch
 import trio
 
 from trio_llm import ipc
 from trio_llm.config import EngineConfig
 from trio_llm.engine.core import EngineCore
+from trio_llm.engine.cpu_share import CpuShare
 from trio_llm.messages import (
     AbortRequests,
     AddRequest,
@@ -79,7 +84,10 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
         return 1
     try:
         await channel.send(core.ready_message(os.getpid()))
-        await _serve(core, _Outbox(channel), config.heartbeat_interval)
+        share = None
+        if config.model.device == "cpu" and config.num_threads is None:
+            share = CpuShare(torch.get_num_threads())
+        await _serve(core, _Outbox(channel, share), config.heartbeat_interval)
     except Exception as exc:
         if _server_gone(exc):
             raise
@@ -100,6 +108,14 @@ def _build_core(config: EngineConfig) -> EngineCore:
     return core
 
 
+def _step(core: EngineCore, threads: int | None) -> StepOutputs:
+    """One step in a worker thread, on ``threads`` torch threads (OpenMP's thread count is
+    per calling thread, so it is set here)."""
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return core.step()
+
+
 async def _report_failure(
     channel: ipc.MessageChannel, message: str, *, exc_info: bool = False
 ) -> None:
@@ -113,8 +129,12 @@ async def _report_failure(
 class _Outbox:
     """The engine's sending side: steps and heartbeats take turns on one channel."""
 
-    def __init__(self, channel: ipc.MessageChannel[ToEngine]) -> None:
+    def __init__(
+        self, channel: ipc.MessageChannel[ToEngine], share: CpuShare | None = None
+    ) -> None:
         self.channel = channel
+        #: Chooses each step's torch thread count (None: leave it as configured).
+        self.share = share
         self._lock = trio.Lock()
         #: Monotonic time at which the step now computing started; None between steps.
         self.step_started: float | None = None
@@ -125,8 +145,19 @@ class _Outbox:
 
     async def run_step(self, core: EngineCore) -> None:
         self.step_started = time.monotonic()
+        threads = None
+        if self.share is not None:
+            before = self.share.threads
+            threads = self.share.recommend()
+            if threads != before:
+                logger.info(
+                    "other processes took %.1f of %d cores: %d torch thread(s)",
+                    self.share.others or 0.0,
+                    self.share.cores,
+                    threads,
+                )
         try:
-            outputs = await trio.to_thread.run_sync(core.step)
+            outputs = await trio.to_thread.run_sync(_step, core, threads)
         finally:
             self.step_started = None
         await self.send(outputs)
