@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-threads",
         type=int,
         default=None,
-        help="torch threads in the engine (default: all cores)",
+        help="torch threads in the engine, fixed (default: all cores, one fewer per core "
+        "other processes take)",
     )
     serve.add_argument(
         "--shutdown-timeout",
