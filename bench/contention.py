@@ -11,7 +11,8 @@ on the same prompts:
 - ``pair``: two engines started together, each on the same workload (the fair slowdown
   of each is 2x: they share every core).
 
-Every run is repeated with each ``--env`` setting (``default`` = the environment as
+``--num-threads auto`` runs the engines with `trio_llm.engine.cpu_share` on. Every run is
+repeated with each ``--env`` setting (``default`` = the environment as
 given), to compare OpenMP wait policies; the figure is output tok/s and its slowdown
 against ``alone`` in the same setting.
 """
@@ -43,6 +44,8 @@ def _throughput_command(args: argparse.Namespace, out: Path) -> list[str]:
     ]  # fmt: skip
     if args.quantization:
         command += ["--quantization", args.quantization]
+    if getattr(args, "num_threads", None):
+        command += ["--num-threads", args.num_threads]
     return command
 
 
@@ -82,7 +85,7 @@ def _run_engines(args: argparse.Namespace, setting: str, count: int, hog: bool) 
             hog_process.wait()
 
 
-def measure(args: argparse.Namespace, setting: str = "default") -> dict:
+def measure(args: argparse.Namespace, setting: str = "default", label: str | None = None) -> dict:
     """Output tok/s alone, beside a one-core hog and as one of two engines, with the
     slowdowns (``args``: the workload fields of `main`'s parser)."""
     cores = os.cpu_count() or 1
@@ -91,7 +94,7 @@ def measure(args: argparse.Namespace, setting: str = "default") -> dict:
     hogged = _run_engines(args, setting, 1, hog=True)[0]["output_tok_per_s"]
     pair = [r["output_tok_per_s"] for r in _run_engines(args, setting, 2, hog=False)]
     return {
-        "setting": setting,
+        "setting": label or setting,
         "alone tok/s": alone,
         "hog tok/s": hogged,
         "hog slowdown": alone / hogged,
@@ -111,6 +114,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None)
     parser.add_argument(
+        "--num-threads", default=None, help="the engines' --num-threads (N or auto)"
+    )
+    parser.add_argument(
         "--env",
         nargs="+",
         default=["default"],
@@ -121,7 +127,8 @@ def main() -> None:
     cores = os.cpu_count() or 1
     rows = []
     for setting in args.env:
-        rows.append(measure(args, setting))
+        threads = f", --num-threads {args.num_threads}" if args.num_threads else ""
+        rows.append(measure(args, setting, f"{setting}{threads}"))
         print_table(rows[-1:], list(rows[-1]))
     print()
     print_table(rows, list(rows[0]))

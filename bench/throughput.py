@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> dict:
         device=args.device,
         quantization=args.quantization,
         model_impl=args.model_impl,
+        num_threads=None if args.num_threads in (None, "auto") else int(args.num_threads),
+        adaptive_threads=args.num_threads == "auto",
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -75,6 +77,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None)
     parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto")
+    parser.add_argument("--num-threads", default=None, help="N or auto (default: all cores)")
     parser.add_argument(
         "--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 8GiB (default 2 GiB)"
     )

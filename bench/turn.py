@@ -235,7 +235,12 @@ def main() -> None:
         workload = argparse.Namespace(
             num_prompts=32, input_len=128, output_len=32, dtype="auto", quantization=None
         )
-        report["contention"] = {"rows": [contention.measure(workload)]}
+        rows = []
+        for threads in (None, "auto"):
+            workload.num_threads = threads
+            label = f"--num-threads {threads or 'default'}"
+            rows.append(contention.measure(workload, "default", label))
+        report["contention"] = {"rows": rows}
     lines = target_lines(report, args)
     report["targets"] = lines
     print("\ntargets:")

@@ -71,6 +71,13 @@ def parse_positive_int(text: str) -> int:
     return _bounded_int(text, 1, None, "a positive integer")
 
 
+def parse_num_threads(text: str) -> int | str:
+    """A positive thread count, or ``auto``."""
+    if text == "auto":
+        return text
+    return _bounded_int(text, 1, None, "a positive integer or auto")
+
+
 def parse_non_negative_int(text: str) -> int:
     """An integer of at least 0."""
     return _bounded_int(text, 0, None, "a non-negative integer")
@@ -171,10 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--num-threads",
-        type=int,
+        type=parse_num_threads,
         default=None,
-        help="torch threads in the engine, fixed (default: all cores, one fewer per core "
-        "other processes take)",
+        metavar="N|auto",
+        help="torch threads in the engine (default: all cores); auto: all cores, one fewer "
+        "per core other processes take (faster on a shared machine; float32 results then "
+        "vary with the load at the 1e-6 level)",
     )
     serve.add_argument(
         "--shutdown-timeout",
@@ -366,7 +375,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
-        num_threads=args.num_threads,
+        num_threads=None if args.num_threads == "auto" else args.num_threads,
+        adaptive_threads=args.num_threads == "auto",
     )
     return ServerConfig(
         engine=engine,

@@ -201,6 +201,11 @@ class EngineConfig:
 
     Attributes:
         num_threads: torch intra-op threads in the engine; ``None`` uses every CPU core.
+        adaptive_threads: on the CPU, run each step on one thread fewer for each core
+            other processes take (`trio_llm.engine.cpu_share`; ``--num-threads auto``).
+            float32 results then depend on the thread count at the 1e-6 level, so a
+            request's logprobs (rarely its tokens) may differ with the machine's load;
+            off by default, where the same requests give the same bits.
         heartbeat_interval: seconds between the engine's `Heartbeat` messages once it is
             ready (the server sets it from ``--engine-step-timeout``).
     """
@@ -209,11 +214,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
+    adaptive_threads: bool = False
     heartbeat_interval: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval > 0:
             raise ValueError("heartbeat_interval must be positive")
+        if self.adaptive_threads and self.num_threads is not None:
+            raise ValueError("give either num_threads or adaptive_threads, not both")
 
     def cache_dir(self) -> Path:
         """The folder for converted model weights."""
@@ -242,6 +250,7 @@ def engine_config(
     long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold,
     max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills,
     num_threads: int | None = None,
+    adaptive_threads: bool = False,
 ) -> EngineConfig:
     """An `EngineConfig` from flat keyword arguments named like vLLM's engine arguments.
 
@@ -257,6 +266,7 @@ def engine_config(
         cache=CacheConfig(**_fields_of(CacheConfig, args)),
         scheduler=SchedulerConfig(**_fields_of(SchedulerConfig, args)),
         num_threads=num_threads,
+        adaptive_threads=adaptive_threads,
     )
 
 

@@ -71,3 +71,22 @@ def test_this_machine_reports_busy_seconds() -> None:
     for i in range(200_000):
         total += i
     assert machine_busy_seconds() >= first
+
+
+def test_num_threads_auto_turns_it_on_and_a_count_fixes_it() -> None:
+    from trio_llm.cli import build_parser, config_from_args
+
+    def engine(*flags: str):
+        return config_from_args(build_parser().parse_args(["serve", *flags])).engine
+
+    assert (engine().num_threads, engine().adaptive_threads) == (None, False)
+    assert (
+        engine("--num-threads", "auto").num_threads,
+        engine("--num-threads", "auto").adaptive_threads,
+    ) == (None, True)
+    assert (
+        engine("--num-threads", "3").num_threads,
+        engine("--num-threads", "3").adaptive_threads,
+    ) == (3, False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--num-threads", "0"])

@@ -12,8 +12,8 @@ else can run, the loop waits for the next message *or* a compile to finish (`_Wa
 the core's callback cancels the wait), so a request waiting for its grammar is neither
 forgotten nor polled for.
 
-On the CPU each step runs on the torch thread count `CpuShare` recommends: one thread
-fewer for each core other processes take (unless ``num_threads`` was configured).
+With ``adaptive_threads`` (``--num-threads auto``) each CPU step runs on the torch thread
+count `CpuShare` recommends: one thread fewer for each core other processes take.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
     try:
         await channel.send(core.ready_message(os.getpid()))
         share = None
-        if config.model.device == "cpu" and config.num_threads is None:
+        if config.model.device == "cpu" and config.adaptive_threads:
             share = CpuShare(torch.get_num_threads())
         await _serve(core, _Outbox(channel, share), config.heartbeat_interval)
     except Exception as exc:
