@@ -19,11 +19,11 @@ from trio_llm.parent_death import start_child
 #: Set in the engine child before torch (and its libgomp) loads, where the environment
 #: has neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT``. libgomp's default lets a
 #: waiting thread spin 300,000 times before it sleeps, which keeps a core busy while the
-#: thread it waits for is descheduled by another process. The engine loop also drops a
-#: torch thread per core others take (`trio_llm.engine.cpu_share`); with both, the engine
-#: ran 1.3-1.6x slower beside a one-core hog on 2 cores, with that alone 1.8x
-#: (bench/contention.py, docs/benchmarks.md). Fewer spins cost a batch-1 decode step its
-#: threads' wake-ups (5,000: up to 2x slower, 3,000: 3x; 10,000 and more: unchanged).
+#: thread it waits for is descheduled by another process: beside a one-core hog on 2
+#: cores the engine ran 3x slower, 1.3-2.6x with this (bench/contention.py,
+#: docs/benchmarks.md; ``--num-threads auto``, `trio_llm.engine.cpu_share`, does
+#: better). Fewer spins cost a batch-1 decode step its threads' wake-ups (5,000: up to
+#: 2x slower, 3,000: 3x; 10,000 and more: unchanged).
 OPENMP_SPIN_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 
 
