@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", default=None, help="default: all")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -91,7 +92,8 @@ def main() -> None:
     tokenizer = Tokenizer.load(resolve_model_dir(DEFAULT_MODEL, default_cache_dir()))
     windows = sonnet_prompts(tokenizer, args.windows, args.window, seed=1)
     prompts = sonnet_prompts(tokenizer, args.prompts, 64, seed=2)
-    results = {name: measure(mode, windows, prompts) for name, mode in MODES.items()}
+    modes = {k: v for k, v in MODES.items() if not args.modes or k in args.modes}
+    results = {name: measure(mode, windows, prompts) for name, mode in modes.items()}
     reference = results["fp32"]["tokens"]
     rows = []
     for name, result in results.items():

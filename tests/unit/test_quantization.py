@@ -170,8 +170,9 @@ def _run(
 
 
 def _dequantized(model: torch.nn.Module, method: str) -> torch.nn.Module:
-    """A float copy of ``model`` whose projections (output head included, untied) hold
-    the weights ``method`` quantizes them to."""
+    """A float copy of ``model`` whose decoder projections hold the weights ``method``
+    quantizes them to, and whose output head (untied) the int8 weights the engine uses
+    for it in either mode."""
     copy_ = copy.deepcopy(model)
     with torch.no_grad():
         for module in copy_.model.layers.modules():
@@ -181,7 +182,7 @@ def _dequantized(model: torch.nn.Module, method: str) -> torch.nn.Module:
                 )
         head = torch.nn.Linear(64, VOCAB, bias=False)
         head.weight.copy_(
-            QuantizedLinear.from_weight(copy_.lm_head.weight, None, method).dequantized()
+            QuantizedLinear.from_weight(copy_.lm_head.weight, None, "int8").dequantized()
         )
         copy_.lm_head = head
     return copy_
