@@ -229,7 +229,8 @@ class PagedAttentionMetadata:
     prefills: list[PrefillSpan]
     workspace: dict[str, torch.Tensor]
     dtype: torch.dtype = torch.float32
-    #: ``decode_lengths`` as Python ints (no device sync to read them).
+    #: ``decode_lengths`` as Python ints (no device sync to read them); empty: not given
+    #: (one decoding request then takes the padded, masked path too).
     decode_context_lens: list[int] = field(default_factory=list)
     _decode_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _decode_views: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = field(
@@ -366,7 +367,8 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
 
     num_decode = paged.num_decode
-    if num_decode == 1 and sliding_window is None and softcap is None:
+    single = num_decode == 1 and bool(paged.decode_context_lens)
+    if single and sliding_window is None and softcap is None:
         # One request decoding: its context's keys without padding, so no mask.
         length = paged.decode_context_lens[0]
         slots = paged.decode_slots(kv_group, length)
