@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from tests.support.tiny_model import tiny_llama_config
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.core import EngineCore
@@ -33,20 +34,17 @@ VOCAB = 512
 
 
 def _tiny(cls: type = LlamaForCausalLM, config_cls: type = LlamaConfig) -> torch.nn.Module:
+    """The tiny Llama of tests/support (or a Qwen2 of the same shape), with weights wider
+    than its initialisation so that its logits are distinct."""
     torch.manual_seed(3)
-    config = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        attn_implementation=ATTENTION_NAME,
-    )
+    config = tiny_llama_config(vocab_size=VOCAB, max_position_embeddings=256)
+    if config_cls is not LlamaConfig:
+        fields = config.to_diff_dict()
+        fields.pop("model_type", None)
+        config = config_cls(**fields)
+    config._attn_implementation = ATTENTION_NAME
     model = cls(config).eval()
-    with torch.no_grad():  # wider weights than the default init: distinct logits
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)

@@ -98,6 +98,20 @@ class _Layer:
         self.post_norm = layer.post_attention_layernorm
 
 
+def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """A Llama decoder layer's seven projection modules."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        attn.q_proj,
+        attn.k_proj,
+        attn.v_proj,
+        attn.o_proj,
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    )
+
+
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """transformers' LlamaRMSNorm: in float32 torch's fused ``rms_norm`` (the same
     values, bit for bit), else operation for operation (it rounds to the model's dtype
@@ -138,15 +152,7 @@ class NativeLlama:
             # The transformers modules' float weights are no longer read by any step:
             # free them (the probe at start-up ran before).
             for layer in decoder.layers:
-                for module in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                    layer.self_attn.o_proj,
-                    layer.mlp.gate_proj,
-                    layer.mlp.up_proj,
-                    layer.mlp.down_proj,
-                ):
+                for module in _projections(layer):
                     module.weight = torch.nn.Parameter(module.weight.new_empty(0, 0))
 
     @torch.inference_mode()
@@ -212,15 +218,7 @@ def native_unsupported(model: torch.nn.Module) -> str | None:
         for role, name in found.items():
             if name != _LLAMA_CLASSES[role]:
                 return f"a layer's {role} is {name}"
-        for linear in (
-            layer.self_attn.q_proj,
-            layer.self_attn.k_proj,
-            layer.self_attn.v_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_proj,
-            layer.mlp.up_proj,
-            layer.mlp.down_proj,
-        ):
+        for linear in _projections(layer):
             if type(linear) is not torch.nn.Linear:
                 return f"a projection is {type(linear).__name__}, not Linear"
     return None
