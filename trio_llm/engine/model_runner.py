@@ -88,6 +88,8 @@ class _StepInputs:
         sample_rows: packed rows whose logits are sampled, one per ``sample_requests``.
         sample_requests: the requests that sample a token this step.
         prompt_rows: ``(request, first_target, row, count)`` for prompt logprobs.
+        decode_lens: each decode request's context length in tokens (its new one
+            included), as the decode lengths tensor holds them.
     """
 
     input_ids: list[int] = field(default_factory=list)
@@ -97,6 +99,7 @@ class _StepInputs:
     sample_rows: list[int] = field(default_factory=list)
     sample_requests: list[Request] = field(default_factory=list)
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
 
     def sample(self, request: Request) -> None:
         """The last packed token is ``request``'s last: its logits are sampled."""
@@ -152,7 +155,6 @@ class ModelRunner:
             raise EngineConfigError(f"{describe(model.config)}: {exc}") from exc
         #: The output projection as a `QuantizedLinear` (quantized runs with a plain head).
         self.quantized_head: QuantizedLinear | None = None
-        self.quantization = quantization
         if quantization is not None:
             if self.native is None:
                 quantize_linears(self.decoder, quantization)
@@ -199,7 +201,7 @@ class ModelRunner:
             prefills=spans,
             workspace=self._workspace,
             dtype=self.dtype,
-            decode_context_lens=[r.num_computed_tokens + 1 for r in decodes],
+            decode_context_lens=step.decode_lens,
         )
         input_ids = torch.tensor([step.input_ids]).to(self.device)
         position_ids = torch.tensor([step.positions]).to(self.device)
@@ -252,7 +254,8 @@ class ModelRunner:
                 blocks = table[:max_blocks]
                 tables[group, row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         tables.clamp_(min=0)  # NO_BLOCK: behind a window, never read unmasked
-        lengths = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
+        step.decode_lens = [r.num_computed_tokens + 1 for r in decodes]
+        lengths = torch.tensor(step.decode_lens)
         return list(tables.to(self.device).unbind(0)), lengths.to(self.device)
 
     def prepare_prefill(

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
+from transformers.models.llama.modeling_llama import rotate_half
 
 from trio_llm.config import MODEL_IMPLS
 from trio_llm.engine.attention import paged_attention
@@ -114,20 +115,11 @@ def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """transformers' LlamaRMSNorm: in float32 torch's fused ``rms_norm`` (the same
-    values, bit for bit), else operation for operation (it rounds to the model's dtype
-    before the weight multiplies)."""
-    dtype = hidden.dtype
-    if dtype == torch.float32:
+    values, bit for bit, in one call), else the module itself (it rounds to the model's
+    dtype before the weight multiplies)."""
+    if hidden.dtype == torch.float32:
         return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
-    h = hidden.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return norm(hidden)
 
 
 class NativeLlama:
@@ -147,7 +139,6 @@ class NativeLlama:
         self.rotary_emb = decoder.rotary_emb
         self.norm = decoder.norm
         self.layers = [_Layer(layer, quantization) for layer in decoder.layers]
-        self.quantization = quantization
         if quantization is not None:
             # The transformers modules' float weights are no longer read by any step:
             # free them (the probe at start-up ran before).
@@ -180,7 +171,7 @@ class NativeLlama:
             # The rotary embedding of q and k in one pass over both (elementwise: the
             # same values as transformers' two).
             qk = qkv[..., :qk_size].view(1, num_tokens, -1, d).transpose(1, 2)
-            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            qk = (qk * cos) + (rotate_half(qk) * sin)
             q = qk[:, : layer.num_heads]
             k = qk[:, layer.num_heads :]
             v = qkv[..., qk_size:].view(1, num_tokens, -1, d).transpose(1, 2)
