@@ -218,6 +218,18 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
 ]
 
 
+def test_an_image_part_is_refused_as_text_only(base_url: str) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "What is in this picture?"}, image]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages"
+    assert "'image_url'" in error["message"] and "text only" in error["message"]
+    assert "Input should be" not in error["message"]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [case[1:] for case in CASES],
@@ -276,9 +288,24 @@ def test_malformed_bodies_get_400(base_url: str, payload: bytes) -> None:
 
 
 def test_unknown_route_is_an_openai_404(base_url: str) -> None:
-    response = httpx.get(f"{base_url}/v1/nothing-here", timeout=30)
+    response = httpx.post(f"{base_url}/v1/nothing-here", json={}, timeout=30)
     assert response.status_code == 404
-    assert response.json()["error"]["type"] == "not_found_error"
+    # The status line has its reason phrase (clients print it as the error).
+    assert response.reason_phrase == "Not Found"
+    error = response.json()["error"]
+    assert error["type"] == "not_found_error"
+    assert "POST /v1/nothing-here" in error["message"]
+    assert "/v1/chat/completions" in error["message"]
+
+
+def test_status_lines_carry_reason_phrases(base_url: str) -> None:
+    bad = httpx.post(f"{base_url}/v1/completions", json={"prompt": 3}, timeout=30)
+    assert (bad.status_code, bad.reason_phrase) == (400, "Bad Request")
+    ok = httpx.get(f"{base_url}/v1/models", timeout=30)
+    assert (ok.status_code, ok.reason_phrase) == (200, "OK")
+    wrong_method = httpx.get(f"{base_url}/v1/completions", timeout=30)
+    assert (wrong_method.status_code, wrong_method.reason_phrase) == (405, "Method Not Allowed")
+    assert "GET" in wrong_method.json()["error"]["message"]
 
 
 async def test_bad_requests_do_not_disturb_a_request_in_flight(base_url: str) -> None:

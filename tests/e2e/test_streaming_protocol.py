@@ -218,8 +218,35 @@ async def test_single_token_streams_are_complete(http: httpx.AsyncClient) -> Non
 
     chunks = check_envelope(chat, "chat.completion.chunk")
     assert check_usage_chunk(chunks)["completion_tokens"] == 1
-    role, token = chunks[0]["choices"][0], chunks[1]["choices"][0]
-    assert role["delta"]["role"] == "assistant"
-    assert role["finish_reason"] is None
-    assert "role" not in token["delta"]
+    # The role rides on the one token's chunk, which also ends the choice.
+    assert len(chunks) == 2
+    token = chunks[0]["choices"][0]
+    assert token["delta"]["role"] == "assistant"
+    assert token["delta"]["content"]
     assert token["finish_reason"] == "length"
+
+
+async def test_first_chat_chunk_carries_the_first_token(http: httpx.AsyncClient) -> None:
+    # vLLM's benchmark_serving.py (--backend openai-chat) takes the arrival of the first
+    # chunk with `choices` as the first token: that chunk must carry generated output,
+    # or the benchmark reports the time to an empty role chunk as the TTFT.
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": 5,
+        "stream": True,
+        "logprobs": True,
+        "ignore_eos": True,
+    }
+    async with open_events(http, "/v1/chat/completions", body) as events:
+        first = None
+        async for event in events:
+            if event != DONE and event.get("choices"):
+                first = event["choices"][0]
+                break
+    assert first is not None
+    assert first["delta"]["role"] == "assistant"
+    assert first["delta"]["content"]
+    # The content is that of generated tokens: their logprobs come with it.
+    tokens = first["logprobs"]["content"]
+    assert tokens and "".join(t["token"] for t in tokens) == first["delta"]["content"]

@@ -11,10 +11,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from trio_llm.api import metrics
+from trio_llm.api.anthropic import MessagesRequest
 from trio_llm.api.chat_page import install_chat_page
 from trio_llm.api.errors import APIError, install_error_handlers
 from trio_llm.api.middleware import install_middleware
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
+from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.tokenize_routes import tokenize_router
 from trio_llm.api.websocket import install_websocket
@@ -91,7 +93,19 @@ def build_app(
         body = await serving.parse(ChatCompletionRequest, request)
         return await serving.respond(body, request.receive)
 
-    _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
+    @app.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        body = await serving.parse(ResponsesRequest, request)
+        return await serving.respond_as(body, request.receive)
+
+    @app.post("/v1/messages", openapi_extra=_json_body(MessagesRequest))
+    async def messages(request: Request) -> Response:
+        body = await serving.parse(MessagesRequest, request)
+        return await serving.respond_as(body, request.receive)
+
+    _document_bodies(
+        app, (CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest)
+    )
 
     install_chat_page(app)
     return app

@@ -19,14 +19,21 @@ arrive before the handshake is answered wait until the app accepts, and are then
 the connection's first frames, so a client that writes its first frame right behind the
 upgrade request is served. And it refuses a WebSocket message split into more than
 `MAX_FRAGMENTS` frames (close code 1009, then the connection is dropped).
+
+Last, HTTP/1.1 status lines get their reason phrase (`ReasonPhraseH11Protocol`):
+hypercorn writes ``HTTP/1.1 404 \r\n``, and clients that print ``response.reason``
+(vLLM's benchmark client, LiteLLM) then show a blank error.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+from http import HTTPStatus
 from typing import Any
 
+import h11
+import hypercorn.protocol
 import hypercorn.protocol.h2
 import hypercorn.protocol.h11
 import hypercorn.trio.run
@@ -210,9 +217,32 @@ def _bound_send_buffer(stream: object) -> None:
             pass
 
 
+def reason_phrase(status: int) -> bytes:
+    """The standard reason phrase of ``status`` (``b"Not Found"``), or ``b""`` if none."""
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
+class ReasonPhraseH11Protocol(hypercorn.protocol.h11.H11Protocol):
+    """Hypercorn's HTTP/1.1 protocol, with the reason phrase in every status line."""
+
+    async def _send_h11_event(self, event: Any) -> None:
+        if isinstance(event, h11.Response | h11.InformationalResponse) and not event.reason:
+            kind = type(event)
+            event = kind(
+                status_code=event.status_code,
+                headers=event.headers,
+                http_version=event.http_version,
+                reason=reason_phrase(event.status_code),
+            )
+        await super()._send_h11_event(event)
+
+
 def install() -> None:
-    """Make hypercorn's Trio worker use `GuardedTCPServer` and `EarlyDataWSStream`
-    (idempotent).
+    """Make hypercorn's Trio worker use `GuardedTCPServer`, `EarlyDataWSStream` and
+    `ReasonPhraseH11Protocol` (idempotent).
 
     Raises:
         RuntimeError: this hypercorn version does not build its connections the way this
@@ -222,6 +252,12 @@ def install() -> None:
         (hypercorn.trio.run, "TCPServer", TCPServer, GuardedTCPServer),
         (hypercorn.protocol.h11, "WSStream", WSStream, EarlyDataWSStream),
         (hypercorn.protocol.h2, "WSStream", WSStream, EarlyDataWSStream),
+        (
+            hypercorn.protocol,
+            "H11Protocol",
+            hypercorn.protocol.h11.H11Protocol,
+            ReasonPhraseH11Protocol,
+        ),
     ]
     for module, name, original, replacement in patches:
         current = getattr(module, name, None)

@@ -11,7 +11,7 @@ error would cancel the work the same way, by propagating.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import trio
 from fastapi.responses import Response
@@ -53,7 +53,11 @@ async def run_while_connected(receive: Receive, work: Callable[[], Awaitable[T]]
     return result[0] if result else None
 
 
-Emit = Callable[[str], Awaitable[None]]
+class Emit(Protocol):
+    """Sends one server-sent event: ``data``, named ``event`` when given."""
+
+    def __call__(self, data: str, event: str | None = None) -> Awaitable[None]: ...
+
 
 #: Characters that JSON leaves raw inside strings but that line splitters such as Python's
 #: ``str.splitlines`` (and so ``httpx.Response.aiter_lines``) treat as line ends: NEL,
@@ -61,22 +65,25 @@ Emit = Callable[[str], Awaitable[None]]
 _LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def sse_event(data: str) -> bytes:
-    """One server-sent event, ``data: <data>\\n\\n``, in UTF-8.
+def sse_event(data: str, event: str | None = None) -> bytes:
+    """One server-sent event, ``data: <data>\\n\\n``, in UTF-8; with ``event`` (the
+    Anthropic and Responses streams name their events) an ``event: <event>`` line first.
 
     ``data`` is one line of JSON (or ``[DONE]``). NEL, U+2028 and U+2029 can only occur
     inside its strings, where the ``\\uXXXX`` escape means the same: escaping them keeps the
     JSON equal and the event on one line for clients that split lines more eagerly than
     the SSE format does.
     """
-    return f"data: {data.translate(_LINE_BREAKING)}\n\n".encode()
+    line = f"data: {data.translate(_LINE_BREAKING)}\n\n"
+    return (line if event is None else f"event: {event}\n{line}").encode()
 
 
 class EventStreamResponse(Response):
     """A ``text/event-stream`` response whose events come from ``produce(emit)``.
 
-    ``emit(data)`` sends one ``data: <data>`` event. If the client disconnects, ``produce``
-    is cancelled (and whatever it holds open is closed by its own ``async with`` blocks).
+    ``emit(data, event=None)`` sends one event (see `sse_event`). If the client
+    disconnects, ``produce`` is cancelled (and whatever it holds open is closed by its own
+    ``async with`` blocks).
     """
 
     media_type = "text/event-stream"
@@ -93,8 +100,9 @@ class EventStreamResponse(Response):
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
 
-        async def emit(data: str) -> None:
-            await send({"type": "http.response.body", "body": sse_event(data), "more_body": True})
+        async def emit(data: str, event: str | None = None) -> None:
+            body = sse_event(data, event)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
 
         async def produce() -> bool:
             await self._produce(emit)

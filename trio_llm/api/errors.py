@@ -22,6 +22,16 @@ from trio_llm.errors import (
     RequestRejectedError,
 )
 
+#: The endpoints a 404 lists (the OpenAI and Anthropic routes; docs/api.md has them all).
+ENDPOINTS = (
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/responses",
+    "POST /v1/messages",
+    "POST /v1/embeddings",
+    "GET /v1/models",
+)
+
 #: Seconds a client is told to wait (``Retry-After``) when the waiting line is full.
 RETRY_AFTER_SECONDS = 1
 
@@ -60,9 +70,15 @@ class APIError(Exception):
         """The JSON body."""
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        """The JSON response."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """The JSON body in Anthropic's shape (`anthropic_error_body`)."""
+        return anthropic_error_body(self.status, self.message)
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The JSON response; in Anthropic's shape for a request to ``path`` under
+        `ANTHROPIC_PREFIX`."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PREFIX) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -75,6 +91,31 @@ def error_body(
     """
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+#: Requests under this path (the Messages API) get Anthropic's error body.
+ANTHROPIC_PREFIX = "/v1/messages"
+
+#: Anthropic's error ``type`` by HTTP status (its API reference, "Errors").
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}`` as Anthropic's API returns it
+    (the error type follows from ``status``; other 4xx are invalid requests, 5xx
+    ``api_error``)."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -122,7 +163,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # The top-level field; deeper parts name union members ("str", "list[int]"), not fields.
     param = loc[0] if loc else None
-    message = first.get("msg", "invalid value")
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     if param:
@@ -137,19 +178,30 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        return bad_request(message, param).response()
+        return bad_request(message, param).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            message = (
+                f"{where} is not an endpoint of this server; it serves "
+                f"{', '.join(ENDPOINTS)} (docs/api.md)"
+            )
+            error = APIError(404, message, type="not_found_error", code="unknown_url")
+            return error.response(request.url.path)
+        if exc.status_code == 405:
+            message = f"{where}: the method {request.method} is not allowed on this endpoint"
+            return APIError(405, message, headers=exc.headers).response(request.url.path)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return APIError(exc.status_code, str(exc.detail), type=kind).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         message = f"internal error: {type(exc).__name__}: {exc}"
-        return APIError(500, message, type="server_error").response()
+        return APIError(500, message, type="server_error").response(request.url.path)

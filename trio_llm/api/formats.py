@@ -2,22 +2,26 @@
 
 The request path is one (`trio_llm.api.serving`: plan, admit, run the choices); what
 differs between endpoints is only how a choice is written out. A `ResponseFormat` renders
-the whole response body, each stream chunk (server-sent events) and the chunks a stream
-opens with, the ``usage``, and the logprobs of a WebSocket ``delta`` event.
-`CompletionFormat` (``/v1/completions``, ``text_completion``) and `ChatFormat`
-(``/v1/chat/completions``, ``chat.completion``) are the two today; a new endpoint (the
-Responses API, Anthropic Messages) is a new format, not a new request path.
+the whole response body, the events of a stream (server-sent events), the ``usage``, and
+the logprobs of a WebSocket ``delta`` event. `CompletionFormat` (``/v1/completions``,
+``text_completion``) and `ChatFormat` (``/v1/chat/completions``, ``chat.completion``) are
+here; the Anthropic Messages format (`trio_llm.api.anthropic`) and the Responses format
+(`trio_llm.api.responses`) render a chat response's message (text and tool calls) in
+their own shapes.
 
 A format instance belongs to one response (its `Plan`): it keeps per-choice state, such
 as the text offsets of completion logprobs and whether a choice's first chunk (which
-carries an echoed prompt) went out.
+carries an echoed prompt, or the chat role) went out.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
+from trio_llm.api.errors import APIError
 from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
 from trio_llm.api.tools import CallDelta, ToolCallParser
 from trio_llm.text.choice import Choice, ChoiceDelta
@@ -25,6 +29,9 @@ from trio_llm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from trio_llm.api.plan import Plan
+
+#: One server-sent event: its name (None: unnamed) and its data (JSON, or text as is).
+Event = tuple[str | None, Any]
 
 
 def usage(plan: Plan, choices: list[Choice]) -> dict[str, int]:
@@ -53,6 +60,10 @@ class ResponseFormat:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+
+    def new_id(self) -> str:
+        """A fresh response ``id``: ``<id_prefix>-<32 hex digits>``."""
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
     def response(self, plan: Plan, choices: list[Choice]) -> dict[str, Any]:
         """The whole (non-streamed) response body."""
@@ -85,9 +96,27 @@ class ResponseFormat:
         """One entry of a whole response's ``choices`` (the choice has finished)."""
         raise NotImplementedError
 
-    def opening_choices(self, plan: Plan, choices: list[Choice]) -> list[dict[str, Any]]:
-        """Choice entries of the chunks a stream starts with, one chunk each (none here)."""
+    # ------------------------------------------------ streamed (server-sent events)
+
+    #: The data of the stream's last event (None: the stream just ends).
+    done_marker: str | None = "[DONE]"
+
+    def stream_start(self, plan: Plan, choices: list[Choice]) -> list[Event]:
+        """The events a stream opens with, before any output (none here)."""
         return []
+
+    def stream_piece(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> list[Event]:
+        """The events that carry ``piece`` of ``choice`` (one chunk here, or none)."""
+        entry = self.chunk_choice(plan, choice, piece)
+        return [] if entry is None else [(None, self.chunk(plan, [entry]))]
+
+    def stream_end(self, plan: Plan, choices: list[Choice], *, include_usage: bool) -> list[Event]:
+        """The events after every choice finished (here the usage chunk, if asked for)."""
+        return [(None, self.chunk(plan, [], choices))] if include_usage else []
+
+    def stream_error(self, error: APIError) -> Event:
+        """The event that reports ``error`` in the middle of a stream."""
+        return (None, error.body())
 
     def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any] | None:
         """The ``choices`` entry of the stream chunk that carries ``piece``, or None when
@@ -151,8 +180,8 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    """``/v1/chat/completions``: an assistant ``message`` (a ``delta`` when streamed, the
-    first one with the role) and chat logprobs.
+    """``/v1/chat/completions``: an assistant ``message`` (a ``delta`` when streamed; a
+    choice's first chunk carries the role with its first content) and chat logprobs.
 
     With a ``tool_parser`` (a request with tools and a tool_choice other than "none"),
     each choice's text goes through its own parser (`trio_llm.api.tools`): the message
@@ -180,6 +209,7 @@ class ChatFormat(ResponseFormat):
         self.tool_parser = tool_parser
         self.parallel_tool_calls = parallel_tool_calls
         self._parsers: dict[int, ToolCallParser] = {}
+        self._role_sent: set[int] = set()
 
     def _logprobs(self, plan: Plan, entries: list) -> Any:
         if plan.num_top_logprobs is None:
@@ -207,11 +237,19 @@ class ChatFormat(ResponseFormat):
         logprobs = self._logprobs(plan, choice.all_logprobs)
         return _choice(choice.index, "message", message, logprobs, finish_reason, choice)
 
-    def opening_choices(self, plan: Plan, choices: list[Choice]) -> list[dict[str, Any]]:
-        role = {"role": "assistant", "content": ""}
-        return [_choice(choice.index, "delta", role, None, None, None) for choice in choices]
-
     def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any] | None:
+        entry = self._chunk_choice(plan, choice, piece)
+        if entry is not None and choice.index not in self._role_sent:
+            # The role rides on the choice's first chunk, with its first generated content
+            # (as vLLM sends it): a client that times the first chunk with `choices` as the
+            # first token (vLLM's benchmark_serving.py) then measures the real TTFT.
+            self._role_sent.add(choice.index)
+            entry["delta"] = {"role": "assistant", **entry["delta"]}
+        return entry
+
+    def _chunk_choice(
+        self, plan: Plan, choice: Choice, piece: ChoiceDelta
+    ) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
         logprobs = self._logprobs(plan, piece.logprobs) if piece.logprobs else None
         if self.tool_parser is None:
@@ -254,3 +292,113 @@ def _choice(
         "finish_reason": finish_reason,
         "stop_reason": source.stop_reason if source is not None else None,
     }
+
+
+@dataclass
+class Block:
+    """One block of an assistant message rendered as a list of blocks (Anthropic's
+    content blocks, the Responses API's output items).
+
+    Attributes:
+        kind: ``"text"`` or ``"call"`` (a tool call).
+        index: the block's position in the message, from 0.
+        text: the text so far, or a call's arguments (JSON text) so far.
+        call_id: a call's id.
+        name: a call's function name.
+    """
+
+    kind: Literal["text", "call"]
+    index: int
+    text: str = ""
+    call_id: str | None = None
+    name: str | None = None
+
+
+class BlockFormat(ChatFormat):
+    """A chat response written as blocks: text blocks and tool-call blocks, in order.
+
+    The chat format does the work (text, the tool-call parser, the finish reason); this
+    base turns each choice's message, or each of its chunks' deltas, into `Block`\\ s
+    and calls the subclass's hooks: `block_started`, `block_delta`, `block_stopped`
+    and `message_finished` while streaming, `blocks` for a whole response. Only one
+    choice per response (neither API has ``n``).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        tool_parser: Callable[[], ToolCallParser] | None = None,
+        *,
+        parallel_tool_calls: bool = True,
+    ) -> None:
+        super().__init__(tokenizer, tool_parser, parallel_tool_calls=parallel_tool_calls)
+        self._open: Block | None = None
+        self._num_blocks = 0
+
+    def blocks(self, plan: Plan, choice: Choice) -> tuple[list[Block], str | None]:
+        """The whole message of a finished choice as blocks, and its chat finish reason
+        (``"tool_calls"`` when it stopped after making calls)."""
+        entry = self.final_choice(plan, choice)
+        message = entry["message"]
+        blocks = []
+        if message["content"]:
+            blocks.append(Block("text", 0, message["content"]))
+        for call in message.get("tool_calls", ()):
+            function = call["function"]
+            blocks.append(
+                Block("call", len(blocks), function["arguments"], call["id"], function["name"])
+            )
+        return blocks, entry["finish_reason"]
+
+    def stream_piece(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> list[Event]:
+        entry = self._chunk_choice(plan, choice, piece)
+        if entry is None:
+            return []
+        events: list[Event] = []
+        delta = entry["delta"]
+        if delta.get("content"):
+            if self._open is None or self._open.kind != "text":
+                events += self._open_block(plan, Block("text", self._num_blocks))
+            assert self._open is not None
+            self._open.text += delta["content"]
+            events += self.block_delta(plan, self._open, delta["content"])
+        for call in delta.get("tool_calls", ()):
+            function = call["function"]
+            if "id" in call:
+                events += self._open_block(
+                    plan, Block("call", self._num_blocks, "", call["id"], function["name"])
+                )
+            assert self._open is not None
+            if function["arguments"]:
+                self._open.text += function["arguments"]
+                events += self.block_delta(plan, self._open, function["arguments"])
+        if entry["finish_reason"] is not None:
+            events += self._close_block(plan)
+            events += self.message_finished(plan, choice, entry["finish_reason"])
+        return events
+
+    def _open_block(self, plan: Plan, block: Block) -> list[Event]:
+        events = self._close_block(plan)
+        self._open = block
+        self._num_blocks += 1
+        return events + self.block_started(plan, block)
+
+    def _close_block(self, plan: Plan) -> list[Event]:
+        block, self._open = self._open, None
+        return [] if block is None else self.block_stopped(plan, block)
+
+    def block_started(self, plan: Plan, block: Block) -> list[Event]:
+        """The events that open ``block`` (its text is still empty)."""
+        raise NotImplementedError
+
+    def block_delta(self, plan: Plan, block: Block, text: str) -> list[Event]:
+        """The events that carry ``text``, the block's newest piece."""
+        raise NotImplementedError
+
+    def block_stopped(self, plan: Plan, block: Block) -> list[Event]:
+        """The events that close ``block`` (its text is whole)."""
+        raise NotImplementedError
+
+    def message_finished(self, plan: Plan, choice: Choice, finish_reason: str) -> list[Event]:
+        """The events after the last block, given the chat finish reason."""
+        raise NotImplementedError

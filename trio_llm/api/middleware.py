@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trio_llm.api.errors import error_body
+from trio_llm.api.errors import ANTHROPIC_PREFIX, anthropic_error_body, error_body
 from trio_llm.config import ServerConfig
 
 #: Paths under this prefix need the API key when one is configured (as in vLLM).
@@ -29,6 +29,7 @@ PROTECTED_PREFIX = "/v1"
 
 
 async def send_error(
+    scope: Scope,
     send: Send,
     status: int,
     message: str,
@@ -36,16 +37,21 @@ async def send_error(
     code: str | None,
     extra_headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> None:
-    """Send a complete JSON response with an OpenAI-style ``invalid_request_error`` body.
+    """Send a complete JSON response with an OpenAI-style ``invalid_request_error`` body
+    (Anthropic's error body under ``/v1/messages``).
 
     Args:
+        scope: the request's ASGI scope.
         send: the ASGI send callable (the response must not have started).
         status: HTTP status code.
         message: the human-readable ``error.message``.
         code: the machine-readable ``error.code``.
         extra_headers: more response headers (lower-case names, latin-1 bytes).
     """
-    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    if scope["path"].startswith(ANTHROPIC_PREFIX):
+        body = json.dumps(anthropic_error_body(status, message)).encode()
+    else:
+        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -88,14 +94,15 @@ class _RequestCheck:
         """Pass the request on, or answer the error with an OpenAI-style body."""
         if scope["type"] == "http" and self.refused(scope):
             await send_error(
-                send, self.status, self.message, code=self.code, extra_headers=self.headers
+                scope, send, self.status, self.message, code=self.code, extra_headers=self.headers
             )
             return
         await self.app(scope, receive, send)
 
 
 class APIKeyMiddleware(_RequestCheck):
-    """Refuse requests to ``/v1...`` without ``Authorization: Bearer <api_key>`` (HTTP 401).
+    """Refuse requests to ``/v1...`` without ``Authorization: Bearer <api_key>`` or
+    ``x-api-key: <api_key>`` (HTTP 401).
 
     The key is compared in constant time. CORS preflight requests (``OPTIONS``) pass, as
     browsers send them without credentials; every other path is left open.
@@ -106,7 +113,10 @@ class APIKeyMiddleware(_RequestCheck):
     """
 
     status = 401
-    message = "the API key is missing or incorrect; send it as `Authorization: Bearer <key>`"
+    message = (
+        "the API key is missing or incorrect; send it as `Authorization: Bearer <key>` "
+        "(or `x-api-key: <key>`)"
+    )
     code = "invalid_api_key"
     headers = ((b"www-authenticate", b"Bearer"),)
 
@@ -115,7 +125,11 @@ class APIKeyMiddleware(_RequestCheck):
         self._key = api_key.encode()
 
     def authorized(self, scope: Scope) -> bool:
-        """Whether the request carries the right bearer token (the scheme is case-blind)."""
+        """Whether the request carries the right bearer token (the scheme is case-blind),
+        or the key in ``x-api-key`` (the header Anthropic's clients send)."""
+        anthropic_key = _header(scope, b"x-api-key")
+        if anthropic_key is not None and hmac.compare_digest(anthropic_key.strip(), self._key):
+            return True
         header = _header(scope, b"authorization")
         if header is None:
             return False
@@ -158,8 +172,9 @@ class BodySizeLimitMiddleware:
     def _message(self) -> str:
         return f"the request body is larger than this server's limit of {self.max_bytes} bytes"
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, scope: Scope, send: Send) -> None:
         await send_error(
+            scope,
             send,
             413,
             self._message(),
@@ -174,7 +189,7 @@ class BodySizeLimitMiddleware:
             return
         length = _header(scope, b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(scope, send)
             return
 
         received = 0
@@ -198,7 +213,7 @@ class BodySizeLimitMiddleware:
                 # The app answers a body it could not read: send the 413 instead.
                 if not refused:
                     refused = True
-                    await self._refuse(send)
+                    await self._refuse(scope, send)
                 return
             if message["type"] == "http.response.start":
                 response_started = True
@@ -211,7 +226,7 @@ class BodySizeLimitMiddleware:
                 raise
         if too_large and not response_started and not refused:
             refused = True
-            await self._refuse(send)
+            await self._refuse(scope, send)
 
 
 class RequestFramingMiddleware(_RequestCheck):

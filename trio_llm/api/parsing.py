@@ -73,27 +73,30 @@ def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_
             f"{limits.max_choices} choices per request (--max-choices)",
             param,
         )
-    messages = data.get("messages")
-    if isinstance(messages, list) and len(messages) > limits.max_chat_messages:
-        raise bad_request(
-            f"{len(messages)} messages is more than this server's limit of "
-            f"{limits.max_chat_messages} (--max-chat-messages)",
-            "messages",
-        )
-    stop = data.get("stop")
+    # Chat and Anthropic "messages"; the Responses API's "input" items.
+    for name in ("messages", "input"):
+        messages = data.get(name)
+        if isinstance(messages, list) and len(messages) > limits.max_chat_messages:
+            raise bad_request(
+                f"{len(messages)} {name} is more than this server's limit of "
+                f"{limits.max_chat_messages} messages (--max-chat-messages)",
+                name,
+            )
+    stop_name = "stop_sequences" if "stop_sequences" in data else "stop"  # Anthropic's name
+    stop = data.get(stop_name)
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     if len(stops) > limits.max_stop_strings:
         raise bad_request(
             f"{len(stops)} stop strings is more than this server's limit of "
             f"{limits.max_stop_strings} (--max-stop-strings)",
-            "stop",
+            stop_name,
         )
     for item in stops:
         if isinstance(item, str) and len(item) > limits.max_stop_string_length:
             raise bad_request(
                 f"a stop string of {len(item)} characters is longer than this server's limit "
                 f"of {limits.max_stop_string_length} (--max-stop-string-length)",
-                "stop",
+                stop_name,
             )
     for name in ("logit_bias", "stop_token_ids"):
         value = data.get(name)

@@ -332,6 +332,22 @@ class _Message(BaseModel):
 
     name: Text | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """Refuse content parts other than text (images, audio, files) by name: the
+        models served take text only."""
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported: the model "
+                        "served here takes text only (send text parts or a string)"
+                    )
+        return data
+
     def text(self) -> str:
         """The content as one string."""
         content = getattr(self, "content", None)

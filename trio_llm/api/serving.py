@@ -11,7 +11,6 @@ shapes follow the OpenAI API reference (``text_completion``, ``chat.completion``
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +23,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
+from trio_llm.api.anthropic import MessagesFormat, MessagesRequest
 from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
 from trio_llm.api.errors import APIError, bad_request, engine_error
 from trio_llm.api.formats import ChatFormat, CompletionFormat
@@ -31,6 +31,7 @@ from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
 from trio_llm.api.plan import Plan, run_choices
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
@@ -278,7 +279,28 @@ class OpenAIServing:
                 prompts.append(_Prompt(self.inputs.check_token_ids(item, "prompt")))
         return prompts
 
-    async def _plan_chat(self, request: ChatCompletionRequest) -> Plan:
+    async def respond_as(
+        self, request: MessagesRequest | ResponsesRequest, receive: Receive
+    ) -> Response:
+        """Handle ``POST /v1/messages`` (Anthropic) and ``POST /v1/responses`` (OpenAI):
+        the request is translated into a chat completion and runs that one path; only
+        the output format differs."""
+        chat = request.to_chat()
+        if isinstance(request, MessagesRequest):
+            make_format: Callable[..., ChatFormat] = MessagesFormat
+        else:
+            make_format = partial(ResponsesFormat, request=request)
+        try:
+            plan = await self._plan_chat(chat, make_format)
+        except InvalidRequest as exc:
+            raise bad_request(exc.message, exc.param) from exc
+        return await self._respond(plan, chat, receive)
+
+    async def _plan_chat(
+        self,
+        request: ChatCompletionRequest,
+        make_format: Callable[..., ChatFormat] = ChatFormat,
+    ) -> Plan:
         model = self.resolve_model(request.model)
         await self._check_common(request)
         if request.top_logprobs is not None and not request.logprobs:
@@ -293,7 +315,7 @@ class OpenAIServing:
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.inputs.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        chat_format = ChatFormat(
+        chat_format = make_format(
             self.tokenizer, tool_parser, parallel_tool_calls=request.parallel_tool_calls
         )
         plan = Plan(chat_format, model, num_top_logprobs=logprobs)
@@ -352,7 +374,7 @@ class OpenAIServing:
             admission = self.engine.admit(len(plan.requests), limit)
         except EngineError as exc:
             raise engine_error(exc) from exc
-        plan.response_id = f"{plan.format.id_prefix}-{uuid.uuid4().hex}"
+        plan.response_id = plan.format.new_id()
         plan.created = int(time.time())
         return admission
 

@@ -1,25 +1,32 @@
-"""Streamed responses: ``chat.completion.chunk`` / ``text_completion`` server-sent events.
+"""Streamed responses: the server-sent events of one response, in its format.
 
-The protocol, as OpenAI and vLLM send it: every chunk of one response has the same
-``id``, ``created`` and ``model``; a chat choice's first chunk has ``delta.role``
-("assistant") and later ones do not; ``finish_reason`` is null on intermediate chunks and
-set on each choice's last one; with ``stream_options.include_usage`` one more chunk with
-empty ``choices`` and the ``usage`` totals comes last; ``data: [DONE]`` always ends the
-stream, also after an error, which is sent as a ``data: {"error": {...}}`` event.
+What the events are is the format's (`trio_llm.api.formats.ResponseFormat.stream_start`,
+``stream_piece``, ``stream_end``, ``stream_error``); this module sends them in order,
+one response's choices concurrently, and always ends the stream, also after an error.
+
+The OpenAI protocol, as OpenAI and vLLM send it: every chunk of one response has the
+same ``id``, ``created`` and ``model``; a chat choice's first chunk has ``delta.role``
+("assistant") together with its first generated content, and later ones do not;
+``finish_reason`` is null on intermediate chunks and set on each choice's last one; with
+``stream_options.include_usage`` one more chunk with empty ``choices`` and the ``usage``
+totals comes last; ``data: [DONE]`` always ends the stream, also after an error, which is
+sent as a ``data: {"error": {...}}`` event. The Anthropic Messages and Responses streams
+name their events instead and have no ``[DONE]`` (`trio_llm.api.anthropic`,
+`trio_llm.api.responses`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
 
 import trio
 
 from trio_llm.api.disconnect import Emit
-from trio_llm.api.errors import engine_error, error_body
+from trio_llm.api.errors import APIError, engine_error
+from trio_llm.api.formats import Event
 from trio_llm.api.plan import Plan, run_choices
-from trio_llm.errors import EngineError
+from trio_llm.errors import EngineError, first_leaf
 from trio_llm.frontend.engine_client import Admission, EngineClient
 from trio_llm.text.choice import Choice, ChoiceDelta
 
@@ -47,38 +54,34 @@ class Stream:
         self._lock = trio.Lock()
         self._emit: Emit | None = None
 
-    def _chunk(self, entries: list[dict[str, Any]], choices: list[Choice] | None = None) -> str:
-        return json.dumps(self.plan.format.chunk(self.plan, entries, choices), ensure_ascii=False)
-
-    async def _send(self, data: str) -> None:
+    async def _send(self, events: list[Event]) -> None:
         assert self._emit is not None
         async with self._lock:  # choices stream concurrently; events must not interleave
-            await self._emit(data)
+            for name, data in events:
+                text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+                await self._emit(text, name)
 
     async def _on_delta(self, choice: Choice, piece: ChoiceDelta) -> None:
-        entry = self.plan.format.chunk_choice(self.plan, choice, piece)
-        if entry is not None:
-            await self._send(self._chunk([entry]))
+        await self._send(self.plan.format.stream_piece(self.plan, choice, piece))
 
     async def run(self, emit: Emit, *, include_usage: bool) -> None:
-        """Emit every chunk, then ``[DONE]``; an engine error becomes an error event."""
+        """Emit every event, then the format's end marker (``[DONE]``); an engine error
+        becomes an error event."""
         self._emit = emit
         plan = self.plan
+        form = plan.format
         try:
-            for opening in plan.format.opening_choices(plan, self.choices):
-                await self._send(self._chunk([opening]))
+            await self._send(form.stream_start(plan, self.choices))
             await run_choices(self.engine, plan, self.choices, self.admission, self._on_delta)
-            if include_usage:
-                await self._send(self._chunk([], self.choices))
+            await self._send(form.stream_end(plan, self.choices, include_usage=include_usage))
         except EngineError as exc:
-            error = engine_error(exc)
-            await self._send(
-                json.dumps(error_body(error.message, error.type, error.param, error.code))
-            )
+            await self._send([form.stream_error(engine_error(exc))])
         except Exception as exc:  # a bug: still end the stream properly, and say so
             logger.exception("internal error in a streamed response")
-            message = f"internal error: {type(exc).__name__}: {exc}"
-            await self._send(json.dumps(error_body(message, "server_error")))
+            leaf = first_leaf(exc)
+            message = f"internal error: {type(leaf).__name__}: {leaf}"
+            await self._send([form.stream_error(APIError(500, message, type="server_error"))])
         finally:
             self.engine.release(self.admission)
-        await self._send("[DONE]")
+        if form.done_marker is not None:
+            await self._send([(None, form.done_marker)])
