@@ -20,6 +20,7 @@ from trio_llm.config import (
     MODEL_IMPLS,
     QUANTIZATION_METHODS,
     RESTART_MODES,
+    RUNNERS,
     TOOL_CALL_PARSERS,
     CacheConfig,
     RequestLimits,
@@ -132,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: the engine's own forward pass where the family has one (Llama), else "
         "transformers' modules; trio_llm: require it; transformers: never",
+    )
+    serve.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="generate: a language model (completions, chat, messages, responses); pooling: "
+        "an embedding model (/v1/embeddings; a decoder is pooled at its last token); auto: "
+        "pooling for a sentence-transformers folder (modules.json), else generate",
     )
     serve.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     serve.add_argument(
@@ -363,6 +372,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         quantization=args.quantization,
         model_impl=args.model_impl,
+        runner=args.runner,
         max_model_len=args.max_model_len,
         download_dir=args.download_dir,
         seed=args.seed,

@@ -49,6 +49,11 @@ QUANTIZATION_METHODS = ("int8", "int4")
 #: always runs transformers' modules.
 MODEL_IMPLS = ("auto", "trio_llm", "transformers")
 
+#: ``--runner`` values (vLLM's flag): ``generate`` serves a language model (completions,
+#: chat, Messages, Responses), ``pooling`` an embedding model (/v1/embeddings); ``auto``
+#: is ``pooling`` for a sentence-transformers folder (one with ``modules.json``).
+RUNNERS = ("auto", "generate", "pooling")
+
 #: Where output tokens become text: in the API server, or in a third process.
 DETOKENIZER_MODES = ("inline", "process")
 
@@ -93,12 +98,14 @@ class ModelConfig:
             made at load time (`trio_llm.engine.quantization`; CPU only), or None.
         model_impl: ``auto`` (the engine's own forward pass where the family has one,
             `trio_llm.engine.native`), ``trio_llm`` (require it) or ``transformers``.
+        runner: ``auto``, ``generate`` or ``pooling`` (`RUNNERS`; `trio_llm.engine.pooling`).
     """
 
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     quantization: str | None = None
     model_impl: str = "auto"
+    runner: str = "auto"
     max_model_len: int | None = None
     download_dir: str | None = None
     seed: int = 0
@@ -119,6 +126,8 @@ class ModelConfig:
             raise ValueError(f"quantization {self.quantization!r} runs on the CPU only")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
 
 
 @dataclass(frozen=True)
@@ -237,6 +246,7 @@ def engine_config(
     device: str = "cpu",
     quantization: str | None = None,
     model_impl: str = "auto",
+    runner: str = "auto",
     max_model_len: int | None = None,
     download_dir: str | None = None,
     seed: int = 0,

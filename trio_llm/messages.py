@@ -237,6 +237,9 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
         eos_token_ids: ids that end generation unless ``ignore_eos``.
         dtype: torch dtype name of the weights.
         pid: the engine process id.
+        task: ``"generate"`` (a language model) or ``"embed"`` (an embedding model,
+            `trio_llm.engine.pooling`: outputs carry vectors, not tokens).
+        embedding_dim: length of the vectors of an ``"embed"`` model (0 otherwise).
     """
 
     model_dir: str
@@ -247,6 +250,8 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     dtype: str
     pid: int
+    task: str = "generate"
+    embedding_dim: int = 0
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -287,6 +292,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
             entries of exactly the tokens behind that text.
         stop_reason: set by the detokenizer child with finish_reason "stop": the matched
             stop string or stop token id (None for EOS).
+        embedding: from an embedding model (``EngineReady.task == "embed"``), with the
+            request's finishing output: its vector (float32 values).
     """
 
     request_id: str
@@ -298,6 +305,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     queue_seconds: float | None = None
     text: str | None = None
     stop_reason: str | int | None = None
+    embedding: list[float] | None = None
 
 
 class StepStats(msgspec.Struct, array_like=True):

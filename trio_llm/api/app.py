@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from trio_llm.api import metrics
 from trio_llm.api.anthropic import MessagesRequest
 from trio_llm.api.chat_page import install_chat_page
+from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError, install_error_handlers
 from trio_llm.api.middleware import install_middleware
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -93,6 +94,11 @@ def build_app(
         body = await serving.parse(ChatCompletionRequest, request)
         return await serving.respond(body, request.receive)
 
+    @app.post("/v1/embeddings", openapi_extra=_json_body(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        body = await serving.parse(EmbeddingRequest, request)
+        return await serving.embed(body, request.receive)
+
     @app.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
     async def responses(request: Request) -> Response:
         body = await serving.parse(ResponsesRequest, request)
@@ -104,7 +110,14 @@ def build_app(
         return await serving.respond_as(body, request.receive)
 
     _document_bodies(
-        app, (CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest)
+        app,
+        (
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            MessagesRequest,
+            EmbeddingRequest,
+        ),
     )
 
     install_chat_page(app)

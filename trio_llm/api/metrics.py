@@ -61,7 +61,9 @@ class EngineCollector(Collector):
             self.engine.num_pauses,
         )
         yield gauge(
-            "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", 1 - free / num_blocks
+            "kv_cache_usage_perc",
+            "Fraction of KV blocks in use (0-1).",
+            1 - free / num_blocks if num_blocks else 0.0,  # an embedding model has no cache
         )
         yield counter(
             "num_preemptions",

@@ -25,6 +25,14 @@ from starlette.types import Receive
 
 from trio_llm.api.anthropic import MessagesFormat, MessagesRequest
 from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
+from trio_llm.api.embeddings import (
+    EmbeddingRequest,
+    check_dimensions,
+    encode,
+    matryoshka_dimensions,
+    shorten,
+)
+from trio_llm.api.embeddings import response as embeddings_response
 from trio_llm.api.errors import APIError, bad_request, engine_error
 from trio_llm.api.formats import ChatFormat, CompletionFormat
 from trio_llm.api.middleware import RequestBodyTooLarge
@@ -219,6 +227,7 @@ class OpenAIServing:
 
     async def _plan_completion(self, request: CompletionRequest) -> Plan:
         model = self.resolve_model(request.model)
+        self._check_task("generate", "/v1/completions")
         await self._check_common(request)
         if request.suffix:
             raise bad_request("`suffix` (insertion) is not supported by this model", "suffix")
@@ -279,6 +288,87 @@ class OpenAIServing:
                 prompts.append(_Prompt(self.inputs.check_token_ids(item, "prompt")))
         return prompts
 
+    @property
+    def task(self) -> str:
+        """``"generate"`` or ``"embed"`` (`trio_llm.messages.EngineReady.task`)."""
+        return self.engine.info.task
+
+    def _check_task(self, task: str, endpoint: str) -> None:
+        if self.task == task:
+            return
+        if task == "embed":
+            message = (
+                f"{endpoint} needs an embedding model; the model served here generates text "
+                "(start a server with a sentence-transformers folder, or --runner pooling)"
+            )
+        else:
+            message = (
+                f"{endpoint} needs a model that generates text; the model served here is an "
+                "embedding model (it serves /v1/embeddings)"
+            )
+        raise APIError(400, message, param="model", code="model_not_supported")
+
+    async def embed(self, request: EmbeddingRequest, receive: Receive) -> Response:
+        """Handle ``POST /v1/embeddings`` (`trio_llm.api.embeddings`): tokenize every
+        input, submit them together (the engine batches them with other clients'), and
+        answer their vectors in input order.
+
+        Raises:
+            APIError: 400 for a generating model, an empty or too long input, or a
+                ``dimensions`` the model cannot give; 503 when the waiting line is full.
+        """
+        model = self.resolve_model(request.model)
+        self._check_task("embed", "/v1/embeddings")
+        check_dimensions(
+            request.dimensions,
+            self.engine.info.embedding_dim,
+            matryoshka_dimensions(self.engine.info.model_dir),
+        )
+        prompts: list[list[int]] = []
+        try:
+            for item in request.inputs():
+                if isinstance(item, str):
+                    ids = await self.inputs.encode_async(item, "input", special_tokens=True)
+                else:
+                    ids = list(item)
+                if len(ids) > self.max_model_len:
+                    raise bad_request(
+                        f"an input has {len(ids)} tokens, more than this model's context of "
+                        f"{self.max_model_len} tokens",
+                        "input",
+                    )
+                prompts.append(self.inputs.check_token_ids(ids, "input"))
+        except InvalidRequest as exc:
+            raise bad_request(exc.message, exc.param) from exc
+        params = SamplingParams(max_tokens=0)
+        plan = Plan(ChatFormat(self.tokenizer), model)  # only for admission's bookkeeping
+        for ids in prompts:
+            plan.add_prompt(ids, [params], None)
+        admission = self.admit(plan)
+        vectors: list[list[float]] = [[] for _ in prompts]
+
+        async def collect() -> bool:
+            async with self.engine.open_requests(plan.requests, admission) as streams:
+                for i, stream in enumerate(streams):
+                    async for delta in stream:
+                        if delta.embedding is not None:
+                            vectors[i] = delta.embedding
+            return True
+
+        try:
+            done = await run_while_connected(receive, collect)
+        except EngineError as exc:
+            raise engine_error(exc) from exc
+        finally:
+            self.engine.release(admission)
+        if done is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        data = [
+            encode(shorten(vector, request.dimensions), request.encoding_format)
+            for vector in vectors
+        ]
+        return JSONResponse(embeddings_response(model, data, sum(plan.prompt_lengths)))
+
     async def respond_as(
         self, request: MessagesRequest | ResponsesRequest, receive: Receive
     ) -> Response:
@@ -288,10 +378,12 @@ class OpenAIServing:
         chat = request.to_chat()
         if isinstance(request, MessagesRequest):
             make_format: Callable[..., ChatFormat] = MessagesFormat
+            endpoint = "/v1/messages"
         else:
             make_format = partial(ResponsesFormat, request=request)
+            endpoint = "/v1/responses"
         try:
-            plan = await self._plan_chat(chat, make_format)
+            plan = await self._plan_chat(chat, make_format, endpoint)
         except InvalidRequest as exc:
             raise bad_request(exc.message, exc.param) from exc
         return await self._respond(plan, chat, receive)
@@ -300,8 +392,10 @@ class OpenAIServing:
         self,
         request: ChatCompletionRequest,
         make_format: Callable[..., ChatFormat] = ChatFormat,
+        endpoint: str = "/v1/chat/completions",
     ) -> Plan:
         model = self.resolve_model(request.model)
+        self._check_task("generate", endpoint)
         await self._check_common(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")

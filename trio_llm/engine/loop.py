@@ -32,6 +32,7 @@ from trio_llm import ipc
 from trio_llm.config import EngineConfig
 from trio_llm.engine.core import EngineCore
 from trio_llm.engine.cpu_share import CpuShare
+from trio_llm.engine.pooling import PoolingCore, uses_pooling
 from trio_llm.messages import (
     AbortRequests,
     AddRequest,
@@ -99,7 +100,11 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
     return 0
 
 
-def _build_core(config: EngineConfig) -> EngineCore:
+def _build_core(config: EngineConfig) -> EngineCore | PoolingCore:
+    if uses_pooling(config.model):
+        pooling = PoolingCore.from_config(config)
+        pooling.warm_up()
+        return pooling
     core = EngineCore.from_config(config)
     # llguidance's tokenizer (about half a second) is built in the grammar worker thread
     # from now on, so the first constrained request does not stall every stream for it.

@@ -76,6 +76,7 @@ class TokenDelta:
             text the detokenizer child released for these tokens; ``logprobs`` are then
             those of the tokens behind that text, and ``stop_reason`` is set.
         stop_reason: with ``text``: the matched stop string or stop token id.
+        embedding: an embedding model's vector, on the finishing delta.
     """
 
     token_ids: list[int]
@@ -84,10 +85,12 @@ class TokenDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None
     text: str | None = None
     stop_reason: str | int | None = None
+    embedding: list[float] | None = None
 
 
 class _Mailbox:
     __slots__ = (
+        "embedding",
         "error",
         "finish_reason",
         "logprobs",
@@ -108,6 +111,7 @@ class _Mailbox:
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.stop_reason: str | int | None = None
+        self.embedding: list[float] | None = None
         self.error: EngineError | None = None
         self.wakeup = trio.Event()
         self.started = False
@@ -172,6 +176,7 @@ class RequestStream:
             box.prompt_logprobs,
             box.text,
             box.stop_reason,
+            box.embedding,
         )
         box.token_ids = []
         box.logprobs = box.prompt_logprobs = None
@@ -522,6 +527,8 @@ class EngineClient:
             if output.text is not None:
                 box.text = (box.text or "") + output.text
                 box.stop_reason = output.stop_reason
+            if output.embedding is not None:
+                box.embedding = output.embedding
             if output.finish_reason is not None:
                 box.finish_reason = output.finish_reason
                 del self._mailboxes[output.request_id]

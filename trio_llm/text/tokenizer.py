@@ -87,6 +87,11 @@ class Tokenizer:
         """
         folder = Path(model_dir)
         backend = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+        # Some tokenizer.json files carry training-time truncation and padding (BERT's:
+        # cut at 128 tokens, pad to 128): the server counts and refuses lengths itself,
+        # and a padded prompt would be another prompt.
+        backend.no_truncation()
+        backend.no_padding()
         config: dict[str, Any] = {}
         if (folder / "tokenizer_config.json").is_file():
             config = json.loads((folder / "tokenizer_config.json").read_text())
