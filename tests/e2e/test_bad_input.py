@@ -215,6 +215,28 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "stream_options",
     ),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+    ("embeddings of a generator", "/v1/embeddings", {"input": "hi"}, 400, "model"),
+    (
+        "prompt_logprobs streamed",
+        "/v1/completions",
+        {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs",
+    ),
+    (
+        "prompt_logprobs past the limit",
+        "/v1/completions",
+        {"prompt": "hi", "prompt_logprobs": 21},
+        400,
+        "prompt_logprobs",
+    ),
+    (
+        "prompt_logprobs on chat",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1},
+        400,
+        "prompt_logprobs",
+    ),
 ]
 
 

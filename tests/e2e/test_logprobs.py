@@ -149,6 +149,33 @@ def test_echo_returns_prompt_logprobs_matching_the_reference(
         )
 
 
+def test_vllm_prompt_logprobs_match_the_reference(client: OpenAI, hf_model, smol_tokenizer) -> None:
+    k = 2
+    reply = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": k}
+    )
+    entries = reply.choices[0].model_extra["prompt_logprobs"]
+    prompt_ids = smol_tokenizer.encode(PROMPT)
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    ref = reference(hf_model, prompt_ids)
+    for i in range(1, len(prompt_ids)):
+        position = {int(token): value for token, value in entries[i].items()}
+        expected_top = ref[i - 1].topk(k)
+        actual = prompt_ids[i]
+        assert set(position) == {*expected_top.indices.tolist(), actual}
+        for rank, (token, logprob) in enumerate(
+            zip(expected_top.indices.tolist(), expected_top.values.tolist(), strict=True), 1
+        ):
+            assert position[token]["rank"] == rank
+            assert position[token]["logprob"] == pytest.approx(logprob, abs=TOLERANCE)
+            assert position[token]["decoded_token"] == smol_tokenizer.token_text(token)
+        expected_rank = 1 + int((ref[i - 1] > ref[i - 1][actual]).sum())
+        assert position[actual]["rank"] == expected_rank
+        assert position[actual]["logprob"] == pytest.approx(
+            float(ref[i - 1][actual]), abs=TOLERANCE
+        )
+
+
 def test_echo_with_max_tokens_zero_returns_exactly_the_prompt(
     client: OpenAI, smol_tokenizer
 ) -> None:

@@ -89,7 +89,13 @@ def test_models_and_health(base_url: str) -> None:
 def test_models_are_listed_and_retrieved(base_url: str) -> None:
     client = _client(base_url)
     assert [m.id for m in client.models.list()] == [MODEL]
-    assert client.models.retrieve(MODEL).id == MODEL
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    # vLLM's card fields: clients that pick a context length or check permissions read them.
+    extra = card.model_extra or {}
+    assert extra["max_model_len"] > 0 and extra["root"]
+    assert extra["permission"][0]["object"] == "model_permission"
+    assert extra["permission"][0]["allow_sampling"] is True
 
 
 def test_completions_default_to_16_tokens(base_url: str) -> None:

