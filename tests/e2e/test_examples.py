@@ -68,3 +68,24 @@ def test_tool_calls_example_makes_a_call_and_answers_from_its_result(base_url: s
     assert arguments["city"] == "Paris"
     assert arguments["unit"] in ("celsius", "fahrenheit")
     assert answer.startswith("answer: ") and len(answer) > len("answer: ")
+
+
+def test_other_apis_example_answers_through_both(base_url: str) -> None:
+    out = _run(
+        [
+            sys.executable,
+            str(EXAMPLES / "other_apis.py"),
+            "--base-url",
+            base_url,
+            "--max-tokens",
+            "24",
+            "What is the capital of France?",
+        ]
+    )
+    lines = out.splitlines()
+    messages = next(line for line in lines if line.startswith("[messages:"))
+    responses = next(line for line in lines if line.startswith("[responses:"))
+    assert "Paris" in out.split("[messages:")[0]
+    assert messages.split("stop_reason ")[1].split(",")[0] in ("end_turn", "max_tokens")
+    assert responses.split(": ")[1].split(",")[0] in ("completed", "incomplete")
+    assert "Paris" in out.split("[messages:")[1].split("[responses:")[0]

@@ -91,3 +91,36 @@ async def test_a_client_that_leaves_is_counted_as_aborted(base_url: str) -> None
     after = _scrape(base_url)
     assert _delta(before, after, "trio_llm:request_aborted_total") == 1
     assert _delta(before, after, "trio_llm:e2e_request_latency_seconds_count") == 0
+
+
+def test_http_requests_are_counted_by_endpoint_and_status(base_url: str) -> None:
+    before = _scrape(base_url)
+    chat = [{"role": "user", "content": "Hi"}]
+    calls = [
+        ("/v1/chat/completions", {"model": MODEL, "messages": chat, "max_tokens": 2}),
+        ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2}),
+        ("/v1/messages", {"model": MODEL, "messages": chat, "max_tokens": 2}),
+        ("/v1/messages", {"model": MODEL, "messages": chat}),  # no max_tokens: 400
+        ("/v1/no-such-endpoint", {}),
+    ]
+    statuses = [
+        httpx.post(f"{base_url}{path}", json=body, timeout=60).status_code for path, body in calls
+    ]
+    assert statuses == [200, 200, 200, 400, 404]
+    after = _scrape(base_url)
+
+    def counted(endpoint: str, status: str) -> float:
+        key = f"trio_llm:http_requests_total{{endpoint={endpoint}}}{{status={status}}}"
+        return _delta(before, after, key)
+
+    assert counted("/v1/chat/completions", "2xx") == 1
+    assert counted("/v1/responses", "2xx") == 1
+    assert counted("/v1/messages", "2xx") == 1
+    assert counted("/v1/messages", "4xx") == 1
+    assert counted("other", "4xx") == 1
+    # Each generating request is also an engine request counted as a success.
+    successes = sum(
+        _delta(before, after, f"trio_llm:request_success_total{{finished_reason={reason}}}")
+        for reason in ("stop", "length")
+    )
+    assert successes == 3

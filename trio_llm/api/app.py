@@ -57,6 +57,9 @@ def build_app(
         return APIError(503, reason, type="service_unavailable_error").response()
 
     registry = metrics.make_registry(engine, serving.model_names[0])
+    app.add_middleware(
+        metrics.HTTPRequestCounter, registry=registry, model_name=serving.model_names[0]
+    )
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

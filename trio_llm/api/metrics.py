@@ -1,6 +1,7 @@
 """``GET /metrics`` in the Prometheus text format (prometheus-client).
 
-Two sources: `EngineCollector` reads scheduler gauges from the engine client's last step
+Three sources: `HTTPRequestCounter` counts HTTP requests by endpoint and status class as
+they are answered; `EngineCollector` reads scheduler gauges from the engine client's last step
 statistics at scrape time; `RequestMetrics` receives per-request timing from the engine
 client as outputs arrive (see `trio_llm.frontend.engine_client.RequestObserver`) and keeps
 counters and histograms. Names follow vLLM's with a ``trio_llm:`` prefix; every series has
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.request_timing import RequestRecord
@@ -180,6 +182,69 @@ class RequestMetrics:
             self._e2e_child.observe(record.e2e_seconds)
         else:
             self._aborted_child.inc()
+
+
+#: Routes counted by name in ``trio_llm:http_requests_total`` (any other path is counted
+#: as ``other``, so clients cannot grow the number of series).
+COUNTED_ENDPOINTS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+    }
+)
+
+
+class HTTPRequestCounter:
+    """ASGI middleware: ``trio_llm:http_requests_total{endpoint, status}`` counts each
+    answered HTTP request by route and status class (``2xx``, ``4xx``, ...), as vLLM's
+    ``http_requests_total`` does; a request whose client left before an answer is counted
+    as ``499``'s class, ``4xx``.
+
+    Args:
+        app: the ASGI app (outermost, so refusals by the other middleware count too).
+        registry: where the counter is registered.
+        model_name: value of the ``model_name`` label.
+    """
+
+    def __init__(self, app: ASGIApp, registry: CollectorRegistry, model_name: str) -> None:
+        self.app = app
+        self.model_name = model_name
+        self.counter = Counter(
+            "trio_llm:http_requests",
+            "HTTP requests answered, by endpoint and status class.",
+            ["model_name", "endpoint", "status"],
+            registry=registry,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on and count its answer."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 499
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            path = scope["path"]
+            endpoint = path if path in COUNTED_ENDPOINTS else "other"
+            if path.startswith("/v1/models/"):
+                endpoint = "/v1/models"
+            self.counter.labels(self.model_name, endpoint, f"{status // 100}xx").inc()
 
 
 def make_registry(engine: EngineClient, model_name: str) -> CollectorRegistry:
