@@ -24,6 +24,7 @@ DETOKENIZER_MODES = ["inline", "process"]
 #: browser page); they run against the 2-process server only, which keeps ``make test``
 #: within its time budget. test_detokenizer_modes compares the two layouts directly.
 INLINE_ONLY_MODULES = {
+    "test_anthropic_api",
     "test_bad_input",
     "test_chaos_client",
     "test_chat_page",
@@ -31,7 +32,9 @@ INLINE_ONLY_MODULES = {
     "test_examples",
     "test_hostile_clients",
     "test_langchain",
+    "test_litellm",
     "test_prefix_caching",
+    "test_responses_api",
     "test_sampling_params",
     "test_structured_output_api",
     "test_tokenize",

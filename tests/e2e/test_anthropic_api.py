@@ -336,7 +336,10 @@ def test_a_tool_result_round_trip_is_answered(anthropic: Anthropic, client: Open
     result = json.dumps({"city": "Paris", "temperature": 18, "unit": "celsius", "sky": "rain"})
     history = [
         *WEATHER_QUESTION,
-        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {
+            "role": "assistant",
+            "content": [block.model_dump(exclude_none=True) for block in first.content],
+        },
         {
             "role": "user",
             "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}],
@@ -455,8 +458,8 @@ def test_a_prefilled_assistant_turn_is_continued(base_url: str, anthropic: Anthr
         timeout=60,
     ).json()
     message = anthropic.messages.create(model=MODEL, max_tokens=8, messages=messages, **GREEDY)
-    assert message.usage.input_tokens == len(prompt)
     assert _blocks(message.content) == [("text", completion["choices"][0]["text"])]
+    assert message.usage.input_tokens == len(prompt)
 
 
 IMAGE = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}

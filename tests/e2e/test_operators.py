@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -86,9 +87,10 @@ def _assert_still_serving(client: httpx.Client) -> None:
         {"authorization": f"Bearer {API_KEY[:-1]}"},
         {"authorization": f"Basic {API_KEY}"},
         {"authorization": API_KEY},
-        {"x-api-key": API_KEY},
+        {"x-api-key": "sk-wrong"},
+        {"x-api-key": f"Bearer {API_KEY}"},
     ],
-    ids=["none", "wrong", "longer", "shorter", "basic", "no-scheme", "other-header"],
+    ids=["none", "wrong", "longer", "shorter", "basic", "no-scheme", "wrong-x-api-key", "x-bearer"],
 )
 def test_v1_routes_need_the_key(client: httpx.Client, headers: dict[str, str]) -> None:
     for method, path in [
@@ -119,6 +121,23 @@ def test_the_right_key_works_with_the_openai_client(guarded: str) -> None:
             model=MODEL, prompt="Once upon a time", max_tokens=4, stream=True
         )
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+
+def test_the_anthropic_client_sends_the_key_as_x_api_key(guarded: str) -> None:
+    # Anthropic's clients send the key in `x-api-key`; a wrong one gets Anthropic's 401.
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with anthropic.Anthropic(base_url=guarded, api_key=API_KEY, max_retries=0) as client:
+        reply = client.messages.create(model=MODEL, max_tokens=4, messages=question)
+        assert reply.content and reply.usage.output_tokens >= 1
+    with anthropic.Anthropic(base_url=guarded, api_key="sk-wrong", max_retries=0) as client:
+        with pytest.raises(anthropic.AuthenticationError) as raised:
+            client.messages.create(model=MODEL, max_tokens=4, messages=question)
+    body = raised.value.body
+    assert body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": body["error"]["message"]},
+    }
+    assert API_KEY not in body["error"]["message"]
 
 
 def test_the_openai_client_reports_a_wrong_key(guarded: str) -> None:

@@ -67,6 +67,22 @@ def test_tokenize_chat_messages(client: httpx.Client, smol_tokenizer) -> None:
     assert text.endswith("What is the capital of France?<|im_end|>\n")
 
 
+def test_a_final_assistant_message_can_be_left_open(client: httpx.Client) -> None:
+    messages = [*CHAT, {"role": "assistant", "content": "The capital is"}]
+    closed = client.post(
+        "/tokenize", json={"messages": messages, "add_generation_prompt": False}
+    ).json()
+    open_ = client.post(
+        "/tokenize", json={"messages": messages, "continue_final_message": True}
+    ).json()
+    text = client.post("/detokenize", json={"tokens": open_["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe capital is")
+    # The same conversation, without the end of the assistant's turn.
+    assert closed["tokens"][: open_["count"]] == open_["tokens"]
+    ending = client.post("/detokenize", json={"tokens": closed["tokens"][open_["count"] :]})
+    assert ending.json()["prompt"] == "<|im_end|>\n"
+
+
 def test_detokenize_round_trips(client: httpx.Client) -> None:
     for text in [TEXT, " leading space", "trailing newline\n", ""]:
         tokens = client.post("/tokenize", json={"prompt": text}).json()["tokens"]
@@ -125,6 +141,7 @@ def test_detokenize_refuses_bad_ids(client: httpx.Client, tokens: object) -> Non
         ({"prompt": "a", "return_token_strs": 1}, "return_token_strs"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        # CHAT ends with a user message: there is nothing to continue.
         ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
         ({"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
     ],

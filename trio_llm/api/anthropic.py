@@ -182,6 +182,9 @@ class MessagesRequest(BaseModel):
             messages.append({"role": "system", "content": text})
         for turn in self.messages:
             messages += _chat_messages(turn)
+        last = messages[-1]
+        # A final assistant turn is a prefill: the answer continues it (Anthropic's rule).
+        prefill = last["role"] == "assistant" and "tool_calls" not in last
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -191,6 +194,7 @@ class MessagesRequest(BaseModel):
             "top_k": self.top_k,
             "stop": self.stop_sequences,
             "stream": self.stream,
+            "continue_final_message": prefill,
         }
         form = (self.output_config or {}).get("format")
         if form is not None:

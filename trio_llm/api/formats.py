@@ -343,6 +343,9 @@ class BlockFormat(ChatFormat):
         super().__init__(tokenizer, tool_parser, parallel_tool_calls=parallel_tool_calls)
         self._open: Block | None = None
         self._num_blocks = 0
+        #: The chat finish reason once the message ended (set before its last block
+        #: closes), else None.
+        self.finish_reason: str | None = None
 
     def blocks(self, plan: Plan, choice: Choice) -> tuple[list[Block], str | None]:
         """The whole message of a finished choice as blocks, and its chat finish reason
@@ -382,6 +385,7 @@ class BlockFormat(ChatFormat):
                 self._open.text += function["arguments"]
                 events += self.block_delta(plan, self._open, function["arguments"])
         if entry["finish_reason"] is not None:
+            self.finish_reason = entry["finish_reason"]
             events += self._close_block(plan)
             events += self.message_finished(plan, choice, entry["finish_reason"])
         return events

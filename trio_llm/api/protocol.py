@@ -93,7 +93,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "continue_final_message": (None, False),
 }
 
 
@@ -483,6 +482,8 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    #: vLLM's: leave the final (assistant) message open, so the output continues it.
+    continue_final_message: StrictBool = False
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them."""

@@ -277,10 +277,10 @@ class ResponsesFormat(BlockFormat):
                 "id": self._item_id(block),
                 "call_id": block.call_id,
                 "name": block.name,
-                "arguments": block.text if status == "completed" else "",
+                "arguments": "" if status == "in_progress" else block.text,
                 "status": status,
             }
-        parts = [self._part(block.text)] if status == "completed" else []
+        parts = [] if status == "in_progress" else [self._part(block.text)]
         return {
             "type": "message",
             "id": self._item_id(block),
@@ -345,6 +345,8 @@ class ResponsesFormat(BlockFormat):
         (choice,) = choices
         blocks, finish_reason = self.blocks(plan, choice)
         output = [self._item(block, "completed") for block in blocks]
+        if output and finish_reason == "length":  # the last item was cut off
+            output[-1]["status"] = "incomplete"
         return self._response(plan, "completed", output, choice, finish_reason)
 
     def _event(self, kind: str, **fields: Any) -> Event:
@@ -411,7 +413,7 @@ class ResponsesFormat(BlockFormat):
                     part=self._part(block.text),
                 ),
             ]
-        item = self._item(block, "completed")
+        item = self._item(block, "incomplete" if self.finish_reason == "length" else "completed")
         events.append(self._event("response.output_item.done", output_index=block.index, item=item))
         self._done_items.append(item)
         return events

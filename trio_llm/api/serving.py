@@ -409,8 +409,15 @@ class OpenAIServing:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self._check_logprobs(request.top_logprobs, "top_logprobs")
         tool_parser = self._tool_parser(request)
+        if request.continue_final_message and request.messages[-1].role != "assistant":
+            raise bad_request(
+                "continue_final_message needs a final assistant message to continue",
+                "continue_final_message",
+            )
         text = await self.inputs.render_chat_async(
-            request.template_messages(), tools=request.template_tools()
+            request.template_messages(),
+            tools=request.template_tools(),
+            continue_final_message=request.continue_final_message,
         )
         prompt_ids = await self.inputs.encode_async(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens

@@ -29,7 +29,6 @@ INLINE_LIMIT = 8192
 
 #: vLLM fields of /tokenize this server does not implement; accepted only at these values.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "continue_final_message": (None, False),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "tools": (None, []),
@@ -50,6 +49,7 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
 
@@ -113,8 +113,15 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
                 assert request.messages is not None
                 # The same dicts /v1/chat/completions renders, so the counts agree.
                 messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+                if request.continue_final_message and messages[-1]["role"] != "assistant":
+                    raise bad_request(
+                        "continue_final_message needs a final assistant message",
+                        "continue_final_message",
+                    )
                 text = await inputs.render_chat_async(
-                    messages, add_generation_prompt=request.add_generation_prompt
+                    messages,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
                 )
                 special = bool(request.add_special_tokens)
                 tokens = await inputs.tokenize_async(text, "messages", special_tokens=special)

@@ -117,16 +117,22 @@ class InputPreprocessor:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text of chat ``messages`` and ``tools`` (the model's chat template;
-        with the assistant's prompt unless ``add_generation_prompt`` is False).
+        with the assistant's prompt unless ``add_generation_prompt`` is False; with
+        ``continue_final_message``, the last assistant message left open, see
+        `Tokenizer.render_chat`).
 
         Raises:
             InvalidRequest: the template rejects the messages, or the model has none.
         """
         try:
             return self.tokenizer.render_chat(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                continue_final_message=continue_final_message,
             )
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param) from exc
@@ -138,6 +144,7 @@ class InputPreprocessor:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """`render_chat`, in a worker thread when the conversation is long (the template's
         cost grows with it). Raises as `render_chat`."""
@@ -147,6 +154,7 @@ class InputPreprocessor:
             param,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
+            continue_final_message=continue_final_message,
         )
         size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
         if size < INLINE_ENCODE_CHARS:

@@ -181,9 +181,15 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Chat messages (plus, by default, the assistant prompt), rendered with the
         model's template; with ``tools``, with `tool_template` when there is one.
+
+        With ``continue_final_message`` (vLLM's field; Anthropic's assistant prefill) the
+        last message, an assistant's, is left open: the text ends right after its content
+        (the template's end-of-turn marker cut off), so the model continues it. An empty
+        final message is dropped and an assistant prompt opened instead.
 
         The server encodes the result with ``add_special_tokens=False`` (the template
         writes the special tokens itself).
@@ -196,9 +202,18 @@ class Tokenizer:
                 "this model has no chat template: send a plain prompt (/v1/completions), or "
                 "give it one with --chat-template (chat_template in the embedding API)"
             )
+        prefill = ""
+        if continue_final_message:
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ChatTemplateError("only a final assistant message can be continued")
+            prefill = messages[-1].get("content") or ""
+            if not prefill:
+                messages, add_generation_prompt = messages[:-1], True
+            else:
+                add_generation_prompt = False
         try:
             template = (tools and self.tool_template) or self.chat_template
-            return render_chat(
+            text = render_chat(
                 template,
                 messages,
                 add_generation_prompt=add_generation_prompt,
@@ -207,3 +222,12 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
+        if prefill:
+            end = text.rfind(prefill)
+            if end < 0:
+                raise ChatTemplateError(
+                    "the chat template does not write the final assistant message as given, "
+                    "so it cannot be continued"
+                )
+            text = text[: end + len(prefill)]
+        return text
