@@ -7,7 +7,8 @@ at collection speed. The test is marked ``fuzz`` (``-m fuzz`` / ``-m "not fuzz"`
 
 What it does: starts ``trio-llm serve`` (a real subprocess, `ServerProcess`) with a small
 context, loads ``/openapi.json`` from it, and for every operation (``/v1/completions``,
-``/v1/chat/completions``, ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health``,
+``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``, ``/v1/embeddings``,
+``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health``,
 ``/version``, ``/metrics``) sends schemathesis' generated requests in both of its modes:
 *positive* (bodies that fit the schema) and *negative* (bodies that violate it: wrong types,
 out-of-range values, missing fields, bytes that are not JSON). One request at a time, each
@@ -19,9 +20,12 @@ The property, over at least 500 requests:
 
 - no 5xx, no transport error, no timeout;
 - every 4xx carries ``{"error": {"message", "type", "param", "code"}}``, and its ``param``
-  is null or names a field of that request (declared by the route, or sent);
-- every 200 event stream is well formed JSON events ending with ``data: [DONE]`` and
-  carries no error event (an error after the 200 would be a hidden 5xx);
+  is null or names a field of that request (declared by the route, or sent); on
+  ``/v1/messages``, Anthropic's ``{"type": "error", "error": {"type", "message"}}``;
+- every 200 event stream is well formed JSON events ending with ``data: [DONE]`` (named
+  events ending with ``message_stop`` or ``response.completed`` / ``.incomplete`` on
+  ``/v1/messages`` and ``/v1/responses``) and carries no error event (an error after the
+  200 would be a hidden 5xx);
 - afterwards a normal completion and chat completion succeed, ``/health`` is 200, and
   SIGINT stops the server with exit status 0 and no engine process left.
 
@@ -234,14 +238,21 @@ def _body_fields(schema: dict[str, Any]) -> dict[str, set[str]]:
 Problem = tuple[str, str]  # (kind, detail): what broke the property, and the evidence
 
 
-def _error_body_problem(content: bytes, fields: set[str]) -> Problem | None:
-    """Why ``content`` is not an OpenAI error body whose ``param`` is one of ``fields``."""
+def _error_body_problem(content: bytes, fields: set[str], label: str = "") -> Problem | None:
+    """Why ``content`` is not an OpenAI error body whose ``param`` is one of ``fields``
+    (for ``/v1/messages``: not Anthropic's error body)."""
     try:
         body = json.loads(content)
     except ValueError:
         return "4xx body is not JSON", repr(content[:300])
     error = body.get("error") if isinstance(body, dict) else None
     detail = f"{body!r:.500}"
+    if label.endswith(" /v1/messages"):
+        if body.get("type") != "error" or not isinstance(error, dict):
+            return "4xx body is not Anthropic's {'type': 'error', 'error': {...}}", detail
+        if not all(isinstance(error.get(key), str) and error[key] for key in ("type", "message")):
+            return "4xx Anthropic error.type / error.message is not a non-empty string", detail
+        return None
     if not isinstance(error, dict) or not set(ERROR_FIELDS) <= error.keys():
         return f"4xx body is not {{'error': {{{', '.join(ERROR_FIELDS)}}}}}", detail
     if not (isinstance(error["message"], str) and error["message"]):
@@ -255,8 +266,39 @@ def _error_body_problem(content: bytes, fields: set[str]) -> Problem | None:
     return None
 
 
-def _event_stream_problem(content: bytes) -> Problem | None:
+#: The last event of a stream whose events are named (no ``[DONE]`` there), by route.
+LAST_NAMED_EVENT = {
+    "/v1/messages": ("message_stop",),
+    "/v1/responses": ("response.completed", "response.incomplete"),
+}
+
+
+def _named_event_stream_problem(content: bytes, last: tuple[str, ...]) -> Problem | None:
+    """Why a stream of named events (Anthropic Messages, Responses) is broken: an event
+    whose data is not JSON or not of its name's type, an error event, or a last event
+    other than ``last``."""
+    lines = content.splitlines()
+    names = [
+        line.removeprefix(b"event: ").decode() for line in lines if line.startswith(b"event: ")
+    ]
+    datas = [line.removeprefix(b"data: ").decode() for line in lines if line.startswith(b"data: ")]
+    if not names or len(names) != len(datas) or names[-1] not in last:
+        return f"200 named event stream does not end with {' or '.join(last)}", repr(content[-300:])
+    for name, data in zip(names, datas, strict=True):
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return "200 event stream has an event that is not JSON", data[:300]
+        if name == "error" or not isinstance(event, dict) or event.get("type") != name:
+            return "error or misnamed event inside a 200 event stream", data[:500]
+    return None
+
+
+def _event_stream_problem(content: bytes, label: str = "") -> Problem | None:
     """Why a 200 event stream is broken (bad JSON, an error event, no [DONE]), or None."""
+    last = LAST_NAMED_EVENT.get(label.partition(" ")[2])
+    if last is not None:
+        return _named_event_stream_problem(content, last)
     events = [
         line.removeprefix(b"data: ").decode()
         for line in content.splitlines()
@@ -274,7 +316,7 @@ def _event_stream_problem(content: bytes) -> Problem | None:
     return None
 
 
-def _response_problem(response: Any, fields: set[str]) -> Problem | None:
+def _response_problem(response: Any, fields: set[str], label: str = "") -> Problem | None:
     """Why ``response`` breaks the property, or None.
 
     Args:
@@ -284,12 +326,12 @@ def _response_problem(response: Any, fields: set[str]) -> Problem | None:
     if status >= 500:
         return f"HTTP {status}", repr(response.content[:500])
     if 400 <= status < 500:
-        return _error_body_problem(response.content, fields)
+        return _error_body_problem(response.content, fields, label)
     content_type = (response.headers.get("content-type") or [""])[0]
     if status == 200 and content_type.startswith("text/event-stream"):
         if response.stream_cut_short:
             return "200 event stream still open at the timeout", f"{TIMEOUT_S:.0f} s"
-        return _event_stream_problem(response.content)
+        return _event_stream_problem(response.content, label)
     return None
 
 
@@ -352,7 +394,7 @@ def test_fuzz_openapi(
         fields = declared.get(label, set())
         if isinstance(case.body, dict):
             fields = fields | set(case.body)
-        problem = _response_problem(response, fields)
+        problem = _response_problem(response, fields, label)
         if problem is not None:
             fuzz_stats.record_failure(label, *problem, _describe(case, base_url))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
@@ -130,6 +130,15 @@ class MessagesRequest(BaseModel):
     """``POST /v1/messages`` (Anthropic's field names; see the module doc)."""
 
     model_config = ConfigDict(extra="allow")
+
+    #: The Messages field behind each chat field `to_chat` sets (for errors' ``param``).
+    CHAT_PARAMS: ClassVar[dict[str, str]] = {
+        "stop": "stop_sequences",
+        "response_format": "output_config",
+        "parallel_tool_calls": "tool_choice",
+        "continue_final_message": "messages",
+        "max_completion_tokens": "max_tokens",
+    }
 
     model: Text
     messages: list[Message] = Field(min_length=1)

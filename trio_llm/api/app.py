@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.types import Receive
 
 from trio_llm.api import metrics
 from trio_llm.api.anthropic import MessagesRequest
@@ -104,44 +105,40 @@ def build_app(
 
     # The bodies are parsed by `serving.parse` (limits first, large ones off the event
     # loop), not by FastAPI; the OpenAPI document still describes them.
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
-    async def completions(request: Request) -> Response:
-        body = await serving.parse(CompletionRequest, request)
-        return await serving.respond(body, request.receive)
+    routes: list[tuple[str, type[BaseModel], Callable[..., Awaitable[Response]]]] = [
+        ("/v1/completions", CompletionRequest, serving.respond),
+        ("/v1/chat/completions", ChatCompletionRequest, serving.respond),
+        ("/v1/embeddings", EmbeddingRequest, serving.embed),
+        ("/v1/responses", ResponsesRequest, serving.respond_as),
+        ("/v1/messages", MessagesRequest, serving.respond_as),
+    ]
+    for path, body_model, handler in routes:
+        app.add_api_route(
+            path,
+            _endpoint(serving, body_model, handler),
+            methods=["POST"],
+            openapi_extra=_json_body(body_model),
+            name=path.removeprefix("/v1/").replace("/", "_"),
+        )
 
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
-    async def chat_completions(request: Request) -> Response:
-        body = await serving.parse(ChatCompletionRequest, request)
-        return await serving.respond(body, request.receive)
-
-    @app.post("/v1/embeddings", openapi_extra=_json_body(EmbeddingRequest))
-    async def embeddings(request: Request) -> Response:
-        body = await serving.parse(EmbeddingRequest, request)
-        return await serving.embed(body, request.receive)
-
-    @app.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest))
-    async def responses(request: Request) -> Response:
-        body = await serving.parse(ResponsesRequest, request)
-        return await serving.respond_as(body, request.receive)
-
-    @app.post("/v1/messages", openapi_extra=_json_body(MessagesRequest))
-    async def messages(request: Request) -> Response:
-        body = await serving.parse(MessagesRequest, request)
-        return await serving.respond_as(body, request.receive)
-
-    _document_bodies(
-        app,
-        (
-            CompletionRequest,
-            ChatCompletionRequest,
-            ResponsesRequest,
-            MessagesRequest,
-            EmbeddingRequest,
-        ),
-    )
+    _document_bodies(app, tuple(body_model for _, body_model, _ in routes))
 
     install_chat_page(app)
     return app
+
+
+def _endpoint(
+    serving: OpenAIServing,
+    body_model: type[BaseModel],
+    handler: Callable[[Any, Receive], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """A route that parses its body as ``body_model`` and answers with ``handler``."""
+
+    async def endpoint(request: Request) -> Response:
+        body = await serving.parse(body_model, request)
+        return await handler(body, request.receive)
+
+    return endpoint
 
 
 def _json_body(model: type[BaseModel]) -> dict[str, Any]:

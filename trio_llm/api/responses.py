@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -68,6 +68,14 @@ class ResponsesRequest(BaseModel):
     """``POST /v1/responses`` (OpenAI's field names; see the module doc)."""
 
     model_config = ConfigDict(extra="allow")
+
+    #: The Responses field behind each chat field `to_chat` sets (for errors' ``param``).
+    CHAT_PARAMS: ClassVar[dict[str, str]] = {
+        "messages": "input",
+        "max_tokens": "max_output_tokens",
+        "max_completion_tokens": "max_output_tokens",
+        "response_format": "text",
+    }
 
     model: Text | None = None
     input: Text | list[dict[str, Any]]

@@ -11,7 +11,7 @@ shapes follow the OpenAI API reference (``text_completion``, ``chat.completion``
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
@@ -355,21 +355,14 @@ class OpenAIServing:
         admission = self.admit(plan)
         vectors: list[list[float]] = [[] for _ in prompts]
 
-        async def collect() -> bool:
+        async def collect() -> None:
             async with self.engine.open_requests(plan.requests, admission) as streams:
                 for i, stream in enumerate(streams):
                     async for delta in stream:
                         if delta.embedding is not None:
                             vectors[i] = delta.embedding
-            return True
 
-        try:
-            done = await run_while_connected(receive, collect)
-        except EngineError as exc:
-            raise engine_error(exc) from exc
-        finally:
-            self.engine.release(admission)
-        if done is None:
+        if not await self._run_connected(receive, admission, collect):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         data = [
             encode(shorten(vector, request.dimensions), request.encoding_format)
@@ -391,9 +384,14 @@ class OpenAIServing:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
         try:
-            plan = await self._plan_chat(chat, make_format, endpoint)
-        except InvalidRequest as exc:
-            raise bad_request(exc.message, exc.param) from exc
+            try:
+                plan = await self._plan_chat(chat, make_format, endpoint)
+            except InvalidRequest as exc:
+                raise bad_request(exc.message, exc.param) from exc
+        except APIError as exc:
+            # The error names a chat field: name the field of this API instead.
+            exc.param = request.CHAT_PARAMS.get(exc.param or "", exc.param)
+            raise
         return await self._respond(plan, chat, receive)
 
     async def _plan_chat(
@@ -503,17 +501,31 @@ class OpenAIServing:
                 lambda emit: stream.run(emit, include_usage=request.include_usage)
             )
 
-        async def collect() -> bool:
+        async def collect() -> None:
             await run_choices(self.engine, plan, choices, admission, None)
+
+        if not await self._run_connected(receive, admission, collect):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body = plan.format.response(plan, choices)
+        return JSONResponse(body)
+
+    async def _run_connected(
+        self, receive: Receive, admission: Admission, work: Callable[[], Awaitable[None]]
+    ) -> bool:
+        """Run ``work`` (a non-streamed response's engine requests) while the client is
+        connected; False if it left first. The admission is released either way.
+
+        Raises:
+            APIError: the engine failed the requests (`engine_error`).
+        """
+
+        async def run() -> bool:
+            await work()
             return True
 
         try:
-            done = await run_while_connected(receive, collect)
+            return await run_while_connected(receive, run) is not None
         except EngineError as exc:
             raise engine_error(exc) from exc
         finally:
             self.engine.release(admission)
-        if done is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        body = plan.format.response(plan, choices)
-        return JSONResponse(body)
