@@ -491,6 +491,42 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "tool_use",
     ),
     ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ("server tool", {"tools": [{"type": "web_search_20250305", "name": "web"}]}, "server tools"),
+    (
+        "tool blocks without tools",
+        {
+            "messages": [
+                *QUESTION,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "add", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "3"}],
+                },
+            ]
+        },
+        "tools",
+    ),
+    (
+        "output_config schema that is no object",
+        {"output_config": {"format": {"type": "json_schema", "schema": 5}}},
+        "output_config",
+    ),
+    (
+        "input_schema the grammar cannot enforce",
+        {
+            "tools": [
+                {
+                    "name": "f",
+                    "input_schema": {"type": "object", "properties": {"a": {"type": "bogus"}}},
+                }
+            ],
+            "tool_choice": {"type": "any"},
+        },
+        "tools[0].input_schema",
+    ),
 ]
 
 
@@ -508,7 +544,20 @@ def test_a_bad_request_gets_anthropics_error_body(
         "type": "error",
         "error": {"type": "invalid_request_error", "message": error["error"]["message"]},
     }
-    assert named in error["error"]["message"]
+    message = error["error"]["message"]
+    assert named in message
+    # The checks are the chat path's; the message names the Messages API's fields.
+    assert "response_format" not in message and "function.parameters" not in message
+
+
+def test_null_fields_mean_their_defaults(base_url: str) -> None:
+    body = {"model": MODEL, "max_tokens": 3, "messages": QUESTION, "temperature": 0}
+    nulls = {"stream": None, "tools": None, "system": None, "stop_sequences": None}
+    plain, with_nulls = (
+        httpx.post(f"{base_url}/v1/messages", json=b, timeout=60) for b in (body, {**body, **nulls})
+    )
+    assert plain.status_code == with_nulls.status_code == 200, with_nulls.text
+    assert plain.json()["content"] == with_nulls.json()["content"]
 
 
 def test_an_unknown_model_is_not_found_in_anthropics_shape(base_url: str) -> None:

@@ -84,7 +84,8 @@ def test_anthropic_tool_calls_come_back_as_openai_tool_calls(base_url: str) -> N
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=TOOLS,
         tool_choice="required",
-        max_tokens=60,
+        temperature=0,
+        max_tokens=100,
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"

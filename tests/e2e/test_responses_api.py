@@ -441,6 +441,97 @@ def test_a_bad_request_is_a_400_naming_the_field(
     assert error["error"]["message"]
 
 
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+#: Bad requests whose error must name the Responses field, in ``param`` and in a
+#: one-line message (the checks behind them are the chat path's).
+BAD_IN_RESPONSES_TERMS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("surrogate in metadata", {"metadata": {"k": "\ud800"}}, "metadata", "metadata"),
+    ("surrogate in a tool", {"tools": [{**FUNCTION, "x": "\ud800"}]}, "tools", "tools"),
+    ("surrogate in text", {"text": {"format": {"type": "text", "x": "\ud800"}}}, "text", "text"),
+    (
+        "surrogate in tool_choice",
+        {"tools": [FUNCTION], "tool_choice": {"type": "function", "name": "f", "x": "\ud800"}},
+        "tool_choice",
+        "tool_choice",
+    ),
+    (
+        "tool_choice name of the wrong type",
+        {"tools": [FUNCTION], "tool_choice": {"type": "function", "name": 5}},
+        "tool_choice",
+        "tool_choice",
+    ),
+    (
+        "max_output_tokens past the context",
+        {"max_output_tokens": 10**6},
+        "max_output_tokens",
+        "max_output_tokens",
+    ),
+    (
+        "schema the grammar cannot enforce",
+        {
+            "text": {
+                "format": {
+                    "type": "json_schema",
+                    "name": "x",
+                    "schema": {"type": "array", "uniqueItems": True},
+                }
+            }
+        },
+        "text",
+        "text",
+    ),
+    ("reasoning as a string", {"reasoning": "high"}, "reasoning", "reasoning"),
+    ("background 0", {"background": 0}, "background", "background"),
+    (
+        "a call without its tools",
+        {
+            "input": [
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "done"},
+            ]
+        },
+        "tools",
+        "tools",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [case[1:] for case in BAD_IN_RESPONSES_TERMS],
+    ids=[case[0] for case in BAD_IN_RESPONSES_TERMS],
+)
+def test_errors_name_the_responses_field(
+    base_url: str, fields: dict[str, Any], param: str, fragment: str
+) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 5, **fields}
+    for stream in (False, True):
+        # json.dumps escapes a lone surrogate as JSON may (httpx's json= cannot send one).
+        response = httpx.post(
+            f"{base_url}/v1/responses",
+            content=json.dumps({**body, "stream": stream}),
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param, error
+        assert fragment in error["message"] and "\n" not in error["message"], error
+        for chat_name in ("response_format", "max_tokens=", "ChatCompletionRequest"):
+            assert chat_name not in error["message"], error
+
+
+def test_null_fields_mean_their_defaults(base_url: str) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 3, "temperature": 0}
+    nulls = {"stream": None, "parallel_tool_calls": None, "store": None, "tools": None}
+    plain, with_nulls = (
+        httpx.post(f"{base_url}/v1/responses", json=b, timeout=60)
+        for b in (body, {**body, **nulls})
+    )
+    assert plain.status_code == with_nulls.status_code == 200, with_nulls.text
+    assert plain.json()["output"][0]["content"] == with_nulls.json()["output"][0]["content"]
+
+
 def test_the_sdk_raises_the_error_it_was_sent(client: OpenAI) -> None:
     with pytest.raises(BadRequestError) as raised:
         client.responses.create(model=MODEL, input="hi", store=True, max_output_tokens=5)

@@ -68,6 +68,9 @@ def _streamed(client: OpenAI, **kwargs: Any) -> tuple[str | None, list[tuple[str
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             content += choice.delta.content or ""
+            # At most one entry per call in a chunk (a naive client appends, not merges).
+            indexes = [piece.index for piece in choice.delta.tool_calls or ()]
+            assert len(indexes) == len(set(indexes)), choice.delta.tool_calls
             for piece in choice.delta.tool_calls or ():
                 if piece.id is not None:
                     assert piece.function.name and piece.id not in ids

@@ -28,7 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 
 from trio_llm.api.errors import APIError, bad_request
 from trio_llm.api.formats import Block, BlockFormat, Event
-from trio_llm.api.protocol import INT32_MAX, ChatCompletionRequest, FiniteFloat, Text
+from trio_llm.api.protocol import (
+    INT32_MAX,
+    ChatCompletionRequest,
+    ChatTranslated,
+    FiniteFloat,
+    Text,
+)
 from trio_llm.text.choice import Choice
 
 if TYPE_CHECKING:
@@ -103,14 +109,15 @@ class Message(BaseModel):
 
 
 class Tool(BaseModel):
-    """A client tool: ``name``, ``description``, ``input_schema`` (a JSON Schema)."""
+    """A client tool: ``name``, ``description``, ``input_schema`` (a JSON Schema).
+    Server tools (a ``type`` other than ``custom``) are refused in `MessagesRequest`."""
 
     model_config = ConfigDict(extra="allow")
 
     name: Text
     description: Text | None = None
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
+    input_schema: dict[str, Any] | None = None
+    type: Text | None = None
 
 
 class ToolChoice(BaseModel):
@@ -126,19 +133,16 @@ class ToolChoice(BaseModel):
 _UNSUPPORTED = ("container", "mcp_servers", "context_management")
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(ChatTranslated):
     """``POST /v1/messages`` (Anthropic's field names; see the module doc)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    #: The Messages field behind each chat field `to_chat` sets (for errors' ``param``).
-    CHAT_PARAMS: ClassVar[dict[str, str]] = {
-        "stop": "stop_sequences",
-        "response_format": "output_config",
-        "parallel_tool_calls": "tool_choice",
-        "continue_final_message": "messages",
-        "max_completion_tokens": "max_tokens",
-    }
+    CHAT_NAMES: ClassVar[tuple[tuple[str, str], ...]] = (
+        (r"\btools\[(\d+)\]\.function\.parameters\b", r"tools[\1].input_schema"),
+        (r"\bresponse_format\b", "output_config"),
+        (r"\bstop\b(?= |$|:)", "stop_sequences"),
+        (r"\bparallel_tool_calls\b", "tool_choice"),
+        (r"\bcontinue_final_message\b", "messages"),
+    )
 
     model: Text
     messages: list[Message] = Field(min_length=1)
@@ -172,10 +176,27 @@ class MessagesRequest(BaseModel):
         unknown = sorted(set(config) - {"effort", "format"})
         if unknown:
             raise bad_request(f"output_config: {unknown} are not supported", "output_config")
-        for tool in self.tools or ():
-            extra_type = (tool.model_extra or {}).get("type")
-            if extra_type is not None:
-                raise bad_request(f"server tools ({extra_type}) are not supported", "tools")
+        for i, tool in enumerate(self.tools or ()):
+            if tool.type not in (None, "custom"):
+                raise bad_request(
+                    f"tools[{i}]: server tools ({tool.type}) are not supported; give client "
+                    "tools (name, description, input_schema)",
+                    "tools",
+                )
+            if tool.input_schema is None:
+                raise bad_request(f"tools[{i}].input_schema is required", "tools")
+        uses_tools = any(
+            isinstance(block, ToolUseBlock | ToolResultBlock)
+            for turn in self.messages
+            if not isinstance(turn.content, str)
+            for block in turn.content
+        )
+        if uses_tools and not self.tools:
+            raise bad_request(
+                "messages with tool_use or tool_result blocks need the tools they used in "
+                "`tools` (the chat template shows calls only with their tools)",
+                "tools",
+            )
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat-completion request this Messages request asks for.
@@ -237,10 +258,7 @@ class MessagesRequest(BaseModel):
                     choice.type
                 ]
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValueError as exc:
-            raise bad_request(f"messages: {exc}", "messages") from exc
+        return self.validated_chat(body, "messages")
 
 
 def _chat_messages(turn: Message) -> list[dict[str, Any]]:

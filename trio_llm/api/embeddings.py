@@ -22,19 +22,17 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import Field, StrictInt
 
 from trio_llm.api.errors import bad_request
-from trio_llm.api.protocol import INT32_MAX, Text, TokenId
+from trio_llm.api.protocol import INT32_MAX, RequestBody, Text, TokenId
 
 #: Most inputs in one request (OpenAI's limit).
 MAX_INPUTS = 2048
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestBody):
     """``POST /v1/embeddings`` (OpenAI's field names)."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: Text | None = None
     input: Text | list[Text] | list[TokenId] | list[list[TokenId]]

@@ -27,7 +27,7 @@ from trio_llm.api.logprobs_format import (
     chat_logprobs,
     vllm_prompt_logprobs,
 )
-from trio_llm.api.tools import CallDelta, ToolCallParser
+from trio_llm.api.tools import CallDelta, ParsedDelta, ToolCallParser
 from trio_llm.text.choice import Choice, ChoiceDelta
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -271,7 +271,11 @@ class ChatFormat(ResponseFormat):
         parsed = parser.feed(piece.text)
         if piece.finish_reason is not None:
             parsed.extend(parser.finish())
-        calls = self._allowed(parsed.calls)
+        # One entry per call in a chunk: a call's name and its first arguments arrive as
+        # two pieces when released together.
+        merged = ParsedDelta()
+        merged.extend(ParsedDelta(calls=self._allowed(parsed.calls)))
+        calls = merged.calls
         if parsed.content or (logprobs is not None and not calls):
             delta["content"] = parsed.content
         if calls:

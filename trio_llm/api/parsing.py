@@ -73,9 +73,14 @@ def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_
             f"{limits.max_choices} choices per request (--max-choices)",
             param,
         )
-    # Chat and Anthropic "messages"; the Responses API's "input" items.
+    # Chat and Anthropic "messages"; the Responses API's "input" items (objects: the
+    # embeddings "input" is a list of texts or token ids, limited by its own model).
     for name in ("messages", "input"):
         messages = data.get(name)
+        if name == "input" and not (
+            isinstance(messages, list) and messages and isinstance(messages[0], dict)
+        ):
+            continue
         if isinstance(messages, list) and len(messages) > limits.max_chat_messages:
             raise bad_request(
                 f"{len(messages)} {name} is more than this server's limit of "

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -23,10 +24,11 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationError,
     model_validator,
 )
 
-from trio_llm.api.errors import bad_request
+from trio_llm.api.errors import bad_request, validation_message
 from trio_llm.api.tools import EMPTY_PARAMETERS, tool_call_grammar
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
@@ -112,10 +114,79 @@ class StreamOptions(BaseModel):
 Penalty = Annotated[FiniteFloat, Field(ge=-2, le=2)]
 
 
-class GenerationRequest(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+class RequestBody(BaseModel):
+    """A request body: unknown fields allowed (and ignored unless a subclass checks
+    them), and an explicit ``null`` for a field with a default means that default."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit ``null`` for a field with a default means that default (OpenAI
+        marks these fields nullable; clients send unset fields as null)."""
+        if isinstance(data, dict):
+            return {
+                key: value
+                for key, value in data.items()
+                if value is not None or key not in cls.model_fields
+            }
+        return data
+
+
+class ChatTranslated(RequestBody):
+    """A request of another API that is served as a chat completion (`to_chat`): the
+    Responses API, Anthropic Messages. Errors found on the chat path are reported in the
+    request's own field names (`api_names`)."""
+
+    #: ``(pattern, replacement)`` pairs (regular expressions) from chat field names, as
+    #: errors write them, to this API's.
+    CHAT_NAMES: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat-completion request this request asks for.
+
+        Raises:
+            APIError: a 400 naming the field at fault.
+        """
+        raise NotImplementedError
+
+    def api_names(self, param: str | None, message: str) -> tuple[str | None, str]:
+        """An error's ``param`` and message with chat field names put in this API's."""
+        for pattern, replacement in self.CHAT_NAMES:
+            message = re.sub(pattern, replacement, message)
+            if param is not None:
+                param = re.sub(rf"^{pattern}$", replacement, param)
+        return param, message
+
+    def validated_chat(self, body: dict[str, Any], param: str) -> ChatCompletionRequest:
+        """``body`` validated as a `ChatCompletionRequest`; a validation error is a 400
+        naming the field (in this API's names; ``param`` when none is named)."""
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            message, named = validation_message(RequestValidationError(exc.errors()))
+            named, message = self.api_names(named or param, message)
+            raise bad_request(message, named) from exc
+
+
+def check_json_text(value: Any, name: str) -> None:
+    """Refuse a JSON value (object, list, string) holding a lone surrogate anywhere, in a
+    key or a string, that a response would echo.
+
+    Raises:
+        APIError: 400 naming ``name``.
+    """
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(
+            f"{name} holds a lone surrogate (such as \\ud800), which is not valid Unicode", name
+        ) from None
+
+
+class GenerationRequest(RequestBody):
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
     model: Text | None = None
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
@@ -149,19 +220,6 @@ class GenerationRequest(BaseModel):
     guided_grammar: Text | None = None
     _structured_output: StructuredOutput | None = PrivateAttr(default=None)
     _structured_checked: bool = PrivateAttr(default=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """An explicit ``null`` for a field with a default means that default (OpenAI
-        marks these fields nullable; clients send unset fields as null)."""
-        if isinstance(data, dict):
-            return {
-                key: value
-                for key, value in data.items()
-                if value is not None or key not in cls.model_fields
-            }
-        return data
 
     def check_supported(self) -> None:
         """Raise a 400 for a field this server does not implement (given a non-neutral value).

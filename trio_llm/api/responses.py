@@ -26,11 +26,19 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from trio_llm.api.errors import APIError, bad_request
+from trio_llm.api.errors import APIError, bad_request, validation_message
 from trio_llm.api.formats import Block, BlockFormat, Event
-from trio_llm.api.protocol import INT32_MAX, ChatCompletionRequest, FiniteFloat, Text
+from trio_llm.api.protocol import (
+    INT32_MAX,
+    ChatCompletionRequest,
+    ChatTranslated,
+    FiniteFloat,
+    Text,
+    check_json_text,
+)
 from trio_llm.text.choice import Choice
 
 if TYPE_CHECKING:
@@ -64,18 +72,15 @@ _STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ChatTranslated):
     """``POST /v1/responses`` (OpenAI's field names; see the module doc)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    #: The Responses field behind each chat field `to_chat` sets (for errors' ``param``).
-    CHAT_PARAMS: ClassVar[dict[str, str]] = {
-        "messages": "input",
-        "max_tokens": "max_output_tokens",
-        "max_completion_tokens": "max_output_tokens",
-        "response_format": "text",
-    }
+    CHAT_NAMES: ClassVar[tuple[tuple[str, str], ...]] = (
+        (r"\bmessages\b", "input"),
+        (r"\bmax_tokens\b", "max_output_tokens"),
+        (r"\bresponse_format\b", "text"),
+        (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."),
+    )
 
     model: Text | None = None
     input: Text | list[dict[str, Any]]
@@ -102,15 +107,34 @@ class ResponsesRequest(BaseModel):
             )
         extra = self.model_extra or {}
         for name in _STATEFUL:
-            if extra.get(name) not in (None, False):
+            if extra.get(name) is not None and extra.get(name) is not False:
                 raise bad_request(
                     f"`{name}` is not supported: this server keeps no responses or "
                     "conversations (send the whole conversation as input)",
                     name,
                 )
         reasoning = extra.get("reasoning")
-        if isinstance(reasoning, dict) and reasoning.get("effort") not in (None, "none"):
+        if reasoning is not None and (
+            not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, "none")
+        ):
             raise bad_request("reasoning is not supported by the model served here", "reasoning")
+        # Echoed in the response as given: they must be valid Unicode to the last key.
+        echoed = {"metadata": self.metadata, "tools": self.tools, "text": self.text}
+        echoed["tool_choice"] = self.tool_choice
+        for name, value in echoed.items():
+            if value is not None:
+                dumped = value.model_dump() if isinstance(value, BaseModel) else value
+                check_json_text(dumped, name)
+        calls = any(
+            isinstance(item, dict) and item.get("type") in ("function_call", "function_call_output")
+            for item in (self.input if isinstance(self.input, list) else ())
+        )
+        if calls and not self.tools:
+            raise bad_request(
+                "input with function_call or function_call_output items needs the tools the "
+                "calls used in `tools` (the chat template shows calls only with their tools)",
+                "tools",
+            )
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat-completion request this Responses request asks for.
@@ -155,10 +179,7 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = {"type": "function", "function": {"name": name}}
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValueError as exc:
-            raise bad_request(f"input: {exc}", "input") from exc
+        return self.validated_chat(body, "input")
 
     def _response_format(self) -> dict[str, Any] | None:
         form = self.text.format if self.text is not None else None
@@ -238,8 +259,9 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
         )
     try:
         function = FunctionTool.model_validate(tool)
-    except ValueError as exc:
-        raise bad_request(f"tools[{i}]: {exc}", "tools") from exc
+    except ValidationError as exc:
+        message, _ = validation_message(RequestValidationError(exc.errors()))
+        raise bad_request(f"tools[{i}]: {message}", "tools") from exc
     return {
         "type": "function",
         "function": {

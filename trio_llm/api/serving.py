@@ -376,7 +376,6 @@ class OpenAIServing:
         """Handle ``POST /v1/messages`` (Anthropic) and ``POST /v1/responses`` (OpenAI):
         the request is translated into a chat completion and runs that one path; only
         the output format differs."""
-        chat = request.to_chat()
         if isinstance(request, MessagesRequest):
             make_format: Callable[..., ChatFormat] = MessagesFormat
             endpoint = "/v1/messages"
@@ -384,13 +383,14 @@ class OpenAIServing:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
         try:
+            chat = request.to_chat()
             try:
                 plan = await self._plan_chat(chat, make_format, endpoint)
             except InvalidRequest as exc:
                 raise bad_request(exc.message, exc.param) from exc
         except APIError as exc:
-            # The error names a chat field: name the field of this API instead.
-            exc.param = request.CHAT_PARAMS.get(exc.param or "", exc.param)
+            # The checks are the chat path's: name this API's fields instead.
+            exc.param, exc.message = request.api_names(exc.param, exc.message)
             raise
         return await self._respond(plan, chat, receive)
 
