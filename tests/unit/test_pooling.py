@@ -77,6 +77,21 @@ def test_batches_follow_the_token_budget(minilm_dir: Path) -> None:
     assert torch.allclose(vectors[3], alone[0], atol=1e-5)
 
 
+def test_batches_group_similar_lengths_around_the_oldest(minilm_dir: Path) -> None:
+    config = engine_config(str(minilm_dir), max_num_batched_tokens=130)
+    core = PoolingCore.from_config(config)
+    lengths = [10, 60, 12, 58]
+    params = SamplingParams(max_tokens=0)
+    for i, length in enumerate(lengths):
+        ids = [101, *range(2000, 2000 + length - 2), 102]
+        assert core.add_request(AddRequest(str(i), ids, params)) is None
+    steps = []
+    while core.has_work():
+        steps.append(sorted(output.request_id for output in core.step().outputs))
+    # The oldest (10 tokens) goes first, with the 12: 4 x 60 padded tokens would not fit.
+    assert steps == [["0", "2"], ["1", "3"]]
+
+
 def test_too_long_and_aborted_requests(minilm_core: PoolingCore) -> None:
     params = SamplingParams(max_tokens=0)
     rejected = minilm_core.add_request(AddRequest("long", [101] * 257, params))

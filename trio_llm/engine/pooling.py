@@ -27,6 +27,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,10 @@ from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutputs, StepStats
 
 logger = logging.getLogger(__name__)
+
+#: A pooling step picks its batch among the oldest ``BATCH_WINDOW * max_num_seqs`` waiting
+#: requests (by similar length; `PoolingCore._take_batch`).
+BATCH_WINDOW = 4
 
 #: sentence-transformers pooling modes this core implements (``pooling_mode_<name>``).
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
@@ -307,16 +312,37 @@ class PoolingCore:
     # ------------------------------------------------------------ the step
 
     def _take_batch(self) -> list[_Waiting]:
-        """The oldest waiting requests that fit one batch (at least one)."""
+        """The next batch: the oldest waiting request, with the waiting requests of the
+        most similar lengths (each row is padded to the longest, so similar lengths waste
+        the least), within ``max_num_seqs`` requests and ``max_num_batched_tokens`` padded
+        tokens. Only the oldest `BATCH_WINDOW` times ``max_num_seqs`` requests are
+        considered, and the oldest always goes, so no request waits for ever."""
+        if not self.waiting:
+            return []
         scheduler = self.config.scheduler
-        batch: list[_Waiting] = []
-        longest = 0
-        while self.waiting and len(batch) < scheduler.max_num_seqs:
-            longest_with = max(longest, len(self.waiting[0].token_ids))
-            if batch and longest_with * (len(batch) + 1) > scheduler.max_num_batched_tokens:
+        window = list(islice(self.waiting, BATCH_WINDOW * scheduler.max_num_seqs))
+        oldest = window[0]
+        window.sort(key=lambda r: len(r.token_ids))
+        at = window.index(oldest)
+        low = high = at  # the batch is window[low : high + 1], around the oldest
+        while high - low + 1 < scheduler.max_num_seqs:
+            # Grow toward the neighbour closer in length (shorter ones first on a tie).
+            left = len(window[low - 1].token_ids) if low > 0 else None
+            right = len(window[high + 1].token_ids) if high + 1 < len(window) else None
+            if left is None and right is None:
                 break
-            batch.append(self.waiting.popleft())
-            longest = longest_with
+            mine = len(oldest.token_ids)
+            go_left = right is None or (left is not None and mine - left <= right - mine)
+            longest = len(window[high + (0 if go_left else 1)].token_ids)
+            if longest * (high - low + 2) > scheduler.max_num_batched_tokens:
+                break
+            if go_left:
+                low -= 1
+            else:
+                high += 1
+        batch = window[low : high + 1]
+        taken = {id(r) for r in batch}
+        self.waiting = deque(r for r in self.waiting if id(r) not in taken)
         return batch
 
     def step(self) -> StepOutputs:
