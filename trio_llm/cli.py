@@ -304,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse new requests while N are waiting for the engine (default: no limit)",
     )
     serve.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="/metrics also lists every series under vLLM's vllm: prefix (for routers and "
+        "endpoint pickers that read vllm:num_requests_waiting, vllm:kv_cache_usage_perc)",
+    )
+    serve.add_argument(
         "--max-logprobs",
         type=parse_non_negative_int,
         default=ServerConfig.max_logprobs,
@@ -412,6 +418,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
         max_logprobs=args.max_logprobs,
+        vllm_metric_names=args.vllm_metric_names,
         request_body_timeout=args.request_body_timeout,
         limits=RequestLimits(
             max_choices=args.max_choices,

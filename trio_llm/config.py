@@ -393,6 +393,8 @@ class ServerConfig:
             has tools), reading calls out of the text with ``tool_call_parser``.
         tool_call_parser: the format of the model's tool calls (`TOOL_CALL_PARSERS`);
             required by ``enable_auto_tool_choice``.
+        vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
+            prefix (for routers and autoscalers that read vLLM's names).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -417,6 +419,7 @@ class ServerConfig:
     detokenizer_mode: str = "inline"
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    vllm_metric_names: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None:

@@ -31,7 +31,8 @@ SMALL_REQUEST = {"model": MODEL, "prompt": "The capital of France is", "max_toke
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Iterator[str]:
-    """Base URL of a server with an API key, CORS for one origin and a 64 KiB body limit."""
+    """Base URL of a server with an API key, CORS for one origin, a 64 KiB body limit and
+    vLLM's metric names."""
     log = tmp_path_factory.mktemp("guarded-server") / "server.log"
     args = [
         "--dtype",
@@ -44,6 +45,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> I
         ALLOWED_ORIGIN,
         "--max-request-body-bytes",
         "64KiB",
+        "--vllm-metric-names",
     ]
     process = ServerProcess(args, log_path=log)
     with process:
@@ -405,3 +407,20 @@ def test_bad_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[st
 def test_server_config_validates(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})
+
+
+def test_metrics_are_also_listed_under_vllm_names(client: httpx.Client) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert client.post("/v1/completions", json=SMALL_REQUEST, headers=AUTH).status_code == 200
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        for sample in family.samples
+    }
+    ours = {key: value for key, value in samples.items() if key[0].startswith("trio_llm:")}
+    assert ("trio_llm:num_requests_waiting", (("model_name", MODEL),)) in ours
+    for (name, labels), value in ours.items():
+        twin = samples.get(("vllm:" + name.removeprefix("trio_llm:"), labels))
+        # One rendering, two names: every value and label set is the same.
+        assert twin == value, name

@@ -64,7 +64,8 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
+        text = metrics.render(registry, vllm_names=(config or ServerConfig()).vllm_metric_names)
+        return Response(text, media_type=metrics.CONTENT_TYPE)
 
     def model_card(name: str) -> dict:
         # vLLM's model card, field for field (clients that list models read these).

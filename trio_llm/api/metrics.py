@@ -259,6 +259,10 @@ def make_registry(engine: EngineClient, model_name: str) -> CollectorRegistry:
     return registry
 
 
-def render(registry: CollectorRegistry) -> bytes:
-    """The registry in the Prometheus text exposition format."""
-    return generate_latest(registry)
+def render(registry: CollectorRegistry, *, vllm_names: bool = False) -> bytes:
+    """The registry in the Prometheus text exposition format; with ``vllm_names``, every
+    family a second time under vLLM's ``vllm:`` prefix (same values, same labels)."""
+    text = generate_latest(registry)
+    if vllm_names:
+        text += text.replace(b"trio_llm:", b"vllm:")
+    return text
