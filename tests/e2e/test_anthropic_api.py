@@ -580,3 +580,23 @@ def test_the_sdk_raises_the_error_it_was_sent(anthropic: Anthropic) -> None:
     assert raised.value.status_code == 400
     assert raised.value.body["error"]["type"] == "invalid_request_error"
     assert "temperature" in raised.value.body["error"]["message"]
+
+
+def test_count_tokens_counts_what_a_message_would_use(anthropic: Anthropic) -> None:
+    system = "You are terse."
+    plain, with_tools = parallel(
+        lambda: anthropic.messages.create(
+            model=MODEL, max_tokens=2, system=system, messages=QUESTION, **GREEDY
+        ),
+        lambda: anthropic.messages.create(
+            model=MODEL, max_tokens=2, messages=WEATHER_QUESTION, tools=TOOLS, **GREEDY
+        ),
+    )
+    counted = anthropic.messages.count_tokens(model=MODEL, system=system, messages=QUESTION)
+    assert counted.input_tokens == plain.usage.input_tokens
+    counted = anthropic.messages.count_tokens(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS)
+    assert counted.input_tokens == with_tools.usage.input_tokens
+    # Bad input is refused as /v1/messages refuses it, in Anthropic's shape.
+    with pytest.raises(BadRequestError) as raised:
+        anthropic.messages.count_tokens(model=MODEL, messages=[])
+    assert raised.value.body["type"] == "error"

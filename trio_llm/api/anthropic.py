@@ -261,6 +261,14 @@ class MessagesRequest(ChatTranslated):
         return self.validated_chat(body, "messages")
 
 
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a Messages request without ``max_tokens``;
+    answered with the prompt's token count (``{"input_tokens": N}``), the
+    ``usage.input_tokens`` the same request to ``/v1/messages`` would report."""
+
+    max_tokens: StrictInt = Field(default=1, ge=1, le=INT32_MAX)
+
+
 def _chat_messages(turn: Message) -> list[dict[str, Any]]:
     """One Messages turn as chat messages: tool results become ``tool`` messages (before
     the turn's text), tool calls the assistant message's ``tool_calls``."""

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from starlette.types import Receive
 
 from trio_llm.api import metrics
-from trio_llm.api.anthropic import MessagesRequest
+from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
 from trio_llm.api.chat_page import install_chat_page
 from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError, install_error_handlers
@@ -112,6 +112,7 @@ def build_app(
         ("/v1/embeddings", EmbeddingRequest, serving.embed),
         ("/v1/responses", ResponsesRequest, serving.respond_as),
         ("/v1/messages", MessagesRequest, serving.respond_as),
+        ("/v1/messages/count_tokens", CountTokensRequest, serving.count_tokens),
     ]
     for path, body_model, handler in routes:
         app.add_api_route(

@@ -14,6 +14,7 @@ An input longer than the model's context is refused (400), never truncated silen
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import struct
@@ -87,9 +88,10 @@ def check_dimensions(dimensions: int | None, embedding_dim: int, allowed: list[i
         raise bad_request(f"dimensions must be one of {sorted(allowed)}", "dimensions")
 
 
+@functools.cache
 def matryoshka_dimensions(model_dir: str) -> list[int]:
     """The vector lengths a model was trained to be cut to (``matryoshka_dimensions`` in
-    its ``config.json``), or an empty list."""
+    its ``config.json``), or an empty list; read once per folder."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):

@@ -28,6 +28,7 @@ ENDPOINTS = (
     "POST /v1/completions",
     "POST /v1/responses",
     "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
     "POST /v1/embeddings",
     "GET /v1/models",
 )

@@ -192,6 +192,7 @@ COUNTED_ENDPOINTS = frozenset(
         "/v1/chat/completions",
         "/v1/responses",
         "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v1/embeddings",
         "/v1/models",
         "/tokenize",

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from trio_llm.api.anthropic import MessagesFormat, MessagesRequest
+from trio_llm.api.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest
 from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
 from trio_llm.api.embeddings import (
     EmbeddingRequest,
@@ -38,7 +38,12 @@ from trio_llm.api.formats import ChatFormat, CompletionFormat
 from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
 from trio_llm.api.plan import Plan, run_choices
-from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from trio_llm.api.protocol import (
+    ChatCompletionRequest,
+    ChatTranslated,
+    CompletionRequest,
+    GenerationRequest,
+)
 from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
@@ -382,17 +387,34 @@ class OpenAIServing:
         else:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
+        chat, plan = await self._plan_translated(request, make_format, endpoint)
+        return await self._respond(plan, chat, receive)
+
+    async def _plan_translated(
+        self, request: ChatTranslated, make_format: Callable[..., ChatFormat], endpoint: str
+    ) -> tuple[ChatCompletionRequest, Plan]:
+        """The chat request a translated request asks for, and its `Plan`.
+
+        Raises:
+            APIError: as `plan`, naming the translated request's own fields.
+        """
         try:
             chat = request.to_chat()
             try:
-                plan = await self._plan_chat(chat, make_format, endpoint)
+                return chat, await self._plan_chat(chat, make_format, endpoint)
             except InvalidRequest as exc:
                 raise bad_request(exc.message, exc.param) from exc
         except APIError as exc:
             # The checks are the chat path's: name this API's fields instead.
             exc.param, exc.message = request.api_names(exc.param, exc.message)
             raise
-        return await self._respond(plan, chat, receive)
+
+    async def count_tokens(self, request: CountTokensRequest, receive: Receive) -> Response:
+        """Handle ``POST /v1/messages/count_tokens`` (Anthropic): the prompt's token
+        count, from the same validation, template and tokenizer as ``/v1/messages``."""
+        endpoint = "/v1/messages/count_tokens"
+        _, plan = await self._plan_translated(request, MessagesFormat, endpoint)
+        return JSONResponse({"input_tokens": sum(plan.prompt_lengths)})
 
     async def _plan_chat(
         self,
