@@ -10,6 +10,7 @@ shapes follow the OpenAI API reference (``text_completion``, ``chat.completion``
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ _Request = TypeVar("_Request", bound=BaseModel)
 
 #: HTTP status for a request whose client disconnected (nginx's convention; never seen).
 CLIENT_CLOSED_REQUEST = 499
+
+#: An embeddings request with more inputs than this is tokenized and rendered in a
+#: worker thread (both grow with the request).
+INLINE_EMBEDDING_INPUTS = 8
 
 #: Stop strings with more characters than this in all are compiled in a worker thread.
 INLINE_STOP_CHARS = 1024
@@ -337,20 +342,31 @@ class OpenAIServing:
             self.engine.info.embedding_dim,
             matryoshka_dimensions(self.engine.info.model_dir),
         )
-        prompts: list[list[int]] = []
-        try:
-            for item in request.inputs():
+        items = request.inputs()
+
+        def tokenize() -> list[list[int]]:
+            prompts = []
+            for item in items:
                 if isinstance(item, str):
-                    ids = await self.inputs.encode_async(item, "input", special_tokens=True)
+                    ids = self.inputs.encode(item, "input", special_tokens=True)
                 else:
-                    ids = list(item)
+                    ids = self.inputs.check_token_ids(item, "input")
                 if len(ids) > self.max_model_len:
                     raise bad_request(
                         f"an input has {len(ids)} tokens, more than this model's context of "
                         f"{self.max_model_len} tokens",
                         "input",
                     )
-                prompts.append(self.inputs.check_token_ids(ids, "input"))
+                prompts.append(ids)
+            return prompts
+
+        try:
+            # Up to 2,048 inputs: their tokenizing grows with the request, so it runs in
+            # a worker thread unless there is little of it.
+            if len(items) <= INLINE_EMBEDDING_INPUTS and sum(map(len, items)) < 4096:
+                prompts = tokenize()
+            else:
+                prompts = await trio.to_thread.run_sync(tokenize)
         except InvalidRequest as exc:
             raise bad_request(exc.message, exc.param) from exc
         params = SamplingParams(max_tokens=0)
@@ -369,11 +385,21 @@ class OpenAIServing:
 
         if not await self._run_connected(receive, admission, collect):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        data = [
-            encode(shorten(vector, request.dimensions), request.encoding_format)
-            for vector in vectors
-        ]
-        return JSONResponse(embeddings_response(model, data, sum(plan.prompt_lengths)))
+
+        def render() -> bytes:
+            data = [
+                encode(shorten(vector, request.dimensions), request.encoding_format)
+                for vector in vectors
+            ]
+            body = embeddings_response(model, data, sum(plan.prompt_lengths))
+            return json.dumps(body, separators=(",", ":")).encode()
+
+        # Hundreds of thousands of floats for a large batch: rendered off the event loop.
+        if len(vectors) <= INLINE_EMBEDDING_INPUTS:
+            content = render()
+        else:
+            content = await trio.to_thread.run_sync(render)
+        return Response(content, media_type="application/json")
 
     async def respond_as(
         self, request: MessagesRequest | ResponsesRequest, receive: Receive
@@ -399,7 +425,9 @@ class OpenAIServing:
             APIError: as `plan`, naming the translated request's own fields.
         """
         try:
-            chat = request.to_chat()
+            # The translation re-validates every message and checks echoed fields: work
+            # that grows with the request, so it runs in a worker thread.
+            chat = await trio.to_thread.run_sync(request.to_chat)
             try:
                 return chat, await self._plan_chat(chat, make_format, endpoint)
             except InvalidRequest as exc:
