@@ -203,6 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
         "also how long the engine gets to exit (default %(default)s)",
     )
     serve.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=parse_positive_int,
+        default=ServerConfig.data_parallel_size,
+        metavar="N",
+        help="engine cores, each with its own model copy and KV cache (on CUDA one GPU "
+        "each, on the CPU an equal share of the cores); requests go to the least-loaded "
+        "one, preferring the one that holds the prompt's prefix (default %(default)s)",
+    )
+    serve.add_argument(
         "--engine-restart",
         choices=RESTART_MODES,
         default=ServerConfig.engine_restart,
@@ -427,6 +437,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_stop_string_length=args.max_stop_string_length,
         ),
         detokenizer_mode=args.detokenizer_mode,
+        data_parallel_size=args.data_parallel_size,
     )
 
 

@@ -9,7 +9,7 @@ The engine configuration crosses into the engine-core child once, at start-up, p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,8 @@ class EngineConfig:
             off by default, where the same requests give the same bits.
         heartbeat_interval: seconds between the engine's `Heartbeat` messages once it is
             ready (the server sets it from ``--engine-step-timeout``).
+        data_parallel_rank: this engine's rank among ``--data-parallel-size`` engines; on
+            CUDA it runs on the rank-th visible GPU (``CUDA_VISIBLE_DEVICES`` order).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -225,8 +227,11 @@ class EngineConfig:
     num_threads: int | None = None
     adaptive_threads: bool = False
     heartbeat_interval: float = 1.0
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
+        if self.data_parallel_rank < 0:
+            raise ValueError("data_parallel_rank must not be negative")
         if not self.heartbeat_interval > 0:
             raise ValueError("heartbeat_interval must be positive")
         if self.adaptive_threads and self.num_threads is not None:
@@ -395,6 +400,9 @@ class ServerConfig:
             required by ``enable_auto_tool_choice``.
         vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
             prefix (for routers and autoscalers that read vLLM's names).
+        data_parallel_size: engine-core children, each with its own model copy and KV
+            cache (`trio_llm.frontend.data_parallel`): on CUDA one GPU each, on the CPU
+            an equal share of the cores each unless ``engine.num_threads`` says otherwise.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -420,8 +428,11 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     vllm_metric_names: bool = False
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be at least 1")
         if self.api_key is not None:
             if not self.api_key:
                 raise ValueError("api_key must not be empty (leave it unset to turn keys off)")
@@ -475,6 +486,21 @@ class ServerConfig:
     def restart_policy(self) -> RestartPolicy | None:
         """The restart policy, or None when ``engine_restart`` is "never"."""
         return self.restart if self.engine_restart == "on-failure" else None
+
+    def engine_for_rank(self, rank: int) -> EngineConfig:
+        """The `EngineConfig` of data-parallel engine ``rank``: its rank, and on the CPU
+        (when ``num_threads`` is unset and threads are not adaptive) an equal share of
+        the cores, at least one thread each."""
+        config = replace(self.engine, data_parallel_rank=rank)
+        if (
+            self.data_parallel_size > 1
+            and config.model.device == "cpu"
+            and config.num_threads is None
+            and not config.adaptive_threads
+        ):
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+            config = replace(config, num_threads=max(1, cores // self.data_parallel_size))
+        return config
 
     def model_names(self) -> tuple[str, ...]:
         """The served model names, defaulting to the ``--model`` string."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from urllib.parse import urlsplit
@@ -34,9 +35,10 @@ import trio
 from trio_llm.api import connection_guard
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.config import ServerConfig
+from trio_llm.config import EngineConfig, ServerConfig
 from trio_llm.connections import shutdown_client_connections
 from trio_llm.errors import EngineDeadError, EngineStartupError
+from trio_llm.frontend.data_parallel import DataParallelClient, EngineHandle
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.text.tokenizer import Tokenizer
@@ -91,14 +93,16 @@ async def serve(
     async with trio.open_nursery() as root:
         root.start_soon(_handle_signals, lifecycle, root.cancel_scope)
         async with trio.open_nursery() as engine_nursery:
-            engine: EngineClient = await engine_nursery.start(_supervise_engine, config, lifecycle)
-            logger.info(
-                f"engine ready (pid {engine.info.pid}, {engine.info.dtype}, "
-                f"detokenizer {config.detokenizer_mode}, "
-                f"max_model_len {engine.info.max_model_len}, "
-                f"{engine.info.num_kv_blocks} KV blocks of {engine.info.block_size} tokens, "
-                f"engine restart {config.engine_restart})"
-            )
+            engine: EngineHandle = await engine_nursery.start(_supervise_engines, config, lifecycle)
+            for rank, client in enumerate(engine.engines):
+                info = client.info
+                logger.info(
+                    f"engine {rank} ready (pid {info.pid}, {info.dtype}, "
+                    f"detokenizer {config.detokenizer_mode}, "
+                    f"max_model_len {info.max_model_len}, "
+                    f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
+                    f"engine restart {config.engine_restart})"
+                )
             tokenizer = await trio.to_thread.run_sync(
                 Tokenizer.load, engine.info.model_dir, config.chat_template
             )
@@ -138,7 +142,7 @@ async def serve(
 
 
 async def _shut_down(
-    lifecycle: Lifecycle, engine: EngineClient, config: ServerConfig, port: int
+    lifecycle: Lifecycle, engine: EngineHandle, config: ServerConfig, port: int
 ) -> None:
     """Steps 2-4 of the shutdown order (see the module docstring)."""
     await lifecycle.stop_requested.wait()
@@ -201,25 +205,86 @@ def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     return hconfig
 
 
-async def _supervise_engine(
+async def _supervise_engines(
     config: ServerConfig,
     lifecycle: Lifecycle,
     *,
+    task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Start ``config.data_parallel_size`` engines at once and supervise each; report one
+    `EngineClient`, or a `DataParallelClient` over several, once every engine is ready.
+
+    One engine's failure for good (no restart, or its restarts used up) leaves the others
+    serving; the server stops (exit 1) when the last one is gone.
+
+    Raises:
+        EngineStartupError: (inside an ExceptionGroup) an engine failed to start.
+    """
+    size = config.data_parallel_size
+    clients: list[EngineClient | None] = [None] * size
+    group: DataParallelClient | None = None
+
+    def ended(rank: int, error: EngineDeadError | None) -> None:
+        if group is None:
+            if error is not None:
+                lifecycle.request_stop(f"engine core died: {error}", exit_code=1)
+            return
+        group.engine_ended()
+        if error is None:
+            return
+        left = group.num_serving + sum(e.is_restarting for e in group.engines)
+        if left == 0:
+            lifecycle.request_stop(f"every engine core died; the last: {error}", exit_code=1)
+        else:
+            logger.error(f"engine {rank} died: {error}; {left} of {size} engines left")
+
+    async with trio.open_nursery() as nursery:
+
+        async def start(rank: int) -> None:
+            clients[rank] = await nursery.start(
+                _supervise_engine, config.engine_for_rank(rank), config, rank, ended
+            )
+
+        async with trio.open_nursery() as starting:
+            for rank in range(size):
+                starting.start_soon(start, rank)
+        ready = [client for client in clients if client is not None]
+        if size == 1:
+            task_status.started(ready[0])
+        else:
+            caches = config.engine.cache.enable_prefix_caching
+            group = DataParallelClient(
+                ready, prefix_aware=caches and ready[0].info.task == "generate"
+            )
+            task_status.started(group)
+
+
+async def _supervise_engine(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    rank: int,
+    ended: Callable[[int, EngineDeadError | None], None],
+    *,
     task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """Run engine ``rank`` (`run_engine_process`) and tell ``ended`` when it stops for good:
+    with None after `EngineClient.stop`, with the error when it failed."""
     try:
         await run_engine_process(
-            config.engine,
+            engine_config,
             grace_period=config.shutdown_timeout,
             detokenizer_mode=config.detokenizer_mode,
             step_timeout=config.engine_step_timeout,
             restart=config.restart_policy(),
+            name="engine core" if config.data_parallel_size == 1 else f"engine core {rank}",
             task_status=task_status,
         )
     except EngineStartupError:
         raise  # the first start failed: nothing is serving yet
     except EngineDeadError as exc:
-        lifecycle.request_stop(f"engine core died: {exc}", exit_code=1)
+        ended(rank, exc)
+    else:
+        ended(rank, None)
 
 
 async def _handle_signals(lifecycle: Lifecycle, root: trio.CancelScope) -> None:

@@ -18,14 +18,15 @@ HISTOGRAMS = (
 
 
 def _scrape(base_url: str) -> dict[str, float]:
-    """Every sample as ``name{label=value,...}`` -> value (the model_name label dropped)."""
+    """Every sample as ``name{label=value,...}`` -> value, summed over engines (the
+    model_name and engine labels dropped)."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    samples = {}
+    samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
             key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(labels.items()))
-            samples[key] = sample.value
+            samples[key] = samples.get(key, 0.0) + sample.value
     return samples
 
 

@@ -9,15 +9,19 @@ import trio
 
 
 async def metric(client: httpx.AsyncClient, name: str) -> float:
-    """The value of ``trio_llm:<name>{...}`` (the first sample of that name).
+    """The value of ``trio_llm:<name>{...}``: the sum of its samples (one per engine).
 
     Raises:
         AssertionError: /metrics has no such sample.
     """
-    for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith(f"trio_llm:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} missing from /metrics")
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in (await client.get("/metrics")).text.splitlines()
+        if line.startswith(f"trio_llm:{name}{{")
+    ]
+    if not values:
+        raise AssertionError(f"{name} missing from /metrics")
+    return sum(values)
 
 
 async def poll(condition: Callable[[], Awaitable[bool]], seconds: float = 10) -> None:

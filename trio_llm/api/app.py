@@ -23,6 +23,7 @@ from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.tokenize_routes import tokenize_router
 from trio_llm.api.websocket import install_websocket
 from trio_llm.config import ServerConfig
+from trio_llm.frontend.engine_client import EngineClient
 
 
 def build_app(
@@ -48,7 +49,11 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if engine.is_alive and is_serving():
-            return Response(status_code=200)
+            engines = engine.engines
+            serving = sum(client.is_alive for client in engines)
+            if serving == len(engines):
+                return Response(status_code=200)
+            return JSONResponse(_degraded(engines, serving), status_code=200)
         if not is_serving() or engine.error is None:
             reason = "the server is shutting down"
         elif engine.is_restarting:
@@ -127,6 +132,24 @@ def build_app(
 
     install_chat_page(app)
     return app
+
+
+def _degraded(engines: list[EngineClient], serving: int) -> dict[str, Any]:
+    """The /health body while some data-parallel engines do not serve: the count, and
+    each engine's state (``serving``, ``restarting`` or ``failed``) with its last error."""
+    states = []
+    for rank, client in enumerate(engines):
+        state = "serving" if client.is_alive else "restarting" if client.is_restarting else "failed"
+        entry: dict[str, Any] = {"engine": rank, "state": state}
+        if client.error is not None and not client.is_alive:
+            entry["error"] = str(client.error)
+        states.append(entry)
+    return {
+        "status": "degraded",
+        "engines_serving": serving,
+        "data_parallel_size": len(engines),
+        "engines": states,
+    }
 
 
 def _endpoint(

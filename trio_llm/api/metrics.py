@@ -5,9 +5,11 @@ they are answered; `EngineCollector` reads scheduler gauges from the engine clie
 statistics at scrape time; `RequestMetrics` receives per-request timing from the engine
 client as outputs arrive (see `trio_llm.frontend.engine_client.RequestObserver`) and keeps
 counters and histograms. Names follow vLLM's with a ``trio_llm:`` prefix; every series has
-a ``model_name`` label. All intervals are measured within one process from monotonic
-clocks: TTFT, inter-token and end-to-end latency in the API server (from when the request
-was submitted to the engine), queue time in the engine (arrival to first scheduling).
+a ``model_name`` label, and every engine series an ``engine`` label (the engine's rank
+under ``--data-parallel-size``; ``0`` with one engine). All intervals are measured within
+one process from monotonic clocks: TTFT, inter-token and end-to-end latency in the API
+server (from when the request was submitted to the engine), queue time in the engine
+(arrival to first scheduling).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from trio_llm.frontend.data_parallel import EngineHandle
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.request_timing import RequestRecord
 
@@ -26,83 +29,105 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class EngineCollector(Collector):
-    """Scheduler and step statistics of one engine."""
+    """Scheduler and step statistics of each engine (the ``engine`` label is its rank)."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineHandle, model_name: str) -> None:
         self.engine = engine
-        self.labels = {"model_name": model_name}
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats
-        last = stats.last
-        num_blocks = self.engine.info.num_kv_blocks
-        free = last.num_free_blocks if last is not None else num_blocks
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for rank, engine in enumerate(self.engine.engines):
+            for kind, name, doc, value in _engine_samples(engine):
+                family = families.get(name)
+                if family is None:
+                    make = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                    family = families[name] = make(
+                        f"trio_llm:{name}", doc, labels=["model_name", "engine"]
+                    )
+                family.add_metric([self.model_name, str(rank)], value)
+        yield from families.values()
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(f"trio_llm:{name}", doc, labels=list(self.labels))
-            family.add_metric(list(self.labels.values()), value)
-            return family
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(f"trio_llm:{name}", doc, labels=list(self.labels))
-            family.add_metric(list(self.labels.values()), value)
-            return family
-
-        running = last.num_running if last else 0
-        waiting = last.num_waiting if last else 0
-        yield gauge("num_requests_running", "Requests in the running batch.", running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
-        yield gauge(
-            "num_requests_paused",
-            "Requests paused in the engine because their client is not reading.",
-            last.num_paused if last else 0,
-        )
-        yield counter(
-            "request_pauses",
-            "Times a request was paused because its client left output unread.",
-            self.engine.num_pauses,
-        )
-        yield gauge(
-            "kv_cache_usage_perc",
-            "Fraction of KV blocks in use (0-1).",
-            1 - free / num_blocks if num_blocks else 0.0,  # an embedding model has no cache
-        )
-        yield counter(
-            "num_preemptions",
-            "Requests preempted (no KV blocks, or a fair share of the batch for others).",
-            stats.num_preemptions,
-        )
-        yield counter("engine_steps", "Engine steps that computed tokens.", stats.num_steps)
-        yield counter(
-            "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache (--enable-prefix-caching).",
-            last.prefix_cache_queries if last else 0,
-        )
-        yield counter(
-            "prefix_cache_hits",
-            "Prompt tokens found in the prefix cache, whose KV was not recomputed.",
-            last.prefix_cache_hits if last else 0,
-        )
-        yield counter(
-            "engine_restarts",
-            "Engine core children started to replace a failed one (--engine-restart).",
-            self.engine.num_restarts,
-        )
-        yield counter(
-            "engine_hangs",
-            "Times the engine core was found hung (--engine-step-timeout).",
-            self.engine.num_hangs,
-        )
-        yield gauge(
-            "engine_healthy",
-            "1 while an engine core child is serving, else 0.",
-            float(self.engine.is_alive),
-        )
-        yield counter(
-            "engine_steps_multi_request",
-            "Engine steps that computed tokens for more than one request.",
-            stats.num_multi_request_steps,
-        )
+def _engine_samples(engine: EngineClient) -> Iterator[tuple[str, str, str, float]]:
+    """``(kind, name, help, value)`` of one engine's series."""
+    stats = engine.stats
+    last = stats.last
+    num_blocks = engine.info.num_kv_blocks
+    free = last.num_free_blocks if last is not None else num_blocks
+    yield (
+        "gauge",
+        "num_requests_running",
+        "Requests in the running batch.",
+        last.num_running if last else 0,
+    )
+    yield (
+        "gauge",
+        "num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        last.num_waiting if last else 0,
+    )
+    yield (
+        "gauge",
+        "num_requests_paused",
+        "Requests paused in the engine because their client is not reading.",
+        last.num_paused if last else 0,
+    )
+    yield (
+        "counter",
+        "request_pauses",
+        "Times a request was paused because its client left output unread.",
+        engine.num_pauses,
+    )
+    yield (
+        "gauge",
+        "kv_cache_usage_perc",
+        "Fraction of KV blocks in use (0-1).",
+        1 - free / num_blocks if num_blocks else 0.0,  # an embedding model has no cache
+    )
+    yield (
+        "counter",
+        "num_preemptions",
+        "Requests preempted (no KV blocks, or a fair share of the batch for others).",
+        stats.num_preemptions,
+    )
+    yield ("counter", "engine_steps", "Engine steps that computed tokens.", stats.num_steps)
+    yield (
+        "counter",
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache (--enable-prefix-caching).",
+        last.prefix_cache_queries if last else 0,
+    )
+    yield (
+        "counter",
+        "prefix_cache_hits",
+        "Prompt tokens found in the prefix cache, whose KV was not recomputed.",
+        last.prefix_cache_hits if last else 0,
+    )
+    yield (
+        "counter",
+        "engine_restarts",
+        "Engine core children started to replace a failed one (--engine-restart).",
+        engine.num_restarts,
+    )
+    yield (
+        "counter",
+        "engine_hangs",
+        "Times the engine core was found hung (--engine-step-timeout).",
+        engine.num_hangs,
+    )
+    yield (
+        "gauge",
+        "engine_healthy",
+        "1 while an engine core child is serving, else 0.",
+        float(engine.is_alive),
+    )
+    yield (
+        "counter",
+        "engine_steps_multi_request",
+        "Engine steps that computed tokens for more than one request.",
+        stats.num_multi_request_steps,
+    )
 
 
 #: Histogram buckets in seconds: from a fast decode step up to minutes-long requests.
@@ -113,7 +138,8 @@ LATENCY_BUCKETS = (
 
 
 class RequestMetrics:
-    """Per-request counters and histograms; a `RequestObserver` for the engine client.
+    """Per-request counters and histograms, labelled by model and engine; `observer`
+    gives each engine client its `RequestObserver`.
 
     Args:
         registry: where the metrics are registered.
@@ -121,7 +147,7 @@ class RequestMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"trio_llm:{name}", doc, [*labels, *extra], registry=registry)
@@ -131,57 +157,68 @@ class RequestMetrics:
                 f"trio_llm:{name}", doc, labels, registry=registry, buckets=LATENCY_BUCKETS
             )
 
-        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of scheduled requests.")
-        self._generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._success = counter(
+        self.model_name = model_name
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of scheduled requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.success = counter(
             "request_success", "Requests that finished, by finished_reason.", ("finished_reason",)
         )
-        self._aborted = counter(
+        self.aborted = counter(
             "request_aborted",
             "Requests that ended before finishing (client gone, error, shutdown).",
         )
-        self._ttft = histogram("time_to_first_token_seconds", "Time to first token (s).")
-        self._itl = histogram("inter_token_latency_seconds", "Time between output tokens (s).")
-        self._e2e = histogram("e2e_request_latency_seconds", "Submission to finish (s).")
-        self._queue = histogram(
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (s).")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens (s).")
+        self.e2e = histogram("e2e_request_latency_seconds", "Submission to finish (s).")
+        self.queue = histogram(
             "request_queue_time_seconds", "Engine arrival to first scheduling (s)."
         )
-        # Label children resolved once: the per-token path then only observes.
-        self._model = model_name
+
+    def observer(self, rank: int) -> EngineRequestMetrics:
+        """The observer of engine ``rank`` (its series carry ``engine="<rank>"``)."""
+        return EngineRequestMetrics(self, str(rank))
+
+
+class EngineRequestMetrics:
+    """One engine's `RequestObserver`: label children resolved once, so the per-token
+    path only observes."""
+
+    def __init__(self, metrics: RequestMetrics, engine: str) -> None:
+        labels = (metrics.model_name, engine)
         self._success_by_reason = {
-            reason: self._success.labels(model_name, reason) for reason in ("stop", "length")
+            reason: metrics.success.labels(*labels, reason) for reason in ("stop", "length")
         }
-        self._prompt_tokens_child = self._prompt_tokens.labels(model_name)
-        self._generation_tokens_child = self._generation_tokens.labels(model_name)
-        self._aborted_child = self._aborted.labels(model_name)
-        self._ttft_child = self._ttft.labels(model_name)
-        self._itl_child = self._itl.labels(model_name)
-        self._e2e_child = self._e2e.labels(model_name)
-        self._queue_child = self._queue.labels(model_name)
+        self._prompt_tokens = metrics.prompt_tokens.labels(*labels)
+        self._generation_tokens = metrics.generation_tokens.labels(*labels)
+        self._aborted = metrics.aborted.labels(*labels)
+        self._ttft = metrics.ttft.labels(*labels)
+        self._itl = metrics.itl.labels(*labels)
+        self._e2e = metrics.e2e.labels(*labels)
+        self._queue = metrics.queue.labels(*labels)
 
     def on_first_token(self, record: RequestRecord) -> None:
         """Observe the time to first token and count the token."""
         assert record.first_token_seconds is not None
-        self._ttft_child.observe(record.first_token_seconds)
-        self._generation_tokens_child.inc()
+        self._ttft.observe(record.first_token_seconds)
+        self._generation_tokens.inc()
 
     def on_tokens(self, interval: float, count: int) -> None:
         """Observe ``count`` inter-token intervals of ``interval / count`` seconds."""
         for _ in range(count):
-            self._itl_child.observe(interval / count)
-        self._generation_tokens_child.inc(count)
+            self._itl.observe(interval / count)
+        self._generation_tokens.inc(count)
 
     def on_finished(self, record: RequestRecord) -> None:
         """Count the request by how it ended; observe its latency and queue time."""
         if record.queue_seconds is not None:
-            self._queue_child.observe(record.queue_seconds)
-            self._prompt_tokens_child.inc(record.num_prompt_tokens)
+            self._queue.observe(record.queue_seconds)
+            self._prompt_tokens.inc(record.num_prompt_tokens)
         success = self._success_by_reason.get(record.finish_reason or "")
         if success is not None:
             success.inc()
-            self._e2e_child.observe(record.e2e_seconds)
+            self._e2e.observe(record.e2e_seconds)
         else:
-            self._aborted_child.inc()
+            self._aborted.inc()
 
 
 #: Routes counted by name in ``trio_llm:http_requests_total`` (any other path is counted
@@ -248,15 +285,17 @@ class HTTPRequestCounter:
             self.counter.labels(self.model_name, endpoint, f"{status // 100}xx").inc()
 
 
-def make_registry(engine: EngineClient, model_name: str) -> CollectorRegistry:
+def make_registry(engine: EngineHandle, model_name: str) -> CollectorRegistry:
     """A registry holding only this server's metrics; also attaches `RequestMetrics`.
 
-    The engine client reports each request's timing to the registry's `RequestMetrics`
-    from then on (``engine.observer``).
+    Each engine client reports each request's timing to the registry's `RequestMetrics`
+    from then on (its ``observer``).
     """
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(engine, model_name))
-    engine.observer = RequestMetrics(registry, model_name)
+    metrics = RequestMetrics(registry, model_name)
+    for rank, client in enumerate(engine.engines):
+        client.observer = metrics.observer(rank)
     return registry
 
 

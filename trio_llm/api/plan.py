@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from trio_llm.api.formats import ResponseFormat
-from trio_llm.frontend.engine_client import Admission, EngineClient, RequestStream
+from trio_llm.frontend.data_parallel import EngineHandle
+from trio_llm.frontend.engine_client import Admission, RequestStream
 from trio_llm.frontend.preprocess import run_all
 from trio_llm.messages import SamplingParams
 from trio_llm.text.choice import Choice, ChoiceDelta
@@ -59,7 +60,7 @@ OnDelta = Callable[[Choice, ChoiceDelta], Awaitable[None]]
 
 
 async def run_choices(
-    engine: EngineClient,
+    engine: EngineHandle,
     plan: Plan,
     choices: list[Choice],
     admission: Admission,

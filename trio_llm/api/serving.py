@@ -50,7 +50,8 @@ from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
 from trio_llm.errors import EngineError, InvalidRequest
-from trio_llm.frontend.engine_client import Admission, EngineClient
+from trio_llm.frontend.data_parallel import EngineHandle
+from trio_llm.frontend.engine_client import Admission
 from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
 from trio_llm.text.choice import Choice
@@ -97,7 +98,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: EngineClient,
+        engine: EngineHandle,
         tokenizer: Tokenizer,
         model_names: tuple[str, ...],
         *,

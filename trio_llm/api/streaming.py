@@ -27,7 +27,8 @@ from trio_llm.api.errors import APIError, engine_error
 from trio_llm.api.formats import Event
 from trio_llm.api.plan import Plan, run_choices
 from trio_llm.errors import EngineError, first_leaf
-from trio_llm.frontend.engine_client import Admission, EngineClient
+from trio_llm.frontend.data_parallel import EngineHandle
+from trio_llm.frontend.engine_client import Admission
 from trio_llm.text.choice import Choice, ChoiceDelta
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Stream:
 
     def __init__(
         self,
-        engine: EngineClient,
+        engine: EngineHandle,
         plan: Plan,
         choices: list[Choice],
         admission: Admission,

@@ -64,6 +64,24 @@ async def run_engine_core(stream: trio.abc.Stream) -> int:
         raise
 
 
+def select_gpu(rank: int, environ: dict[str, str] | os._Environ[str]) -> str | None:
+    """Make the rank-th visible GPU the only one this process sees (before CUDA starts):
+    ``CUDA_VISIBLE_DEVICES`` is narrowed to its rank-th entry, or set to ``rank`` when
+    unset. Returns why that is impossible, or None."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+        return None
+    ids = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if rank >= len(ids):
+        return (
+            f"data-parallel engine {rank} needs GPU number {rank + 1}, but "
+            f"CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)}"
+        )
+    environ["CUDA_VISIBLE_DEVICES"] = ids[rank]
+    return None
+
+
 def _server_gone(exc: BaseException) -> bool:
     """True if ``exc`` (or every leaf of an exception group) says the channel is closed."""
     closed = (trio.BrokenResourceError, trio.ClosedResourceError)
@@ -78,6 +96,11 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
         return 0
     config: EngineConfig = cloudpickle.loads(frame)
     logger.debug("engine core %d: starting %s", os.getpid(), config.model.model)
+    if config.model.device == "cuda" and config.data_parallel_rank:
+        problem = select_gpu(config.data_parallel_rank, os.environ)
+        if problem is not None:
+            await _report_failure(channel, f"engine start-up failed: {problem}")
+            return 1
     try:
         core = await trio.to_thread.run_sync(_build_core, config)
     except Exception as exc:

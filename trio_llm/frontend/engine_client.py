@@ -59,6 +59,9 @@ from trio_llm.messages import (
     TokenLogprobs,
 )
 
+#: Engine request numbers, shared by every client in this process.
+_REQUEST_IDS = itertools.count()
+
 #: Unread output tokens after which a request is paused in the engine (see the module doc).
 PAUSE_AFTER_UNREAD_TOKENS = 64
 
@@ -250,7 +253,7 @@ class EngineClient:
         self._channel = channel
         self._send_lock = trio.Lock()
         self._mailboxes: dict[str, _Mailbox] = {}
-        self._ids = itertools.count()
+        self._ids = _REQUEST_IDS  # unique across the clients of data-parallel engines
         self._prefix = f"{os.getpid()}-"
         self._error: EngineError | None = None
         self._ready = trio.Event()
@@ -286,6 +289,16 @@ class EngineClient:
     def num_in_flight(self) -> int:
         """Requests sent to the engine and not yet finished."""
         return len(self._mailboxes)
+
+    @property
+    def load(self) -> int:
+        """Requests open or admitted here: what data-parallel routing balances."""
+        return len(self._mailboxes) + self._num_reserved
+
+    @property
+    def engines(self) -> list[EngineClient]:
+        """The engine clients behind this handle: this one (see `DataParallelClient`)."""
+        return [self]
 
     @property
     def num_waiting(self) -> int:

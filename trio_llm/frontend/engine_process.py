@@ -142,6 +142,7 @@ async def run_engine_process(
     detokenizer_mode: str = "inline",
     step_timeout: float | None = None,
     restart: RestartPolicy | None = None,
+    name: str = "engine core",
     task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the engine-core child (and the detokenizer child) for as long as this task lives.
@@ -162,6 +163,7 @@ async def run_engine_process(
             children are killed. None: no hang detection.
         restart: replace failed (dead or hung) children with backoff, within the policy's
             limits; None: the first failure ends this task with `EngineDeadError`.
+        name: how log lines name this engine (``engine core 1`` under data parallelism).
 
     Raises:
         ValueError: an unknown ``detokenizer_mode``.
@@ -192,7 +194,7 @@ async def run_engine_process(
                 client.give_up(error)
                 raise error from exc
             delay = restart.backoff(len(failures))
-            logger.warning(f"engine core failed: {exc}; restarting it in {delay:g} s")
+            logger.warning(f"{name} failed: {exc}; restarting it in {delay:g} s")
             with supervision.new_scope():
                 await trio.sleep(delay)
             if client.stopping:

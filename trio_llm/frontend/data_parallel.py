@@ -1,0 +1,332 @@
+"""DataParallelClient: N engine cores behind the interface of one `EngineClient`.
+
+``--data-parallel-size N`` starts N engine-core children, each with its own model copy and
+KV cache, each supervised by its own `trio_llm.frontend.engine_process.run_engine_process`
+task in the server's nursery (the supervisor, `trio_llm.supervisor`). The API server
+talks to them through this one handle, so the request path does not know how many
+engines there are.
+
+Routing. Each call of `DataParallelClient.open_requests` (one API request, all its
+choices) goes to one engine:
+
+1. Only serving engines are candidates; while none serves, a restarting one (the
+   request waits for it as it would with one engine); with none left, the request fails.
+2. With prefix caching on, the engine that most recently took the longest run of the
+   prompt's leading KV blocks is preferred, unless it has `PREFIX_SLACK` more requests
+   open than the least-loaded candidate. The record of what each engine took is
+   `_PrefixRecord`: hashes of full blocks, as the engine's own prefix cache keys them,
+   bounded by the engine's number of KV blocks (least recently routed dropped first). It
+   approximates the engine's cache; a wrong guess only costs a cache miss.
+3. Otherwise the least-loaded candidate (requests open or admitted), ties taken in turn.
+
+Failure. Each engine fails and restarts on its own (``--engine-restart on-failure``):
+only its in-flight requests fail. The handle serves while any engine does; `is_alive`
+is False, and `ended` set, only when none is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import trio
+
+from trio_llm.errors import EngineDeadError, EngineError, EngineOverloadedError, EngineShutdownError
+from trio_llm.frontend.engine_client import Admission, EngineClient, RequestStream
+from trio_llm.messages import EngineReady, SamplingParams
+
+#: Open requests by which the engine holding a prompt's prefix may exceed the least-loaded
+#: one and still be chosen for it.
+PREFIX_SLACK = 4
+#: Leading blocks of a prompt that are hashed for routing (longer shared prefixes route
+#: the same way; the hashing stays bounded for long prompts).
+MAX_ROUTED_BLOCKS = 256
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full ``block_size``-token blocks, first to last
+    (at most `MAX_ROUTED_BLOCKS`): equal lists mean equal prefixes, as in the engine's
+    prefix cache. Valid within this process only (Python's hash is salted per process)."""
+    hashes: list[int] = []
+    previous = 0
+    end = min(len(token_ids) // block_size, MAX_ROUTED_BLOCKS) * block_size
+    for start in range(0, end, block_size):
+        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+        hashes.append(previous)
+    return hashes
+
+
+class _PrefixRecord:
+    """The block hashes recently routed to one engine, least recently used first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+
+    def matched(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` this engine took before."""
+        count = 0
+        for value in hashes:
+            if value not in self._hashes:
+                break
+            count += 1
+        return count
+
+    def add(self, hashes: Sequence[int]) -> None:
+        """Record ``hashes`` as the most recently used (dropping the oldest past capacity)."""
+        for value in hashes:
+            self._hashes[value] = None
+            self._hashes.move_to_end(value)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget everything (the engine restarted with an empty cache)."""
+        self._hashes.clear()
+
+
+class DataParallelClient:
+    """Routes requests over N `EngineClient` s; has the interface of one (see the module).
+
+    Args:
+        engines: one client per engine core, in rank order (each served by its own
+            supervision task; the same client lives through that engine's restarts).
+        prefix_aware: prefer the engine that took the prompt's prefix before (set it when
+            the engines cache prefixes).
+    """
+
+    def __init__(self, engines: Sequence[EngineClient], *, prefix_aware: bool = True) -> None:
+        if not engines:
+            raise ValueError("a DataParallelClient needs at least one engine")
+        self._engines = list(engines)
+        self.prefix_aware = prefix_aware
+        self._records = [_PrefixRecord(engine.info.num_kv_blocks) for engine in self._engines]
+        self._restarts_seen = [engine.num_restarts for engine in self._engines]
+        self._turn = itertools.count()
+        self._num_reserved = 0
+        self._num_open = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self.stopping = False
+        self.draining = False
+        #: Set once no engine serves any more for good (each ended), or `stop` was called.
+        self.ended = trio.Event()
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def engines(self) -> list[EngineClient]:
+        """The engine clients, in rank order (the ``engine`` label of /metrics)."""
+        return list(self._engines)
+
+    @property
+    def info(self) -> EngineReady:
+        """The first engine's `EngineReady` (model, context length and vocabulary are the
+        same for every engine)."""
+        return self._engines[0].info
+
+    @property
+    def detokenizes(self) -> bool:
+        """True in 3-process mode (every engine has its detokenizer child)."""
+        return self._engines[0].detokenizes
+
+    @property
+    def num_serving(self) -> int:
+        """Engines serving now."""
+        return sum(engine.is_alive for engine in self._engines)
+
+    @property
+    def is_alive(self) -> bool:
+        """True while at least one engine serves and the client is not stopping."""
+        return not self.stopping and self.num_serving > 0
+
+    @property
+    def is_restarting(self) -> bool:
+        """True while no engine serves and at least one is restarting."""
+        return not self.is_alive and any(e.is_restarting for e in self._engines)
+
+    @property
+    def error(self) -> EngineError | None:
+        """None while an engine serves; else why not (a restarting engine's failure first)."""
+        if self.is_alive:
+            return None
+        for engine in self._engines:
+            if engine.is_restarting:
+                return engine.error
+        for engine in self._engines:
+            if engine.error is not None:
+                return engine.error
+        return EngineShutdownError("the server is shutting down") if self.stopping else None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests sent to an engine and not yet finished, over all engines."""
+        return sum(engine.num_in_flight for engine in self._engines)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted or sent that have produced no output yet, over all engines."""
+        return self._num_reserved + sum(engine.num_waiting for engine in self._engines)
+
+    def engine_ended(self) -> None:
+        """An engine stopped for good (its supervision task calls this): `ended` is set
+        once every engine has."""
+        if all(engine.ended.is_set() for engine in self._engines):
+            self.ended.set()
+
+    # ------------------------------------------------------------ admission
+
+    def admit(self, count: int, limit: int | None) -> Admission:
+        """Reserve ``count`` places among the waiting requests of all engines, or refuse.
+
+        Raises:
+            EngineOverloadedError: ``limit`` is set and would be exceeded.
+            EngineError: no engine serves or will (the error of the last one), the server
+                is stopping or draining.
+        """
+        self._check_open()
+        if self.draining:
+            raise EngineShutdownError("the server is shutting down")
+        waiting = self.num_waiting
+        if limit is not None and waiting + count > limit:
+            raise EngineOverloadedError(
+                f"{waiting} requests are already waiting (limit {limit}); retry later"
+            )
+        self._num_reserved += count
+        self._busy()
+        return Admission(count)
+
+    def release(self, admission: Admission) -> None:
+        """Give back an `Admission` that was not (or no longer needs to be) used."""
+        if not admission.released:
+            admission.released = True
+            self._num_reserved -= admission.count
+            self._check_idle()
+
+    def close_admissions(self) -> None:
+        """Start draining: `admit` refuses from now on; admitted and open requests go on."""
+        self.draining = True
+        self._check_idle()
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is open or admitted on any engine."""
+        self._check_idle()
+        await self._idle.wait()
+
+    def _check_open(self) -> None:
+        if self.stopping:
+            raise EngineShutdownError("the server is shutting down")
+        if not self._candidates():
+            raise self.error or EngineDeadError("no engine core is serving")
+
+    def _check_idle(self) -> None:
+        if self._num_open == 0 and self._num_reserved == 0:
+            self._idle.set()
+
+    def _busy(self) -> None:
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    # ------------------------------------------------------------ routing
+
+    def _candidates(self) -> list[int]:
+        """Ranks that may take a request: the serving ones, else the restarting ones."""
+        serving = [rank for rank, engine in enumerate(self._engines) if engine.is_alive]
+        if serving:
+            return serving
+        return [rank for rank, engine in enumerate(self._engines) if engine.is_restarting]
+
+    def route(self, prompt_token_ids: Sequence[int]) -> int:
+        """The rank of the engine for a request with this prompt (see the module's rules);
+        records the prompt's blocks as that engine's.
+
+        Raises:
+            EngineError: no engine serves or is restarting.
+        """
+        self._check_open()
+        candidates = self._candidates()
+        for rank in candidates:  # a restarted engine starts with an empty cache
+            restarts = self._engines[rank].num_restarts
+            if restarts != self._restarts_seen[rank]:
+                self._restarts_seen[rank] = restarts
+                self._records[rank].clear()
+        loads = {rank: self._engines[rank].load for rank in candidates}
+        least = min(loads.values())
+        turn = next(self._turn)
+        # Ties in load are taken in turn, so an idle fleet spreads its first requests.
+        rotated = candidates[turn % len(candidates) :] + candidates[: turn % len(candidates)]
+        chosen = min(rotated, key=loads.__getitem__)
+        hashes: list[int] = []
+        if self.prefix_aware and len(candidates) > 1:
+            hashes = prefix_block_hashes(prompt_token_ids, self.info.block_size)
+            matched = {rank: self._records[rank].matched(hashes) for rank in candidates}
+            best = max(matched.values())
+            if best > 0:
+                holders = [rank for rank in rotated if matched[rank] == best]
+                holder = min(holders, key=loads.__getitem__)
+                if loads[holder] <= least + PREFIX_SLACK:
+                    chosen = holder
+        elif self.prefix_aware:
+            hashes = prefix_block_hashes(prompt_token_ids, self.info.block_size)
+        if hashes:
+            self._records[chosen].add(hashes)
+        return chosen
+
+    # ------------------------------------------------------------ requests
+
+    @asynccontextmanager
+    async def open_request(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestStream]:
+        """Submit one request and yield its `RequestStream` (see `open_requests`)."""
+        async with self.open_requests([(prompt_token_ids, params)]) as (stream,):
+            yield stream
+
+    @asynccontextmanager
+    async def open_requests(
+        self,
+        requests: Sequence[tuple[list[int], SamplingParams]],
+        admission: Admission | None = None,
+    ) -> AsyncIterator[list[RequestStream]]:
+        """Submit requests to one engine (`route` on the first prompt) and yield their
+        streams; as `EngineClient.open_requests`.
+
+        Raises:
+            EngineError: no engine serves, the server is stopping, or the chosen engine
+                is restarting and not ready in time.
+        """
+        self._num_open += 1
+        self._busy()
+        try:
+            try:
+                if admission is None and self.draining:
+                    raise EngineShutdownError("the server is shutting down")
+                engine = self._engines[self.route(requests[0][0] if requests else [])]
+                # The places move from this handle to the engine in one synchronous step.
+                inner = engine.admit(len(requests), None)
+            finally:
+                if admission is not None:
+                    self.release(admission)
+            async with engine.open_requests(requests, inner) as streams:
+                yield streams
+        finally:
+            self._num_open -= 1
+            self._check_idle()
+
+    # ------------------------------------------------------------ lifetime
+
+    async def stop(self, grace_period: float) -> None:
+        """Stop every engine at once (each as `EngineClient.stop`). Idempotent."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.ended.set()
+        async with trio.open_nursery() as nursery:
+            for engine in self._engines:
+                nursery.start_soon(engine.stop, grace_period)
+
+
+#: What the API server talks to: one engine's client, or N of them behind one handle.
+EngineHandle = EngineClient | DataParallelClient
