@@ -11,7 +11,7 @@ import dataclasses
 import httpx
 import pytest
 import trio
-import trio.lowlevel
+import trio.testing
 
 from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
@@ -55,13 +55,9 @@ class Fleet:
 
     async def holder(self, request_id: str) -> int:
         """The rank of the engine that received ``request_id`` (once it arrived)."""
-        with trio.fail_after(5):
-            while True:
-                ranks = [i for i, fake in enumerate(self.fakes) if request_id in fake.added]
-                if ranks:
-                    (rank,) = ranks
-                    return rank
-                await trio.sleep(0)
+        await trio.testing.wait_all_tasks_blocked()  # every message sent is received
+        (rank,) = [i for i, fake in enumerate(self.fakes) if request_id in fake.added]
+        return rank
 
     async def kill(self, rank: int) -> None:
         """End engine ``rank``'s channel, as a SIGKILLed child does."""
@@ -69,9 +65,8 @@ class Fleet:
         scope.cancel()
         await done.wait()
         await self.streams[rank].aclose()
-        with trio.fail_after(5):
-            while self.clients[rank].is_alive:
-                await trio.lowlevel.checkpoint()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not self.clients[rank].is_alive
 
 
 def prompt(prefix: int, blocks: int, tail: int = 0) -> list[int]:
