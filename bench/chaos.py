@@ -66,7 +66,7 @@ def summary_table(results: list[TrialResult]) -> str:
 async def run(args: argparse.Namespace, log_dir: Path, results: list[TrialResult]) -> None:
     """Run the planned trials (``--jobs`` at a time), appending each result as it ends."""
     faults = tuple(args.faults) if args.faults else FAULTS
-    specs = plan_trials(args.trials, args.seed, faults)
+    specs = plan_trials(args.trials, args.seed, faults, args.data_parallel_size)
     if args.only:
         specs = [spec for spec in specs if spec.index in args.only]
     print(f"{len(specs)} trials, seed {args.seed}, logs in {log_dir}", flush=True)
@@ -128,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         metavar="N",
         help="run only these trials of the plan (by number, e.g. to repeat a failure)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines per server: with 2, an engine fault fails one and the other serves on",
     )
     parser.add_argument("--log-dir", help="where server logs go (default: a temp folder)")
     parser.add_argument("--json", help="also write every trial's result to this file")

@@ -3,8 +3,10 @@ tests/support/chaos.py for what a trial asserts).
 
 ``make test`` runs a short seeded sample: a few fault kinds picked by the seed from the
 full plan. The long run is opt-in (marked ``chaos``):
-``TRIO_LLM_CHAOS_TRIALS=24 HF_HUB_OFFLINE=1 .venv/bin/pytest -m chaos tests/chaos``, or
-``bench/chaos.py --trials 200`` for the summary table in docs/reliability.md.
+``TRIO_LLM_CHAOS_TRIALS=24 HF_HUB_OFFLINE=1 .venv/bin/pytest -m chaos tests/chaos`` (with
+``TRIO_LLM_CHAOS_DATA_PARALLEL=2`` for servers with two engines), or
+``bench/chaos.py --trials 200 [--data-parallel-size 2]`` for the summary table in
+docs/reliability.md. The sample includes one trial with two engines, one of which fails.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.chaos import plan_trials, run_trial
+from tests.support.chaos import TrialSpec, plan_trials, run_trial
 from tests.support.checks import become_subreaper
 
 #: The sample's seed; change it with TRIO_LLM_CHAOS_SEED to sample other trials.
@@ -23,6 +25,8 @@ SEED = int(os.environ.get("TRIO_LLM_CHAOS_SEED", "9"))
 SAMPLE = 3
 #: Environment variable that turns the long run on (its number of trials).
 TRIALS_ENV = "TRIO_LLM_CHAOS_TRIALS"
+#: Environment variable giving the long run's servers more engines (``--data-parallel-size``).
+DATA_PARALLEL_ENV = "TRIO_LLM_CHAOS_DATA_PARALLEL"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +47,17 @@ def _sample() -> list:
     return picked
 
 
-@pytest.mark.parametrize("spec", _sample(), ids=lambda spec: spec.fault)
+def _data_parallel_sample() -> TrialSpec:
+    """One trial of a server with two engines whose fault fails one of them."""
+    plan = plan_trials(24, SEED, data_parallel_size=2)
+    return next(spec for spec in plan if spec.engine_fails)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [*_sample(), _data_parallel_sample()],
+    ids=lambda spec: f"{spec.fault}-dp{spec.data_parallel_size}",
+)
 async def test_chaos_sample(spec, tmp_path: Path, real_model_dir: Path) -> None:
     result = await run_trial(spec, tmp_path)
     assert result.ok, f"{spec.describe()}:\n" + "\n".join(result.failures)
@@ -54,9 +68,10 @@ def _long_run() -> list:
     if not trials:
         reason = f"opt-in long chaos run: set {TRIALS_ENV}=N"
         return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="opt-in")]
+    size = int(os.environ.get(DATA_PARALLEL_ENV, "1"))
     return [
         pytest.param(spec, id=f"{spec.index}-{spec.fault}")
-        for spec in plan_trials(int(trials), SEED + 1)
+        for spec in plan_trials(int(trials), SEED + 1, data_parallel_size=size)
     ]
 
 

@@ -88,6 +88,9 @@ class TrialSpec:
     fault_delay: float
     stop_seconds: float
     seed: int
+    #: ``--data-parallel-size``: with 2, an engine-side fault hits one engine (picked by
+    #: the seed) and the other must go on serving.
+    data_parallel_size: int = 1
 
     def server_args(self) -> list[str]:
         """Command-line flags of this trial's server."""
@@ -108,6 +111,8 @@ class TrialSpec:
         ]
         if self.restart:
             args += ["--engine-restart", "on-failure", "--engine-restart-wait", str(RESTART_WAIT)]
+        if self.data_parallel_size > 1:
+            args += ["--data-parallel-size", str(self.data_parallel_size)]
         return args
 
     @property
@@ -124,15 +129,18 @@ class TrialSpec:
 
     @property
     def server_stops(self) -> bool:
-        """The fault ends the server (by a signal to it, or an engine failure w/o restart)."""
-        return self.fault.endswith("-server") or (self.engine_fails and not self.restart)
+        """The fault ends the server (by a signal to it, or the failure of its only engine
+        without restart)."""
+        return self.fault.endswith("-server") or (
+            self.engine_fails and not self.restart and self.data_parallel_size == 1
+        )
 
     @property
     def expected_exit(self) -> int:
         """The documented exit status for this fault (docs/shutdown.md)."""
         if self.fault == "sigkill-server":
             return -signal.SIGKILL
-        if self.engine_fails and not self.restart:
+        if self.server_stops and self.engine_fails:
             return 1
         return 0  # a signal to the server, or a survivor stopped with SIGTERM at the end
 
@@ -146,14 +154,19 @@ class TrialSpec:
         if self.fault == "hostile-client":
             extra = f" {self.hostile_trigger}"
         restart = "restart" if self.restart else "no-restart"
+        if self.data_parallel_size > 1:
+            restart += f", dp {self.data_parallel_size}"
         return (
             f"#{self.index} {self.fault}{extra} ({self.detokenizer_mode}, {restart}, "
             f"at +{self.fault_delay:.1f}s)"
         )
 
 
-def plan_trials(count: int, seed: int, faults: tuple[str, ...] = FAULTS) -> list[TrialSpec]:
-    """``count`` trials with the faults spread evenly, in a seeded random order."""
+def plan_trials(
+    count: int, seed: int, faults: tuple[str, ...] = FAULTS, data_parallel_size: int = 1
+) -> list[TrialSpec]:
+    """``count`` trials with the faults spread evenly, in a seeded random order (servers
+    with ``data_parallel_size`` engines)."""
     rng = random.Random(seed)
     kinds = [faults[i % len(faults)] for i in range(count)]
     rng.shuffle(kinds)
@@ -170,6 +183,7 @@ def plan_trials(count: int, seed: int, faults: tuple[str, ...] = FAULTS) -> list
                 fault_delay=rng.uniform(0.3, 3.0),
                 stop_seconds=stop,
                 seed=rng.randrange(2**31),
+                data_parallel_size=data_parallel_size,
             )
         )
     return specs

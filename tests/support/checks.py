@@ -71,6 +71,12 @@ def check_records(
             result.failures.append(
                 f"{record.kind} request ended {record.end - fault_time:.1f} s after the fault"
             )
+    if spec.engine_fails and spec.data_parallel_size > 1:
+        # The other engine serves on: requests it held at the fault complete.
+        if not any(r.outcome == "complete" for r in open_at_fault):
+            result.failures.append(
+                "no request open at the fault completed: the engines did not fail alone"
+            )
     if spec.fault == "burst":
         refused = [r for r in records if r.kind == "burst" and r.outcome == "error"]
         if not all("503" in r.detail for r in refused):

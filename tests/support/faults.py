@@ -170,6 +170,7 @@ def fault_target(spec: TrialSpec, server: ServerProcess) -> int:
         if "detokenizer" in spec.fault
         else engine_children(server.pid)
     )
-    if len(found) != 1:
-        raise RuntimeError(f"expected one target process for {spec.fault}, found {found}")
-    return found.pop()
+    if len(found) != spec.data_parallel_size:
+        expected = spec.data_parallel_size
+        raise RuntimeError(f"expected {expected} target processes for {spec.fault}, found {found}")
+    return sorted(found)[spec.seed % len(found)]  # one engine's, under data parallelism
