@@ -451,7 +451,11 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: torch sees no CUDA GPU on this machine")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(
+            "--device cuda: torch sees no CUDA GPU on this machine"
+            + ("" if visible is None else f" with CUDA_VISIBLE_DEVICES={visible!r}")
+        )
     config = load_config(model_dir)
     shapes = None
     hidden = getattr(config, "hidden_size", None)
