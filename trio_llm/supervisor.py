@@ -96,8 +96,9 @@ async def serve(
             engine: EngineHandle = await engine_nursery.start(_supervise_engines, config, lifecycle)
             for rank, client in enumerate(engine.engines):
                 info = client.info
+                name = "engine" if len(engine.engines) == 1 else f"engine {rank}"
                 logger.info(
-                    f"engine {rank} ready (pid {info.pid}, {info.dtype}, "
+                    f"{name} ready (pid {info.pid}, {info.dtype}, "
                     f"detokenizer {config.detokenizer_mode}, "
                     f"max_model_len {info.max_model_len}, "
                     f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
@@ -234,9 +235,11 @@ async def _supervise_engines(
             return
         left = group.num_serving + sum(e.is_restarting for e in group.engines)
         if left == 0:
-            lifecycle.request_stop(f"every engine core died; the last: {error}", exit_code=1)
+            lifecycle.request_stop(
+                f"engine core {rank} died: {error} (no engine left)", exit_code=1
+            )
         else:
-            logger.error(f"engine {rank} died: {error}; {left} of {size} engines left")
+            logger.error(f"engine core {rank} died: {error}; {left} of {size} engines left")
 
     async with trio.open_nursery() as nursery:
 
