@@ -72,6 +72,13 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "trio_llm"
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def default_api_key() -> str | None:
     """The API key from $TRIO_LLM_API_KEY, or None when it is unset or empty."""
     return os.environ.get(API_KEY_ENV) or None
@@ -433,6 +440,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be at least 1")
+        cores = available_cores()
+        if self.engine.model.device == "cpu" and self.data_parallel_size > cores:
+            raise ValueError(
+                f"--data-parallel-size {self.data_parallel_size} needs a CPU core per engine; "
+                f"this machine has {cores}"
+            )
         if self.api_key is not None:
             if not self.api_key:
                 raise ValueError("api_key must not be empty (leave it unset to turn keys off)")
@@ -498,8 +511,8 @@ class ServerConfig:
             and config.num_threads is None
             and not config.adaptive_threads
         ):
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-            config = replace(config, num_threads=max(1, cores // self.data_parallel_size))
+            share = available_cores() // self.data_parallel_size
+            config = replace(config, num_threads=max(1, share))
         return config
 
     def model_names(self) -> tuple[str, ...]:

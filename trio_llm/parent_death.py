@@ -56,6 +56,8 @@ def start_child(prog: str, *fd_options: str) -> argparse.Namespace:
     for option in fd_options:
         parser.add_argument(option, type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
+    # Only shown by ps: which of the server's data-parallel engines this child serves.
+    parser.add_argument("--data-parallel-rank", type=int, default=None)
     args = parser.parse_args()
     guard_child(args.parent_pid)
     configure_logging()

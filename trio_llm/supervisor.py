@@ -224,8 +224,12 @@ async def _supervise_engines(
     size = config.data_parallel_size
     clients: list[EngineClient | None] = [None] * size
     group: DataParallelClient | None = None
+    started = False
 
     def ended(rank: int, error: EngineDeadError | None) -> None:
+        if not started and error is not None:
+            # Ready, then failed while the others were still starting: a failed start-up.
+            raise EngineStartupError(f"engine core {rank} failed during start-up: {error}")
         if group is None:
             if error is not None:
                 lifecycle.request_stop(f"engine core died: {error}", exit_code=1)
@@ -252,6 +256,7 @@ async def _supervise_engines(
             for rank in range(size):
                 starting.start_soon(start, rank)
         ready = [client for client in clients if client is not None]
+        started = True
         if size == 1:
             task_status.started(ready[0])
         else:
@@ -279,7 +284,7 @@ async def _supervise_engine(
             detokenizer_mode=config.detokenizer_mode,
             step_timeout=config.engine_step_timeout,
             restart=config.restart_policy(),
-            name="engine core" if config.data_parallel_size == 1 else f"engine core {rank}",
+            data_parallel_rank=None if config.data_parallel_size == 1 else rank,
             task_status=task_status,
         )
     except EngineStartupError:

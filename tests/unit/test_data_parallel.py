@@ -14,11 +14,17 @@ import trio
 import trio.testing
 
 from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
+from trio_llm import supervisor
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import EngineConfig, ServerConfig, engine_config
 from trio_llm.engine.loop import select_gpu
-from trio_llm.errors import EngineDeadError, EngineOverloadedError, EngineShutdownError
+from trio_llm.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    EngineStartupError,
+)
 from trio_llm.frontend.data_parallel import PREFIX_SLACK, DataParallelClient, prefix_block_hashes
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import SamplingParams
@@ -287,8 +293,10 @@ def test_cpu_engines_share_the_cores_and_keep_explicit_threads(monkeypatch) -> N
     explicit = ServerConfig(engine=engine_config(num_threads=4), data_parallel_size=2)
     assert explicit.engine_for_rank(1).num_threads == 4
     assert ServerConfig().engine_for_rank(0) == EngineConfig()  # one engine: unchanged
-    crowded = ServerConfig(data_parallel_size=16)
-    assert crowded.engine_for_rank(15).num_threads == 1
+    crowded = ServerConfig(data_parallel_size=8)
+    assert crowded.engine_for_rank(7).num_threads == 1
+    with pytest.raises(ValueError, match="needs a CPU core per engine; this machine has 8"):
+        ServerConfig(data_parallel_size=9)
     with pytest.raises(ValueError, match="data_parallel_size"):
         ServerConfig(data_parallel_size=0)
     assert dataclasses.replace(config, data_parallel_size=1).engine_for_rank(0).num_threads is None
@@ -303,3 +311,60 @@ def test_each_cuda_engine_sees_its_own_gpu() -> None:
     assert environ["CUDA_VISIBLE_DEVICES"] == "6"
     problem = select_gpu(2, {"CUDA_VISIBLE_DEVICES": "4,6"})
     assert problem is not None and "lists 2" in problem
+
+
+class _FakeProcesses:
+    """`run_engine_process` for `supervisor._supervise_engines`: engine ``rank`` is ready
+    at once (an in-memory client) unless it is in ``loading``; it fails for good when
+    the test sets ``fail[rank]``."""
+
+    def __init__(self, size: int, loading: set[int] = frozenset()) -> None:
+        self.loading = loading
+        self.fail = [trio.Event() for _ in range(size)]
+        self.clients: dict[int, EngineClient] = {}
+
+    async def __call__(
+        self, engine_config: EngineConfig, *, data_parallel_rank: int, task_status, **_: object
+    ) -> None:
+        if data_parallel_rank in self.loading:
+            await trio.sleep_forever()
+        client, _stream = engine_client_pair()
+        self.clients[data_parallel_rank] = client
+        task_status.started(client)
+        await self.fail[data_parallel_rank].wait()
+        error = EngineDeadError("the engine core process exited unexpectedly (killed by SIGKILL)")
+        client.give_up(error)
+        raise error
+
+
+async def test_an_engine_failing_while_the_others_start_fails_the_start_up(monkeypatch) -> None:
+    fakes = _FakeProcesses(2, loading={1})
+    fakes.fail[0].set()
+    monkeypatch.setattr(supervisor, "run_engine_process", fakes)
+    lifecycle = supervisor.Lifecycle()
+    with pytest.raises(BaseExceptionGroup) as raised, trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            config = ServerConfig(data_parallel_size=2)
+            await nursery.start(supervisor._supervise_engines, config, lifecycle)
+    assert raised.group_contains(EngineStartupError, match="engine core 0 failed during start-up")
+    assert not lifecycle.stop_requested.is_set()  # never served: no "serving" line, exit 1
+
+
+async def test_the_server_stops_when_the_last_engine_is_gone(monkeypatch) -> None:
+    fakes = _FakeProcesses(2)
+    monkeypatch.setattr(supervisor, "run_engine_process", fakes)
+    lifecycle = supervisor.Lifecycle()
+    async with trio.open_nursery() as nursery:
+        config = ServerConfig(data_parallel_size=2)
+        group = await nursery.start(supervisor._supervise_engines, config, lifecycle)
+        assert isinstance(group, DataParallelClient)
+        fakes.fail[1].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not lifecycle.stop_requested.is_set()
+        assert group.is_alive and group.num_serving == 1 and not group.ended.is_set()
+        fakes.fail[0].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert lifecycle.stop_requested.is_set() and lifecycle.exit_code == 1
+        assert lifecycle.reason.startswith("engine core 0 died: ")
+        assert lifecycle.reason.endswith("(no engine left)")
+        assert group.ended.is_set()

@@ -80,11 +80,13 @@ class _Children:
         )
 
 
-def _spawn(detokenizer_mode: str) -> tuple[socket.socket, _Children]:
-    """Start the child process(es); return the API server's end of the channel and them."""
+def _spawn(detokenizer_mode: str, rank: int | None = None) -> tuple[socket.socket, _Children]:
+    """Start the child process(es); return the API server's end of the channel and them.
+    With a data-parallel ``rank`` their command lines carry it (``--data-parallel-rank``)."""
     if detokenizer_mode not in DETOKENIZER_MODES:
         raise ValueError(f"detokenizer_mode must be one of {DETOKENIZER_MODES}")
     parent = str(os.getpid())
+    tag = [] if rank is None else ["--data-parallel-rank", str(rank)]
     server_end, first_hop = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     to_close = [first_hop]
     try:
@@ -106,6 +108,7 @@ def _spawn(detokenizer_mode: str) -> tuple[socket.socket, _Children]:
                     str(fds[1]),
                     "--parent-pid",
                     parent,
+                    *tag,
                 ],
                 pass_fds=fds,
             )
@@ -119,6 +122,7 @@ def _spawn(detokenizer_mode: str) -> tuple[socket.socket, _Children]:
                     str(engine_fd.fileno()),
                     "--parent-pid",
                     parent,
+                    *tag,
                 ],
                 pass_fds=(engine_fd.fileno(),),
             )
@@ -142,7 +146,7 @@ async def run_engine_process(
     detokenizer_mode: str = "inline",
     step_timeout: float | None = None,
     restart: RestartPolicy | None = None,
-    name: str = "engine core",
+    data_parallel_rank: int | None = None,
     task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the engine-core child (and the detokenizer child) for as long as this task lives.
@@ -163,7 +167,9 @@ async def run_engine_process(
             children are killed. None: no hang detection.
         restart: replace failed (dead or hung) children with backoff, within the policy's
             limits; None: the first failure ends this task with `EngineDeadError`.
-        name: how log lines name this engine (``engine core 1`` under data parallelism).
+        data_parallel_rank: this engine's rank under ``--data-parallel-size`` (None with one
+            engine): log lines and errors then name it (``engine core 1``), and so do the
+            children's command lines (``--data-parallel-rank 1``, for ``ps``).
 
     Raises:
         ValueError: an unknown ``detokenizer_mode``.
@@ -175,6 +181,7 @@ async def run_engine_process(
         heartbeat = min(config.heartbeat_interval, step_timeout / 4)
         config = dataclasses.replace(config, heartbeat_interval=heartbeat)
     supervision = _Supervision(detokenizer_mode, step_timeout, restart, task_status)
+    supervision.rank = data_parallel_rank
     failures: list[float] = []
     while True:
         try:
@@ -194,7 +201,7 @@ async def run_engine_process(
                 client.give_up(error)
                 raise error from exc
             delay = restart.backoff(len(failures))
-            logger.warning(f"{name} failed: {exc}; restarting it in {delay:g} s")
+            logger.warning(f"{supervision.name} failed: {exc}; restarting it in {delay:g} s")
             with supervision.new_scope():
                 await trio.sleep(delay)
             if client.stopping:
@@ -220,6 +227,13 @@ class _Supervision:
         self.task_status = task_status
         self.client: EngineClient | None = None
         self.scope = trio.CancelScope()
+        #: The engine's data-parallel rank, or None with one engine.
+        self.rank: int | None = None
+
+    @property
+    def name(self) -> str:
+        """How messages name this engine: ``engine core``, or ``engine core 1``."""
+        return "engine core" if self.rank is None else f"engine core {self.rank}"
 
     def new_scope(self) -> trio.CancelScope:
         """A fresh scope for the next child or restart wait (cancelled if the client is
@@ -263,7 +277,7 @@ async def _run_children(
     Returns when the client was stopped; raises `EngineDeadError` (or `EngineStartupError`
     before the child was ready) when they failed.
     """
-    server_end, children = _spawn(detokenizer_mode)
+    server_end, children = _spawn(detokenizer_mode, supervision.rank)
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(server_end))
     channel = ipc.server_channel(stream)
     # Patience with the children only when the channel ended by itself (they are exiting).
@@ -275,7 +289,7 @@ async def _run_children(
     scope = supervision.new_scope()
     try:
         with scope:
-            info = await _start(channel, children, config)
+            info = await _start(channel, children, config, supervision.rank)
             client = supervision.connect(channel, info)
             await client.route_outputs()
         if client is None or client.stopping:
@@ -304,7 +318,7 @@ async def _run_children(
 
 
 async def _start(
-    channel: ipc.MessageChannel, children: _Children, config: EngineConfig
+    channel: ipc.MessageChannel, children: _Children, config: EngineConfig, rank: int | None
 ) -> EngineReady:
     try:
         await channel.framed.send_frame(cloudpickle.dumps(config))
@@ -314,9 +328,10 @@ async def _start(
     if isinstance(message, EngineReady):
         return message
     await children.wait()
+    which = "" if rank is None else f"engine core {rank}: "
     if isinstance(message, EngineFailed):
-        raise EngineStartupError(message.message)
-    raise EngineStartupError(f"engine core exited during start-up ({children.describe()})")
+        raise EngineStartupError(f"{which}{message.message}")
+    raise EngineStartupError(f"{which}engine core exited during start-up ({children.describe()})")
 
 
 #: Seconds between SIGTERM and SIGKILL.
