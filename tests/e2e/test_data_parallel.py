@@ -48,7 +48,7 @@ async def _per_engine(client: httpx.AsyncClient, name: str) -> dict[str, float]:
 
 async def _stream(client: httpx.AsyncClient, prompt: str, started: trio.Event) -> str:
     """One greedy streamed completion: its text, or "error: <message>"."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 120, "temperature": 0}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 64, "temperature": 0}
     body.update(ignore_eos=True, stream=True)
     text, error = "", ""
     async with open_events(client, "/v1/completions", body) as events:

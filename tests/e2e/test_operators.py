@@ -419,7 +419,7 @@ def test_metrics_are_also_listed_under_vllm_names(client: httpx.Client) -> None:
         for sample in family.samples
     }
     ours = {key: value for key, value in samples.items() if key[0].startswith("trio_llm:")}
-    assert ("trio_llm:num_requests_waiting", (("model_name", MODEL),)) in ours
+    assert ("trio_llm:num_requests_waiting", (("engine", "0"), ("model_name", MODEL))) in ours
     for (name, labels), value in ours.items():
         twin = samples.get(("vllm:" + name.removeprefix("trio_llm:"), labels))
         # One rendering, two names: every value and label set is the same.
