@@ -33,8 +33,13 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from trio_llm.errors import EngineDeadError, EngineError, EngineOverloadedError, EngineShutdownError
-from trio_llm.frontend.engine_client import Admission, EngineClient, RequestStream
+from trio_llm.errors import EngineDeadError, EngineError, EngineShutdownError
+from trio_llm.frontend.engine_client import (
+    Admission,
+    AdmissionControl,
+    EngineClient,
+    RequestStream,
+)
 from trio_llm.messages import EngineReady, SamplingParams
 
 #: Open requests by which the engine holding a prompt's prefix may exceed the least-loaded
@@ -87,7 +92,7 @@ class _PrefixRecord:
         self._hashes.clear()
 
 
-class DataParallelClient:
+class DataParallelClient(AdmissionControl):
     """Routes requests over N `EngineClient` s; has the interface of one (see the module).
 
     Args:
@@ -105,12 +110,10 @@ class DataParallelClient:
         self._records = [_PrefixRecord(engine.info.num_kv_blocks) for engine in self._engines]
         self._restarts_seen = [engine.num_restarts for engine in self._engines]
         self._turn = itertools.count()
-        self._num_reserved = 0
-        self._num_open = 0
-        self._idle = trio.Event()
-        self._idle.set()
+        self._init_admissions()
+        #: `open_requests` blocks entered and not yet left.
+        self._num_open_calls = 0
         self.stopping = False
-        self.draining = False
         #: Set once no engine serves any more for good (each ended), or `stop` was called.
         self.ended = trio.Event()
 
@@ -178,56 +181,14 @@ class DataParallelClient:
 
     # ------------------------------------------------------------ admission
 
-    def admit(self, count: int, limit: int | None) -> Admission:
-        """Reserve ``count`` places among the waiting requests of all engines, or refuse.
-
-        Raises:
-            EngineOverloadedError: ``limit`` is set and would be exceeded.
-            EngineError: no engine serves or will (the error of the last one), the server
-                is stopping or draining.
-        """
-        self._check_open()
-        if self.draining:
-            raise EngineShutdownError("the server is shutting down")
-        waiting = self.num_waiting
-        if limit is not None and waiting + count > limit:
-            raise EngineOverloadedError(
-                f"{waiting} requests are already waiting (limit {limit}); retry later"
-            )
-        self._num_reserved += count
-        self._busy()
-        return Admission(count)
-
-    def release(self, admission: Admission) -> None:
-        """Give back an `Admission` that was not (or no longer needs to be) used."""
-        if not admission.released:
-            admission.released = True
-            self._num_reserved -= admission.count
-            self._check_idle()
-
-    def close_admissions(self) -> None:
-        """Start draining: `admit` refuses from now on; admitted and open requests go on."""
-        self.draining = True
-        self._check_idle()
-
-    async def wait_idle(self) -> None:
-        """Wait until no request is open or admitted on any engine."""
-        self._check_idle()
-        await self._idle.wait()
-
     def _check_open(self) -> None:
         if self.stopping:
             raise EngineShutdownError("the server is shutting down")
         if not self._candidates():
             raise self.error or EngineDeadError("no engine core is serving")
 
-    def _check_idle(self) -> None:
-        if self._num_open == 0 and self._num_reserved == 0:
-            self._idle.set()
-
-    def _busy(self) -> None:
-        if self._idle.is_set():
-            self._idle = trio.Event()
+    def _num_open(self) -> int:
+        return self._num_open_calls
 
     # ------------------------------------------------------------ routing
 
@@ -297,7 +258,7 @@ class DataParallelClient:
             EngineError: no engine serves, the server is stopping, or the chosen engine
                 is restarting and not ready in time.
         """
-        self._num_open += 1
+        self._num_open_calls += 1
         self._busy()
         try:
             try:
@@ -312,7 +273,7 @@ class DataParallelClient:
             async with engine.open_requests(requests, inner) as streams:
                 yield streams
         finally:
-            self._num_open -= 1
+            self._num_open_calls -= 1
             self._check_idle()
 
     # ------------------------------------------------------------ lifetime

@@ -130,6 +130,88 @@ class Admission:
     released: bool = field(default=False)
 
 
+class AdmissionControl:
+    """The waiting line's bookkeeping, shared by `EngineClient` and
+    `trio_llm.frontend.data_parallel.DataParallelClient`: places reserved by `admit`
+    until `release`, draining (`close_admissions`), and `wait_idle`.
+
+    A subclass calls `_init_admissions` and defines `_check_open` (raise when no
+    request can be served), `num_waiting` and `_num_open` (requests open now).
+    """
+
+    draining: bool
+    _num_reserved: int
+    _idle: trio.Event
+
+    def _init_admissions(self) -> None:
+        self.draining = False
+        self._num_reserved = 0
+        #: Set while no request is open or admitted (see `wait_idle`).
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted or sent that have produced no output yet."""
+        raise NotImplementedError
+
+    def _num_open(self) -> int:
+        raise NotImplementedError
+
+    def admit(self, count: int, limit: int | None) -> Admission:
+        """Reserve ``count`` places among the waiting requests, or refuse at once.
+
+        Checking and reserving happen in one synchronous call, so concurrent handlers can
+        never overshoot ``limit`` together. Hand the result to ``open_requests``, which
+        turns it into real requests; `release` it if the requests are never opened.
+
+        Raises:
+            EngineOverloadedError: ``limit`` is set and would be exceeded.
+            EngineError: no engine serves or will, the server is stopping, or it is
+                draining.
+        """
+        self._check_open()
+        if self.draining:
+            raise EngineShutdownError("the server is shutting down")
+        waiting = self.num_waiting
+        if limit is not None and waiting + count > limit:
+            raise EngineOverloadedError(
+                f"{waiting} requests are already waiting (limit {limit}); retry later"
+            )
+        self._num_reserved += count
+        self._busy()
+        return Admission(count)
+
+    def release(self, admission: Admission) -> None:
+        """Give back an `Admission` that was not (or no longer needs to be) used."""
+        if not admission.released:
+            admission.released = True
+            self._num_reserved -= admission.count
+            self._check_idle()
+
+    def close_admissions(self) -> None:
+        """Start draining: `admit` refuses from now on; admitted and open requests go on."""
+        self.draining = True
+        self._check_idle()
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is open or admitted (every accepted request has ended)."""
+        self._check_idle()
+        await self._idle.wait()
+
+    def _check_idle(self) -> None:
+        if self._num_open() == 0 and self._num_reserved == 0:
+            self._idle.set()
+
+    def _busy(self) -> None:
+        """A request was admitted or opened: not idle (waiters keep the same event)."""
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+
 class RequestStream:
     """Async iterator over one request's `TokenDelta`s; ends after the finishing delta.
 
@@ -197,7 +279,7 @@ class RequestStream:
         return delta
 
 
-class EngineClient:
+class EngineClient(AdmissionControl):
     """Talks to the engine-core process over its IPC channel.
 
     Created by `trio_llm.frontend.engine_process.run_engine_process` once the engine said
@@ -258,12 +340,8 @@ class EngineClient:
         self._error: EngineError | None = None
         self._ready = trio.Event()
         self._ready.set()
-        #: Set while no request is open or admitted (see `wait_idle`).
-        self._idle = trio.Event()
-        self._idle.set()
-        self._num_reserved = 0
+        self._init_admissions()
         self.stopping = False
-        self.draining = False
         #: Set once the engine stopped serving for good (died, or `stop` was called).
         self.ended = trio.Event()
         self.observer: RequestObserver | None = None
@@ -305,35 +383,6 @@ class EngineClient:
         """Requests admitted or sent that have produced no output yet (queued or prefilling)."""
         return self._num_reserved + sum(not box.started for box in self._mailboxes.values())
 
-    def admit(self, count: int, limit: int | None) -> Admission:
-        """Reserve ``count`` places among the waiting requests, or refuse at once.
-
-        Checking and reserving happen in one synchronous call, so concurrent handlers can
-        never overshoot ``limit`` together. Hand the result to `open_requests`, which
-        turns it into real requests; `release` it if the requests are never opened.
-
-        Raises:
-            EngineOverloadedError: ``limit`` is set and would be exceeded.
-            EngineError: the engine is dead or stopping, or the server is draining.
-        """
-        self._check_open()
-        if self.draining:
-            raise EngineShutdownError("the server is shutting down")
-        if limit is not None and self.num_waiting + count > limit:
-            raise EngineOverloadedError(
-                f"{self.num_waiting} requests are already waiting (limit {limit}); retry later"
-            )
-        self._num_reserved += count
-        self._busy()
-        return Admission(count)
-
-    def release(self, admission: Admission) -> None:
-        """Give back an `Admission` that was not (or no longer needs to be) used."""
-        if not admission.released:
-            admission.released = True
-            self._num_reserved -= admission.count
-            self._check_idle()
-
     def _check_open(self) -> None:
         if self.stopping:
             raise EngineShutdownError("the server is shutting down")
@@ -354,24 +403,8 @@ class EngineClient:
                 f"the engine core is restarting after a failure ({self._error}); retry later"
             )
 
-    def close_admissions(self) -> None:
-        """Start draining: `admit` refuses from now on; admitted and open requests go on."""
-        self.draining = True
-        self._check_idle()
-
-    async def wait_idle(self) -> None:
-        """Wait until no request is open or admitted (every accepted request has ended)."""
-        self._check_idle()
-        await self._idle.wait()
-
-    def _check_idle(self) -> None:
-        if not self._mailboxes and self._num_reserved == 0:
-            self._idle.set()
-
-    def _busy(self) -> None:
-        """A request was admitted or opened: not idle (waiters keep the same event)."""
-        if self._idle.is_set():
-            self._idle = trio.Event()
+    def _num_open(self) -> int:
+        return len(self._mailboxes)
 
     # ------------------------------------------------------------ requests
 
