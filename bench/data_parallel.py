@@ -32,18 +32,14 @@ from common import print_table, write_json
 from serve import load_prompts
 from serve import run as run_load
 
+from tests.support.metrics_scrape import per_engine
 from tests.support.server_process import ServerProcess
 from trio_llm.config import DEFAULT_MODEL
 
 
 def scrape(url: str, name: str) -> dict[str, float]:
     """``trio_llm:<name>`` summed by ``engine`` label."""
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(f"trio_llm:{name}{{"):
-            engine = line.split('engine="', 1)[1].split('"', 1)[0]
-            values[engine] = values.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
+    return per_engine(httpx.get(f"{url}/metrics", timeout=30).text, name)
 
 
 async def shared_prefixes(url: str, args: argparse.Namespace) -> float:

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import httpx
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MODEL
-from tests.support.metrics_scrape import poll
+from tests.support.metrics_scrape import per_engine, poll
 from tests.support.procfs import descendants, engine_children, is_running, wait_for_exit
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
 from tests.support.sse import DONE, open_events
@@ -35,15 +34,7 @@ ARGS = [
 
 
 async def _per_engine(client: httpx.AsyncClient, name: str) -> dict[str, float]:
-    """``trio_llm:<name>`` by engine label, summed over its other labels."""
-    text = (await client.get("/metrics")).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == f"trio_llm:{name}":
-                engine = sample.labels["engine"]
-                values[engine] = values.get(engine, 0.0) + sample.value
-    return values
+    return per_engine((await client.get("/metrics")).text, name)
 
 
 async def _stream(client: httpx.AsyncClient, prompt: str, started: trio.Event) -> str:

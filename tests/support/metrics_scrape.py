@@ -1,4 +1,5 @@
-"""Reading the server's /metrics from tests: one value, a condition, an idle engine."""
+"""Reading the server's /metrics from tests: one value, values by engine, a condition,
+an idle engine."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 
 async def metric(client: httpx.AsyncClient, name: str) -> float:
@@ -22,6 +24,18 @@ async def metric(client: httpx.AsyncClient, name: str) -> float:
     if not values:
         raise AssertionError(f"{name} missing from /metrics")
     return sum(values)
+
+
+def per_engine(text: str, name: str) -> dict[str, float]:
+    """``trio_llm:<name>`` in a /metrics text, by ``engine`` label, summed over its other
+    labels."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"trio_llm:{name}":
+                engine = sample.labels["engine"]
+                values[engine] = values.get(engine, 0.0) + sample.value
+    return values
 
 
 async def poll(condition: Callable[[], Awaitable[bool]], seconds: float = 10) -> None:

@@ -219,20 +219,17 @@ class DataParallelClient(AdmissionControl):
         # Ties in load are taken in turn, so an idle fleet spreads its first requests.
         rotated = candidates[turn % len(candidates) :] + candidates[: turn % len(candidates)]
         chosen = min(rotated, key=loads.__getitem__)
-        hashes: list[int] = []
-        if self.prefix_aware and len(candidates) > 1:
-            hashes = prefix_block_hashes(prompt_token_ids, self.info.block_size)
-            matched = {rank: self._records[rank].matched(hashes) for rank in candidates}
-            best = max(matched.values())
-            if best > 0:
-                holders = [rank for rank in rotated if matched[rank] == best]
-                holder = min(holders, key=loads.__getitem__)
-                if loads[holder] <= least + PREFIX_SLACK:
-                    chosen = holder
-        elif self.prefix_aware:
-            hashes = prefix_block_hashes(prompt_token_ids, self.info.block_size)
-        if hashes:
-            self._records[chosen].add(hashes)
+        if not self.prefix_aware:
+            return chosen
+        hashes = prefix_block_hashes(prompt_token_ids, self.info.block_size)
+        matched = {rank: self._records[rank].matched(hashes) for rank in candidates}
+        best = max(matched.values())
+        if best > 0 and len(candidates) > 1:
+            holders = [rank for rank in rotated if matched[rank] == best]
+            holder = min(holders, key=loads.__getitem__)
+            if loads[holder] <= least + PREFIX_SLACK:
+                chosen = holder
+        self._records[chosen].add(hashes)
         return chosen
 
     # ------------------------------------------------------------ requests
