@@ -10,6 +10,7 @@ function that was running (self time).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -21,8 +22,11 @@ from tests.support.procfs import command_line, descendants
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
-#: py-spy from the same virtual environment as this interpreter.
+#: py-spy from the same virtual environment as this interpreter, else from the PATH (the
+#: GPU run installs it with --target, bench/device_run.sh).
 PY_SPY = str(Path(sys.executable).parent / "py-spy")
+if not Path(PY_SPY).exists():
+    PY_SPY = shutil.which("py-spy") or PY_SPY
 
 
 def role(pid: int, server_pid: int) -> str:

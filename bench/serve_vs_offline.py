@@ -45,6 +45,7 @@ def server_args(args: argparse.Namespace, mode: str) -> list[str]:
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--detokenizer-mode", mode,
+        *(["--enforce-eager"] if args.enforce_eager else []),
     ]  # fmt: skip
 
 

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> dict:
         device=args.device,
         quantization=args.quantization,
         model_impl=args.model_impl,
+        enforce_eager=args.enforce_eager,
         num_threads=None if args.num_threads in (None, "auto") else int(args.num_threads),
         adaptive_threads=args.num_threads == "auto",
         kv_cache_memory=args.kv_cache_memory,
@@ -58,6 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     output_tokens = sum(len(result.token_ids) for result in results)
     prompt_tokens = sum(len(p) for p in prompts)
     quantized = f", {args.quantization}" if args.quantization else ""
+    if args.enforce_eager and args.device == "cuda":
+        quantized += ", eager"
     return {
         "system": f"trio_llm offline ({dtype}{quantized}, {args.device})",
         "requests": len(prompts),
@@ -77,6 +80,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None)
     parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs for decode steps"
+    )
     parser.add_argument("--num-threads", default=None, help="N or auto (default: all cores)")
     parser.add_argument(
         "--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 8GiB (default 2 GiB)"

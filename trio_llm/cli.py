@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers' modules; trio_llm: require it; transformers: never",
     )
     serve.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run every decode step eagerly instead of replaying CUDA graphs",
+    )
+    serve.add_argument(
         "--runner",
         choices=RUNNERS,
         default="auto",
@@ -388,6 +393,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         quantization=args.quantization,
         model_impl=args.model_impl,
+        enforce_eager=args.enforce_eager,
         runner=args.runner,
         max_model_len=args.max_model_len,
         download_dir=args.download_dir,

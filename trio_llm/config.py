@@ -106,6 +106,8 @@ class ModelConfig:
         model_impl: ``auto`` (the engine's own forward pass where the family has one,
             `trio_llm.engine.native`), ``trio_llm`` (require it) or ``transformers``.
         runner: ``auto``, ``generate`` or ``pooling`` (`RUNNERS`; `trio_llm.engine.pooling`).
+        enforce_eager: never replay decode steps from CUDA graphs (vLLM's flag;
+            `trio_llm.engine.cuda_graphs`). Graphs are used on a GPU only.
     """
 
     model: str = DEFAULT_MODEL
@@ -113,6 +115,7 @@ class ModelConfig:
     quantization: str | None = None
     model_impl: str = "auto"
     runner: str = "auto"
+    enforce_eager: bool = False
     max_model_len: int | None = None
     download_dir: str | None = None
     seed: int = 0
@@ -259,6 +262,7 @@ def engine_config(
     quantization: str | None = None,
     model_impl: str = "auto",
     runner: str = "auto",
+    enforce_eager: bool = False,
     max_model_len: int | None = None,
     download_dir: str | None = None,
     seed: int = 0,

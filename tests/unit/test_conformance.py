@@ -49,6 +49,7 @@ from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from trio_llm.engine import support
 from trio_llm.engine.attention import ATTENTION_NAME, KVCache
 from trio_llm.engine.core import EngineCore
+from trio_llm.engine.cuda_graphs import DecodeGraphs
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, SamplingParams, TokenLogprobs
 
@@ -169,6 +170,12 @@ class EngineRun:
     windows: tuple[int | None, ...] = ()
     #: Whether the engine ran its own forward pass (`trio_llm.engine.native`).
     native: bool = False
+    #: With ``gpu_paths``: decode steps run through `DecodeGraphs`' padded buffers, and
+    #: steps whose prefill chunks were attended in one batched call with two or more.
+    graph_steps: int = 0
+    batched_prefill_steps: int = 0
+    #: Why the model's decode steps cannot go through CUDA graphs (None: they can).
+    no_graphs: str | None = None
 
 
 def _config(
@@ -198,10 +205,14 @@ def _engine_run(
     hybrid: bool = True,
     block_size: int = BLOCK_SIZE,
     model_impl: str = "auto",
+    gpu_paths: bool = False,
 ) -> EngineRun:
     """All prompts at once through an `EngineCore` on a copy of the model's weights
     (``num_kv_blocks`` None: the fewest the engine accepts). ``hybrid``: sliding-window
-    layers free the KV blocks behind their window (the default)."""
+    layers free the KV blocks behind their window (the default). ``gpu_paths``: the
+    paths a GPU takes, run on the CPU: prefill chunks attended in one batched call, and
+    (where the model qualifies) decode steps through the padded static buffers of the
+    CUDA graphs, without capturing."""
     model = engine_copy(build_model(name), ATTENTION_NAME)
     roomy = num_kv_blocks or ROOMY_BLOCKS
     impl = model_impl
@@ -214,6 +225,9 @@ def _engine_run(
         tight = EngineCore(model, _config(name, roomy, hybrid, longest, block_size, impl), name)
         blocks = tight.min_num_kv_blocks
         core = EngineCore(model, _config(name, blocks, hybrid, longest, block_size, impl), name)
+    run = EngineRun([[] for _ in PROMPTS], [[] for _ in PROMPTS], [[] for _ in PROMPTS], 0, 0)
+    if gpu_paths:
+        _use_gpu_paths(core, run)
     params = SamplingParams(
         max_tokens=1 if prompt_logprobs else MAX_NEW_TOKENS,
         temperature=0.0,
@@ -223,7 +237,6 @@ def _engine_run(
     )
     for i, prompt in enumerate(PROMPTS):
         assert core.add_request(AddRequest(f"p{i}", prompt, params)) is None
-    run = EngineRun([[] for _ in PROMPTS], [[] for _ in PROMPTS], [[] for _ in PROMPTS], 0, 0)
     run.windows = core.kv_groups.windows
     run.native = core.runner.native is not None
     block_bytes = KVCache.bytes_per_block(core.layers, core.kv_groups, block_size, torch.float32)
@@ -242,6 +255,32 @@ def _engine_run(
             run.logprobs[i] += output.logprobs or []
             run.prompt_logprobs[i] += output.prompt_logprobs or []
     return run
+
+
+def _use_gpu_paths(core: EngineCore, run: EngineRun) -> None:
+    """Switch ``core``'s runner to the GPU's step paths (`_engine_run`), counting in
+    ``run`` the steps that took them."""
+    runner = core.runner
+    runner.batched_prefill = True
+    run.no_graphs = DecodeGraphs.unsupported(runner)
+    if run.no_graphs is None:
+        runner.graphs = DecodeGraphs(runner, max_num_seqs=8, capture=False)
+    prepare, takes = runner.prepare, DecodeGraphs.takes
+
+    def counting_prepare(batch: Any) -> Any:
+        step = prepare(batch)
+        if step.prefill_batch is not None and step.prefill_batch.query_pos.shape[0] >= 2:
+            run.batched_prefill_steps += 1
+        return step
+
+    def counting_takes(graphs: DecodeGraphs, step: Any) -> bool:
+        taken = takes(graphs, step)
+        run.graph_steps += taken
+        return taken
+
+    runner.prepare = counting_prepare  # type: ignore[method-assign]
+    if runner.graphs is not None:
+        runner.graphs.takes = functools.partial(counting_takes, runner.graphs)  # type: ignore[method-assign]
 
 
 def _first_difference(expected: list[list[int]], actual: list[list[int]]) -> str:
@@ -391,6 +430,40 @@ def test_prompt_logprobs_match_transformers(name: str) -> None:
     """Prompt logprobs (computed chunk by chunk during prefill) and the first sampled
     token's logprob, against one forward pass."""
     run = _engine_run(name, ROOMY_BLOCKS, True)
+    for prompt, entries, sampled in zip(PROMPTS, run.prompt_logprobs, run.logprobs, strict=True):
+        assert [e.token_id for e in entries] == prompt[1:]
+        _check_logprobs(name, prompt, entries + sampled, 1)
+
+
+# ---------------------------------------------------------------- the GPU's step paths
+
+
+@pytest.mark.parametrize("name", VERIFIED)
+@pytest.mark.parametrize("blocks", [ROOMY_BLOCKS, TINY_BLOCKS], ids=["roomy", "preempted"])
+def test_gpu_step_paths_match_generate(name: str, blocks: int | None) -> None:
+    """The paths a GPU takes, on the CPU: prefill chunks attended in one batched call
+    (windows included; a softcapped layer keeps its per-chunk calls), and for the
+    families with the engine's own forward pass, decode steps padded into the static
+    buffers of the CUDA graphs: the tokens of generate() and the logprobs of the model,
+    batched and preempted."""
+    run = _engine_run(name, blocks, False, True, BLOCK_SIZE, "auto", True)
+    expected = _generate(name)
+    assert run.tokens == expected, _first_difference(expected, run.tokens)
+    for prompt, entries in zip(PROMPTS, run.logprobs, strict=True):
+        _check_logprobs(name, prompt, entries, len(prompt))
+    assert run.batched_prefill_steps > 0, "no step prefilled two chunks together"
+    if blocks is TINY_BLOCKS:
+        assert run.num_preemptions > 0
+    # Every Llama family but the one whose rotary frequencies depend on the step.
+    assert (run.no_graphs is None) == (run.native and name != "llama_dynamic_rope")
+    if run.no_graphs is None:
+        assert run.graph_steps > 0, "no decode step ran through the graph buffers"
+
+
+@pytest.mark.parametrize("name", VERIFIED)
+def test_gpu_step_paths_keep_prompt_logprobs(name: str) -> None:
+    """Prompt logprobs through the batched prefill call, against one forward pass."""
+    run = _engine_run(name, ROOMY_BLOCKS, True, True, BLOCK_SIZE, "auto", True)
     for prompt, entries, sampled in zip(PROMPTS, run.prompt_logprobs, run.logprobs, strict=True):
         assert [e.token_id for e in entries] == prompt[1:]
         _check_logprobs(name, prompt, entries + sampled, 1)

@@ -13,7 +13,9 @@ the layer's new keys and values are written into the cache at ``slot_mapping``, 
   request's length;
 - requests with several new tokens (prefill chunks) are attended one by one, causally,
   over their context (straight from the new keys when there is no earlier context; in a
-  sliding-window layer, from the first key the chunk's first query sees).
+  sliding-window layer, from the first key the chunk's first query sees); or, on a GPU,
+  all together in one call over a padded batch (`PrefillBatch`: each chunk's context
+  read from the cache, one mask for causality, context length and window).
 
 Each layer's own attention is kept: its softmax ``scaling``, its ``sliding_window`` (a
 query at position ``p`` sees the keys at positions ``p - window + 1 .. p``, as transformers'
@@ -130,8 +132,9 @@ class KVCache:
     Slot ``j`` of every group is one pair of tensors ``[num_blocks * block_size,
     num_kv_heads, head_dim]`` (the shape of the layers in that slot). Layer ``l`` of
     group ``g`` reads and writes at ``block_id * block_size + offset`` with ``g``'s
-    block table. Memory: `bytes_per_block` ``* num_blocks`` bytes, allocated once on
-    ``device``.
+    block table. One more block past the pool, never in a block table, is scratch space:
+    the padding rows of a CUDA graph's batch write their keys there (`scratch_slot`).
+    Memory: `bytes_per_block` ``* (num_blocks + 1)`` bytes, allocated once on ``device``.
     """
 
     def __init__(
@@ -158,7 +161,10 @@ class KVCache:
         self.layers = tuple(layers)
         self.groups = groups
         slots = [layers[i] for i in groups.layers[0]]
-        shapes = [(num_blocks * block_size, spec.num_kv_heads, spec.head_dim) for spec in slots]
+        #: A cache slot outside every block table (in the scratch block).
+        self.scratch_slot = num_blocks * block_size
+        rows = (num_blocks + 1) * block_size
+        shapes = [(rows, spec.num_kv_heads, spec.head_dim) for spec in slots]
         keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         values = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         #: Per layer (``layer_idx``): its group, and its key and value tensors.
@@ -203,6 +209,86 @@ class PrefillSpan:
 
 
 @dataclass
+class PrefillBatch:
+    """A step's prefill chunks as one padded batch, attended in one call per layer.
+
+    ``C`` chunks, the longest ``n_max`` new tokens and ``L_max`` tokens of context. Query
+    ``j`` of chunk ``c`` is packed row ``query_rows[c, j]`` (padded queries read row 0);
+    it sits at position ``query_pos[c, j]`` and sees the keys of its request at positions
+    ``0 .. query_pos`` (within a layer's sliding window), read from the cache at
+    ``key_slots``: the new keys are written there first. Its output goes to packed row
+    ``output_rows[c, j]``, which is ``T`` (one row past the packed tokens, dropped) for
+    padding: no boolean indexing, so no wait for the device.
+
+    Attributes:
+        query_rows: int64 ``[C, n_max]`` packed rows of the queries.
+        output_rows: int64 ``[C, n_max]`` where each query's output goes.
+        query_pos: int64 ``[C, n_max]`` positions of the queries.
+        key_slots: per KV cache group, int64 ``[C, L_max]`` cache slots of positions
+            ``0 .. L_max - 1`` (past a chunk's context: slots of block 0, masked).
+    """
+
+    query_rows: torch.Tensor
+    output_rows: torch.Tensor
+    query_pos: torch.Tensor
+    key_slots: list[torch.Tensor]
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        tables: torch.Tensor,
+        starts: torch.Tensor,
+        num_new: torch.Tensor,
+        first_rows: torch.Tensor,
+        max_new: int,
+        max_context: int,
+        block_size: int,
+        num_tokens: int,
+    ) -> PrefillBatch:
+        """The batch of ``C`` chunks, with tensor operations on their device.
+
+        Args:
+            tables: int64 ``[groups, C, columns]`` block tables (non-negative), with
+                ``columns * block_size >= max_context``.
+            starts: int64 ``[C]`` each chunk's first position (tokens already computed).
+            num_new: int64 ``[C]`` each chunk's new tokens.
+            first_rows: int64 ``[C]`` each chunk's first packed row.
+            max_new: ``max(num_new)``.
+            max_context: ``max(starts + num_new)``.
+            block_size: tokens per KV block.
+            num_tokens: ``T``, the packed tokens of the step.
+        """
+        device = tables.device
+        offsets = torch.arange(max_new, device=device)
+        valid = offsets < num_new[:, None]
+        rows = first_rows[:, None] + offsets
+        key_pos = torch.arange(max_context, device=device)
+        block_col, key_offset = key_pos // block_size, key_pos % block_size
+        slots = [table[:, block_col] * block_size + key_offset for table in tables.unbind(0)]
+        return cls(
+            torch.where(valid, rows, 0),
+            torch.where(valid, rows, num_tokens),
+            starts[:, None] + offsets,
+            slots,
+        )
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Boolean ``[C, 1, n_max, L_max]`` (True: visible) for a layer with sliding
+        ``window`` (or None), built once per step and window."""
+        mask = self._masks.get(window)
+        if mask is None:
+            key_pos = torch.arange(self.key_slots[0].shape[1], device=self.query_pos.device)
+            query_pos = self.query_pos[:, :, None]
+            mask = key_pos <= query_pos
+            if window is not None:
+                mask &= key_pos > query_pos - window
+            mask = mask[:, None]
+            self._masks[window] = mask
+        return mask
+
+
+@dataclass
 class PagedAttentionMetadata:
     """Where this step's tokens live in the cache; the same object serves every layer.
 
@@ -232,6 +318,8 @@ class PagedAttentionMetadata:
     #: ``decode_lengths`` as Python ints (no device sync to read them); empty: not given
     #: (one decoding request then takes the padded, masked path too).
     decode_context_lens: list[int] = field(default_factory=list)
+    #: The prefill chunks as one batch (attended in one call), or None (one call each).
+    prefill_batch: PrefillBatch | None = None
     _decode_slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _decode_views: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False
@@ -364,7 +452,10 @@ def paged_attention(
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    batch = paged.prefill_batch
+    # With a prefill batch, one more row takes its padding queries' outputs.
+    rows = num_tokens + (batch is not None)
+    out = torch.empty(rows, num_heads, head_dim, dtype=query.dtype, device=query.device)
 
     num_decode = paged.num_decode
     single = num_decode == 1 and bool(paged.decode_context_lens)
@@ -400,6 +491,18 @@ def paged_attention(
             o = _attend(q_decode[start:end], keys, values, mask[start:end], scaling, softcap)
             out[start:end] = o.reshape(end - start, num_heads, head_dim)
 
+    if batch is not None and softcap is None:
+        slots = batch.key_slots[kv_group]
+        o = F.scaled_dot_product_attention(
+            q[batch.query_rows].transpose(1, 2),  # [C, H, n_max, D]
+            k_cache[slots].transpose(1, 2),  # [C, H_kv, L_max, D]
+            v_cache[slots].transpose(1, 2),
+            attn_mask=batch.mask(sliding_window),
+            scale=scaling,
+            enable_gqa=True,
+        )
+        out.index_copy_(0, batch.output_rows.view(-1), o.transpose(1, 2).flatten(0, 1))
+        return out[:num_tokens].unsqueeze(0), None
     for span in paged.prefills:
         end = span.start + span.num_new
         q_span = q[span.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -425,7 +528,7 @@ def paged_attention(
             )
             o = _attend_grouped(q_span, k_span, v_span, mask, scaling, softcap)
         out[span.start : end] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out[:num_tokens].unsqueeze(0), None
 
 
 def _attend(

@@ -155,6 +155,8 @@ class EngineCore:
             self.kv_cache,
             model_impl=config.model.model_impl,
             quantization=config.model.quantization,
+            cuda_graphs=not config.model.enforce_eager,
+            max_num_seqs=config.scheduler.max_num_seqs,
         )
         logger.info(
             "%s (%s%s): %s; %s; logits from %s",

@@ -14,6 +14,7 @@ projection's weight gives the same logits.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -22,16 +23,20 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from trio_llm.engine.attention import (
     KVCache,
     PagedAttentionMetadata,
+    PrefillBatch,
     PrefillSpan,
     step_metadata,
 )
-from trio_llm.engine.block_manager import cdiv, slot_of
+from trio_llm.engine.block_manager import cdiv
+from trio_llm.engine.cuda_graphs import DecodeGraphs
 from trio_llm.engine.native import native_decoder
 from trio_llm.engine.quantization import QuantizedLinear, can_quantize, quantize_linears
 from trio_llm.engine.request import Request
 from trio_llm.engine.scheduler import ScheduledBatch
 from trio_llm.engine.support import describe
 from trio_llm.errors import EngineConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Configuration fields of final logit processing some families apply in their forward pass.
 FINAL_PROCESSING_FIELDS = ("logits_scaling", "logit_scale", "final_logit_softcapping")
@@ -75,36 +80,44 @@ class ModelOutput:
 
 
 @dataclass
-class _StepInputs:
-    """The packed input of one step, filled by `ModelRunner.prepare_decode` and then
-    `ModelRunner.prepare_prefill` (on the CPU).
+class StepInputs:
+    """The packed input of one step, on the model's device.
+
+    Built by `ModelRunner.prepare`: the scheduled requests are read once, in Python, into
+    one int64 staging buffer (token ids, each request's first position and token count,
+    the sampled rows, the padded block tables), copied to the device in one transfer
+    (from pinned memory, without waiting, on a GPU); positions and cache slots are then
+    derived there with tensor operations.
 
     Attributes:
-        input_ids: token ids, packed (decodes first, then prefill chunks).
-        positions: the position of each packed token in its request.
-        slots: per KV cache group, the cache slots of the decode tokens.
-        chunk_slots: per KV cache group, int64 cache slots of each prefill chunk's new
-            tokens.
-        sample_rows: packed rows whose logits are sampled, one per ``sample_requests``.
-        sample_requests: the requests that sample a token this step.
+        input_ids: int64 ``[T]`` token ids, packed (decodes first, then prefill chunks).
+        positions: int64 ``[T]`` the position of each packed token in its request.
+        slot_mapping: per KV cache group, int64 ``[T]`` the cache slot of each token.
+        num_decode: the first ``num_decode`` requests (and packed tokens) have one token.
+        decode_blocks: per KV cache group, int64 ``[num_decode, columns]`` block tables
+            padded with block 0 (also where a group holds no block); None without decodes.
+        decode_lengths: int64 ``[num_decode]`` context lengths (the new token included).
+        decode_lens: ``decode_lengths`` as Python ints.
+        prefills: one `PrefillSpan` per multi-token chunk, in packed order.
+        prefill_batch: the chunks as one padded batch (`PrefillBatch`), when the runner
+            attends them in one call; else None.
+        sample_rows: int64 ``[S]`` packed rows whose logits are sampled.
+        sample_requests: the ``S`` requests that sample a token this step.
         prompt_rows: ``(request, first_target, row, count)`` for prompt logprobs.
-        decode_lens: each decode request's context length in tokens (its new one
-            included), as the decode lengths tensor holds them.
     """
 
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[list[int]] = field(default_factory=list)
-    chunk_slots: list[list[torch.Tensor]] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    sample_requests: list[Request] = field(default_factory=list)
-    prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
-    decode_lens: list[int] = field(default_factory=list)
-
-    def sample(self, request: Request) -> None:
-        """The last packed token is ``request``'s last: its logits are sampled."""
-        self.sample_rows.append(len(self.input_ids) - 1)
-        self.sample_requests.append(request)
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: list[torch.Tensor]
+    num_decode: int
+    decode_blocks: list[torch.Tensor] | None
+    decode_lengths: torch.Tensor | None
+    decode_lens: list[int]
+    prefills: list[PrefillSpan]
+    prefill_batch: PrefillBatch | None
+    sample_rows: torch.Tensor
+    sample_requests: list[Request]
+    prompt_rows: list[tuple[Request, int, int, int]]
 
 
 class ModelRunner:
@@ -118,6 +131,10 @@ class ModelRunner:
         quantization: ``int8``, ``int4`` or None: the decoder's linear layers become
             `QuantizedLinear` layers of that mode (their float weights are dropped), and a
             plain output projection an int8 one.
+        cuda_graphs: on a GPU, replay decode-only batches from CUDA graphs
+            (`trio_llm.engine.cuda_graphs`) where the model qualifies; False is vLLM's
+            ``--enforce-eager``. Ignored on the CPU.
+        max_num_seqs: the largest decode batch a graph is captured for.
 
     Raises:
         EngineConfigError: ``model_impl`` is ``trio_llm`` and the model has no native
@@ -130,6 +147,8 @@ class ModelRunner:
         kv_cache: KVCache,
         model_impl: str = "auto",
         quantization: str | None = None,
+        cuda_graphs: bool = True,
+        max_num_seqs: int = 256,
     ) -> None:
         self.model = model
         self.decoder = model.get_decoder()
@@ -138,9 +157,15 @@ class ModelRunner:
         self.num_groups = len(kv_cache.groups.layers)
         self._workspace: dict[str, torch.Tensor] = {}
         parameter = next(model.parameters())
-        #: Where the model lives; the step's index tensors are built on the CPU, then moved.
+        #: Where the model lives; the step's inputs are staged on the CPU, then moved.
         self.device = parameter.device
         self.dtype = parameter.dtype
+        self._pinned: torch.Tensor | None = None
+        self._staged: torch.cuda.Event | None = None
+        #: Attend all prefill chunks of a step in one padded call (`PrefillBatch`) instead
+        #: of one call per chunk: on a GPU, where a call costs a launch per layer and the
+        #: padding is cheap. On the CPU the per-chunk calls (no padding) are kept.
+        self.batched_prefill = self.device.type == "cuda"
         self._head = _OwnHead(model)
         head = model.get_output_embeddings()
         # [vocab, hidden]; tied to the input embeddings for SmolLM2. None: use the model's
@@ -166,6 +191,14 @@ class ModelRunner:
                 self.quantized_head = QuantizedLinear.from_weight(
                     self.lm_head_weight, None, head_method
                 )
+        #: Decode batches replayed from CUDA graphs, or None (eager steps).
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            reason = DecodeGraphs.unsupported(self)
+            if reason is None:
+                self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, capture=True)
+            else:
+                logger.info("decode steps run eagerly: %s", reason)
 
     @property
     def vocab_size(self) -> int:
@@ -176,131 +209,182 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one forward pass over the batch.
 
+        A batch of decodes only runs through `graphs` when it has them (a captured CUDA
+        graph of its padded size); any other batch runs the decoder eagerly.
+
         Returns:
             The requests that sample this step with their next-token logits, and the
             hidden states of prompt positions whose logprobs were asked for.
         """
-        decodes = [request for request, n in batch.requests if n == 1]
-        chunks = [(request, n) for request, n in batch.requests if n > 1]
-        groups = range(self.num_groups)
-        step = _StepInputs(slots=[[] for _ in groups], chunk_slots=[[] for _ in groups])
-        decode_blocks, decode_lengths = self.prepare_decode(decodes, step)
-        spans = self.prepare_prefill(chunks, step)
-        slot_mapping = [
-            torch.cat([torch.tensor(step.slots[g], dtype=torch.long), *step.chunk_slots[g]]).to(
-                self.device
+        step = self.prepare(batch)
+        if self.graphs is not None and self.graphs.takes(step):
+            hidden = self.graphs.run(step)
+        else:
+            metadata = PagedAttentionMetadata(
+                kv_cache=self.kv_cache,
+                slot_mapping=step.slot_mapping,
+                num_decode=step.num_decode,
+                decode_blocks=step.decode_blocks,
+                decode_lengths=step.decode_lengths,
+                prefills=step.prefills,
+                workspace=self._workspace,
+                dtype=self.dtype,
+                decode_context_lens=step.decode_lens,
+                prefill_batch=step.prefill_batch,
             )
-            for g in groups
-        ]
-        metadata = PagedAttentionMetadata(
-            kv_cache=self.kv_cache,
-            slot_mapping=slot_mapping,
-            num_decode=len(decodes),
-            decode_blocks=decode_blocks,
-            decode_lengths=decode_lengths,
-            prefills=spans,
-            workspace=self._workspace,
-            dtype=self.dtype,
-            decode_context_lens=step.decode_lens,
-        )
-        input_ids = torch.tensor([step.input_ids]).to(self.device)
-        position_ids = torch.tensor([step.positions]).to(self.device)
-        with step_metadata(metadata):
-            if self.native is not None:
-                hidden = self.native(input_ids, position_ids)
-            else:
-                hidden = self.decoder(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False
-                ).last_hidden_state[0]
+            hidden = self.forward(step.input_ids[None], step.positions[None], metadata)
         prompt_hidden = [
             PromptHidden(request, first, hidden[row : row + count].clone())
             for request, first, row, count in step.prompt_rows
         ]
-        if not step.sample_rows:
+        if not step.sample_requests:
             empty = hidden.new_empty(0, self._head.vocab_size, dtype=torch.float32)
             return ModelOutput([], empty, prompt_hidden)
-        logits = self.compute_logits(hidden[torch.tensor(step.sample_rows).to(self.device)])
+        logits = self.compute_logits(hidden[step.sample_rows])
         return ModelOutput(step.sample_requests, logits, prompt_hidden)
 
-    def prepare_decode(
-        self, decodes: list[Request], step: _StepInputs
-    ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
-        """Pack one token of each single-token request into ``step`` (their slots go to
-        ``step.slots``).
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        """The decoder over one packed step: int64 ``[1, T]`` ids and positions, with
+        ``metadata`` for the attention; returns the final hidden states ``[T, hidden]``."""
+        with step_metadata(metadata):
+            if self.native is not None:
+                return self.native(input_ids, position_ids)
+            return self.decoder(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False
+            ).last_hidden_state[0]
 
-        Returns:
-            ``(decode_blocks, decode_lengths)`` of `PagedAttentionMetadata` on the model's
-            device: per KV cache group, int64 ``[len(decodes), max_blocks]`` block tables
-            padded with block 0 (block 0 also where a group holds no block), and int64
-            ``[len(decodes)]`` context lengths; both None when ``decodes`` is empty.
-        """
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The `StepInputs` of ``batch``: single-token requests first, then the prefill
+        chunks (see `StepInputs` for how they are built)."""
+        decodes = [(request, 1) for request, n in batch.requests if n == 1]
+        chunks = [(request, n) for request, n in batch.requests if n > 1]
+        scheduled = decodes + chunks
         bs = self.block_size
-        for request in decodes:
-            pos = request.num_computed_tokens
-            if request.wants_prompt_logprobs and request.next_prompt_logprob == pos + 1:
-                step.prompt_rows.append((request, pos + 1, len(step.input_ids), 1))  # 1-token chunk
-            step.input_ids.append(request.token_ids[pos])
-            step.positions.append(pos)
-            for group, table in enumerate(request.block_tables):
-                step.slots[group].append(slot_of(table, pos, bs))
-            if pos + 1 == request.num_tokens:
-                step.sample(request)
-        if not decodes:
-            return None, None
-        max_blocks = max(cdiv(r.num_computed_tokens + 1, bs) for r in decodes)
-        tables = torch.zeros(self.num_groups, len(decodes), max_blocks, dtype=torch.long)
-        for row, request in enumerate(decodes):
-            for group, table in enumerate(request.block_tables):
-                blocks = table[:max_blocks]
-                tables[group, row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        tables.clamp_(min=0)  # NO_BLOCK: behind a window, never read unmasked
-        step.decode_lens = [r.num_computed_tokens + 1 for r in decodes]
-        lengths = torch.tensor(step.decode_lens)
-        return list(tables.to(self.device).unbind(0)), lengths.to(self.device)
-
-    def prepare_prefill(
-        self, chunks: list[tuple[Request, int]], step: _StepInputs
-    ) -> list[PrefillSpan]:
-        """Pack each ``(request, num_new)`` chunk of several tokens into ``step``, after
-        the decodes (their slots go to ``step.chunk_slots``).
-
-        Returns:
-            One `PrefillSpan` per chunk, in packing order; a chunk that continues an
-            earlier one carries the slots of its whole context (on the model's device).
-        """
-        bs = self.block_size
-        spans = []
-        for request, num_new in chunks:
+        ids: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []
+        for request, n in scheduled:
             start = request.num_computed_tokens
-            end = start + num_new
+            end = start + n
             if request.wants_prompt_logprobs:
                 # Position p's hidden state predicts token p + 1.
                 first = max(start + 1, request.next_prompt_logprob)
                 last = min(end + 1, request.num_prompt_tokens)
-                if first < last:
-                    row = len(step.input_ids) + first - 1 - start
-                    step.prompt_rows.append((request, first, row, last - first))
-            context = torch.arange(end)
-            span_slots = []
-            for group, table in enumerate(request.block_tables):
-                # NO_BLOCK (behind a window, never read) as block 0, not a negative slot.
-                blocks = torch.tensor(table, dtype=torch.long).clamp_(min=0)
-                context_slots = blocks[context // bs] * bs + context % bs
-                step.chunk_slots[group].append(context_slots[start:])
-                span_slots.append(context_slots.to(self.device))
-            spans.append(
-                PrefillSpan(
-                    start=len(step.input_ids),
-                    num_new=num_new,
-                    context_len=end,
-                    slots=span_slots if start > 0 else None,
-                )
-            )
-            step.input_ids.extend(request.token_ids[start:end])
-            step.positions.extend(range(start, end))
+                if n == 1 and request.next_prompt_logprob == start + 1:
+                    prompt_rows.append((request, start + 1, len(ids), 1))
+                elif n > 1 and first < last:
+                    prompt_rows.append((request, first, len(ids) + first - 1 - start, last - first))
+            ids.extend(request.token_ids[start:end])
+            starts.append(start)
+            counts.append(n)
             if end == request.num_tokens:
-                step.sample(request)
-        return spans
+                sample_rows.append(len(ids) - 1)
+                sample_requests.append(request)
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        columns = cdiv(max(ends), bs)
+        tables: list[int] = []
+        for group in range(self.num_groups):
+            for request, _ in scheduled:
+                table = request.block_tables[group][:columns]
+                tables.extend(table)
+                tables.extend([0] * (columns - len(table)))
+        num_tokens, num_requests, num_decode = len(ids), len(scheduled), len(decodes)
+        staged = self._stage([*ids, *starts, *counts, *sample_rows, *tables])
+        input_ids, rest = staged[:num_tokens], staged[num_tokens:]
+        first_pos, n_new, rest = (
+            rest[:num_requests],
+            rest[num_requests : 2 * num_requests],
+            rest[2 * num_requests :],
+        )
+        rows = rest[: len(sample_rows)]
+        # NO_BLOCK (-1: behind a sliding window, never read unmasked) reads block 0.
+        table_t = rest[len(sample_rows) :].view(self.num_groups, num_requests, columns).clamp(min=0)
+        device = staged.device
+        owner = torch.repeat_interleave(
+            torch.arange(num_requests, device=device), n_new, output_size=num_tokens
+        )
+        first_row = torch.cumsum(n_new, 0) - n_new
+        positions = first_pos[owner] + torch.arange(num_tokens, device=device) - first_row[owner]
+        block_col, offset = positions // bs, positions % bs
+        slot_mapping = [table_t[g, owner, block_col] * bs + offset for g in range(self.num_groups)]
+
+        decode_blocks = decode_lengths = None
+        decode_lens = [start + 1 for start in starts[:num_decode]]
+        if num_decode:
+            decode_columns = cdiv(max(decode_lens), bs)
+            decode_blocks = list(table_t[:, :num_decode, :decode_columns].unbind(0))
+            decode_lengths = first_pos[:num_decode] + 1
+        spans = []
+        row = num_decode
+        for index in range(num_decode, num_requests):
+            start, n = starts[index], counts[index]
+            span_slots = None
+            if start > 0:
+                span_slots = [
+                    self._context_slots(table_t[g, index], start + n)
+                    for g in range(self.num_groups)
+                ]
+            spans.append(PrefillSpan(start=row, num_new=n, context_len=start + n, slots=span_slots))
+            row += n
+        prefill_batch = None
+        if chunks and self.batched_prefill:
+            prefill_batch = PrefillBatch.build(
+                table_t[:, num_decode:],
+                first_pos[num_decode:],
+                n_new[num_decode:],
+                first_row[num_decode:],
+                max_new=max(n for _, n in chunks),
+                max_context=max(ends[num_decode:]),
+                block_size=bs,
+                num_tokens=num_tokens,
+            )
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            num_decode=num_decode,
+            decode_blocks=decode_blocks,
+            decode_lengths=decode_lengths,
+            decode_lens=decode_lens,
+            prefills=spans,
+            prefill_batch=prefill_batch,
+            sample_rows=rows,
+            sample_requests=sample_requests,
+            prompt_rows=prompt_rows,
+        )
+
+    def _context_slots(self, table: torch.Tensor, length: int) -> torch.Tensor:
+        """Cache slots (int64 ``[length]``) of positions ``0 .. length - 1`` of one block
+        table row (int64 ``[columns]``)."""
+        bs = self.block_size
+        offsets = torch.arange(bs, device=table.device)
+        return (table[: cdiv(length, bs), None] * bs + offsets).reshape(-1)[:length]
+
+    def _stage(self, values: list[int]) -> torch.Tensor:
+        """``values`` as one int64 tensor on the model's device: on a GPU through a reused
+        pinned buffer and one asynchronous copy (the buffer is rewritten only after the
+        step's sampled ids were read back, so the copy has finished)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return host
+        if self._pinned is None or self._pinned.numel() < host.numel():
+            self._pinned = torch.empty(max(host.numel(), 1 << 16), dtype=torch.long).pin_memory()
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous step's copy has left the buffer
+        pinned = self._pinned[: host.numel()]
+        pinned.copy_(host)
+        staged = pinned.to(self.device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return staged
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
