@@ -219,7 +219,8 @@ class EngineConfig:
     """Everything the engine-core child needs; sent to it once, pickled, at start-up.
 
     Attributes:
-        num_threads: torch intra-op threads in the engine; ``None`` uses every CPU core.
+        num_threads: torch intra-op threads in the engine; ``None`` uses every CPU core
+            on the CPU, and one thread with ``device="cuda"``.
         adaptive_threads: on the CPU, run each step on one thread fewer for each core
             other processes take (`trio_llm.engine.cpu_share`; ``--num-threads auto``).
             float32 results then depend on the thread count at the 1e-6 level, so a

@@ -1,9 +1,10 @@
-"""CUDA graphs for decode steps (`trio_llm.engine.cuda_graphs`) and the step inputs the GPU
-path relies on.
+"""The GPU's paths: CUDA graphs for decode steps (`trio_llm.engine.cuda_graphs`), batched
+prefill attention and sampling on the device.
 
 The padded path itself is checked against generate() in the conformance suite
 (``test_gpu_step_paths_*``). Here: the buckets, which models qualify, the flag, and — on
-a machine with a GPU only — that captured graphs give the eager engine's tokens.
+a machine with a GPU only — that captured graphs give the eager engine's tokens and that
+sampling on the device keeps seeds and truncation.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.core import EngineCore
 from trio_llm.engine.cuda_graphs import DecodeGraphs, batch_buckets, column_buckets
+from trio_llm.engine.request import Request
+from trio_llm.engine.sampler import Sampler
 from trio_llm.messages import AddRequest, SamplingParams
 
 
@@ -103,3 +106,24 @@ def test_captured_graphs_give_the_eager_tokens() -> None:
     plain.runner.batched_prefill = False
     assert _greedy(graphed, prompts, 40) == _greedy(plain, prompts, 40)
     assert graphed.runner.graphs.num_captured >= 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sampling on a GPU needs one")
+def test_sampling_on_the_gpu_keeps_seeds_and_truncation() -> None:
+    """The sampler on CUDA logits: a seeded row draws what it draws on the CPU (its own
+    generator, on the CPU), and unseeded rows stay inside their top-k set."""
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    seeded = [
+        Request(f"s{i}", [1], SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=i))
+        for i in range(8)
+    ]
+    unseeded = [Request(f"u{i}", [1], SamplingParams(temperature=1.0, top_k=5)) for i in range(8)]
+    on_cpu = Sampler(seed=1)(logits[:8].clone(), seeded).token_ids
+    seeded_again = [
+        Request(f"s{i}", [1], SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=i))
+        for i in range(8)
+    ]
+    on_gpu = Sampler(seed=1)(logits.clone().cuda(), seeded_again + unseeded)
+    assert on_gpu.token_ids[:8] == on_cpu
+    top5 = logits[8:].topk(5).indices.tolist()
+    assert all(t in top for t, top in zip(on_gpu.token_ids[8:], top5, strict=True))

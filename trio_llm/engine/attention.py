@@ -199,7 +199,8 @@ class PrefillSpan:
         slots: per KV cache group, the cache slots of all ``context_len`` tokens (int64
             ``[context_len]``; behind a sliding window, where the group holds no block,
             slots of block 0 that are never read), or None when ``context_len ==
-            num_new`` (keys are taken from the new ones).
+            num_new`` (keys are taken from the new ones) or when the step's
+            `PrefillBatch` serves every layer (none softcaps).
     """
 
     start: int

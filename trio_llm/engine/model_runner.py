@@ -166,6 +166,9 @@ class ModelRunner:
         #: of one call per chunk: on a GPU, where a call costs a launch per layer and the
         #: padding is cheap. On the CPU the per-chunk calls (no padding) are kept.
         self.batched_prefill = self.device.type == "cuda"
+        #: Some layer softcaps its attention logits: it attends chunk by chunk even with
+        #: a prefill batch.
+        self._softcapped = any(spec.softcap is not None for spec in kv_cache.layers)
         self._head = _OwnHead(model)
         head = model.get_output_embeddings()
         # [vocab, hidden]; tied to the input embeddings for SmolLM2. None: use the model's
@@ -322,18 +325,6 @@ class ModelRunner:
             decode_columns = cdiv(max(decode_lens), bs)
             decode_blocks = list(table_t[:, :num_decode, :decode_columns].unbind(0))
             decode_lengths = first_pos[:num_decode] + 1
-        spans = []
-        row = num_decode
-        for index in range(num_decode, num_requests):
-            start, n = starts[index], counts[index]
-            span_slots = None
-            if start > 0:
-                span_slots = [
-                    self._context_slots(table_t[g, index], start + n)
-                    for g in range(self.num_groups)
-                ]
-            spans.append(PrefillSpan(start=row, num_new=n, context_len=start + n, slots=span_slots))
-            row += n
         prefill_batch = None
         if chunks and self.batched_prefill:
             prefill_batch = PrefillBatch.build(
@@ -346,6 +337,21 @@ class ModelRunner:
                 block_size=bs,
                 num_tokens=num_tokens,
             )
+        spans = []
+        row = num_decode
+        # A chunk's context slots, for the layers that attend chunk by chunk (all of
+        # them, or with a prefill batch those with a softcap).
+        per_chunk = prefill_batch is None or self._softcapped
+        for index in range(num_decode, num_requests):
+            start, n = starts[index], counts[index]
+            span_slots = None
+            if start > 0 and per_chunk:
+                span_slots = [
+                    self._context_slots(table_t[g, index], start + n)
+                    for g in range(self.num_groups)
+                ]
+            spans.append(PrefillSpan(start=row, num_new=n, context_len=start + n, slots=span_slots))
+            row += n
         return StepInputs(
             input_ids=input_ids,
             positions=positions,

@@ -15,6 +15,12 @@ output does not depend on what else is in the batch; the rest share the engine's
 
 Reported logprobs are the log-softmax of exactly the logits the token was drawn from (after
 all processing), so a token outside the truncated set has logprob ``-inf``.
+
+Everything runs where the logits are: on a GPU the per-row parameters go over in one
+small copy each, unseeded rows draw from a generator on that device (seeded from the
+engine's seed), and a seeded row's draws are made by its own CPU generator and copied
+over, so a seed gives the same draws on either device. The one wait for the device is
+reading the sampled ids back (and the logprobs, for requests that ask for them).
 """
 
 from __future__ import annotations
@@ -52,53 +58,65 @@ class Sampler:
     """
 
     def __init__(self, seed: int = 0, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = sorted(eos_token_ids)
+        #: The generators of unseeded rows, per device (the CPU's is `generator`).
+        self._generators = {torch.device("cpu"): self.generator}
+
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from on ``device`` (made on first use, seeded
+        with the engine's seed)."""
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample a token for each request.
 
         Args:
-            logits: float32 ``[N, vocab]``, row ``i`` for ``requests[i]``; modified in place.
-                On a GPU, a batch that is all plain greedy (no logprobs, bias, penalties or
-                ``min_tokens`` mask) takes its argmax there; any other batch is moved to
-                the CPU first, where the per-request generators live.
+            logits: float32 ``[N, vocab]``, row ``i`` for ``requests[i]``, on any device;
+                modified in place.
 
         Returns:
             ``N`` token ids and, where asked for, their logprobs.
         """
         if not requests:
             return SamplerOutput([], [])
-        if logits.device.type != "cpu":
-            if all(self._plain_greedy(r) for r in requests):
-                return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
-            logits = logits.cpu()
+        device = logits.device
+        if all(self._plain_greedy(r) for r in requests):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         self._process(logits, requests)
         greedy = [r.params.greedy for r in requests]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            temperature = torch.tensor(
-                [1.0 if g else r.params.temperature for r, g in zip(requests, greedy, strict=True)]
+            temperature = _on(
+                [1.0 if g else r.params.temperature for r, g in zip(requests, greedy, strict=True)],
+                device,
             )
             logits.div_(temperature[:, None])
             _truncate(logits, requests, greedy)
             probs = logits.softmax(dim=-1)
             q = torch.empty_like(probs)
-            q.exponential_(generator=self.generator)
+            q.exponential_(generator=self.generator_for(device))
             for row, request in enumerate(requests):
                 if request.generator is not None:
-                    q[row].exponential_(generator=request.generator)
+                    # Drawn on the CPU (the request's own generator), whatever the device.
+                    own = torch.empty(probs.shape[1]).exponential_(generator=request.generator)
+                    q[row] = own.to(device)
             tokens = (probs / q).argmax(dim=-1)
             greedy_rows = [row for row, g in enumerate(greedy) if g]
             if greedy_rows:
-                rows = torch.tensor(greedy_rows)
+                rows = _on(greedy_rows, device)
                 tokens[rows] = logits[rows].argmax(dim=-1)
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
         if wanted:
-            rows = torch.tensor(wanted)
+            rows = _on(wanted, device)
             entries = gather_logprobs(
                 logits[rows].log_softmax(dim=-1),
                 tokens[rows],
@@ -129,8 +147,8 @@ class Sampler:
         for row, request in enumerate(requests):
             params = request.params
             if params.logit_bias:
-                ids = torch.tensor([token for token, _ in params.logit_bias])
-                bias = torch.tensor([value for _, value in params.logit_bias])
+                ids = _on([token for token, _ in params.logit_bias], logits.device)
+                bias = _on([value for _, value in params.logit_bias], logits.device)
                 logits[row].index_add_(0, ids, bias)
             if request.num_output_tokens < params.min_tokens:
                 masked = list(params.stop_token_ids)
@@ -141,14 +159,23 @@ class Sampler:
             if not params.has_penalties:
                 continue
             if params.repetition_penalty != 1.0:
-                seen = torch.tensor(request.token_ids).unique()
+                seen = _on(request.token_ids, logits.device).unique()
                 values = logits[row, seen]
                 penalty = params.repetition_penalty
                 logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
             if request.num_output_tokens and (params.frequency_penalty or params.presence_penalty):
-                output = torch.tensor(request.token_ids[request.num_prompt_tokens :])
+                output = _on(request.token_ids[request.num_prompt_tokens :], logits.device)
                 ids, counts = output.unique(return_counts=True)
                 logits[row, ids] -= params.frequency_penalty * counts + params.presence_penalty
+
+
+def _on(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device`` (through pinned memory off the CPU, so the
+    copy does not wait for the device's queue)."""
+    tensor = torch.tensor(values)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _truncate(logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> None:
@@ -160,19 +187,20 @@ def _truncate(logits: torch.Tensor, requests: list[Request], greedy: list[bool])
     ]
     top_p = [1.0 if g else r.params.top_p for r, g in zip(requests, greedy, strict=True)]
     min_p = [0.0 if g else r.params.min_p for r, g in zip(requests, greedy, strict=True)]
+    device = logits.device
     if any(p > 0 for p in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p)[:, None]
+        threshold = probs.max(dim=-1, keepdim=True).values * _on(min_p, device)[:, None]
         logits.masked_fill_(probs < threshold, -torch.inf)
     if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):
         return
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab)[None, :]
-    remove = ranks >= torch.tensor(top_k)[:, None]
+    ranks = torch.arange(vocab, device=device)[None, :]
+    remove = ranks >= _on(top_k, device)[:, None]
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token once the mass strictly before it already reaches top_p (the first token
     # always stays).
     mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= torch.tensor(top_p)[:, None]
+    remove |= mass_before >= _on(top_p, device)[:, None]
     remove[:, 0] = False  # a top_p below float32's resolution must not remove everything
     logits.scatter_(-1, order, sorted_logits.masked_fill(remove, -torch.inf))

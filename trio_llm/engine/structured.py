@@ -211,7 +211,8 @@ def apply_masks(logits: torch.Tensor, matchers: list[tuple[int, llguidance.LLMat
     (docs/structured-output.md).
 
     Args:
-        logits: float32 ``[N, vocab]`` on the CPU.
+        logits: float32 ``[N, vocab]`` (on any device: the masks are made on the CPU
+            and copied over).
         matchers: ``(row, matcher)`` for the constrained rows.
     """
     import torch
@@ -221,8 +222,9 @@ def apply_masks(logits: torch.Tensor, matchers: list[tuple[int, llguidance.LLMat
     bitmask = llg_numpy.allocate_token_bitmask(len(matchers), vocab)
     for index, (_, matcher) in enumerate(matchers):
         llg_numpy.fill_next_token_bitmask(matcher, bitmask, index)
-    rows = torch.tensor([row for row, _ in matchers])
-    logits[rows] = logits[rows].masked_fill(_disallowed(bitmask, vocab), -torch.inf)
+    rows = torch.tensor([row for row, _ in matchers], device=logits.device)
+    hidden = _disallowed(bitmask, vocab).to(logits.device)
+    logits[rows] = logits[rows].masked_fill(hidden, -torch.inf)
 
 
 def _disallowed(bitmask: Any, vocab: int) -> torch.Tensor:
