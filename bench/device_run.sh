@@ -31,8 +31,10 @@ fi
     tail -n 5 | tee "$out/pytest.txt"
 
 # 2. The seed workload (random weights of SmolLM2-135M's shapes: the carry limit).
-"$python" bench/random_weights.py .devmodel || exit 1
-common=(--model .devmodel --device "$device" --dtype "$dtype" --input-len 250
+model=/tmp/trio-llm-devmodel  # a copy: .devmodel keeps no weights (the carry limit)
+rm -rf "$model" && cp -r .devmodel "$model"
+"$python" bench/random_weights.py "$model" || exit 1
+common=(--model "$model" --device "$device" --dtype "$dtype" --input-len 250
     --output-len "$output_len" --max-num-seqs 256 --max-num-batched-tokens 8192
     --kv-cache-memory "$kv")
 "$python" bench/throughput.py "${common[@]}" --num-prompts "$prompts" \
@@ -43,6 +45,10 @@ common=(--model .devmodel --device "$device" --dtype "$dtype" --input-len 250
 "$python" bench/serve_vs_offline.py "${common[@]}" --num-prompts "$prompts" \
     --profile "$out/profiles" --json "$out/serve_vs_offline.json" 2>&1 |
     tee "$out/serve_vs_offline.txt"
+# vLLM's --stream-interval: fewer, bigger SSE events (the API server's work per token).
+"$python" bench/serve_vs_offline.py "${common[@]}" --num-prompts "$prompts" --modes inline \
+    --stream-interval 8 --json "$out/serve_vs_offline_si8.json" 2>&1 |
+    tee "$out/serve_vs_offline_si8.txt"
 for n in 1 16 64; do
     "$python" bench/throughput.py "${common[@]}" --num-prompts "$n" \
         --json "$out/offline_$n.json" 2>&1 | grep -v Warning

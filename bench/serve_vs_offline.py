@@ -46,6 +46,7 @@ def server_args(args: argparse.Namespace, mode: str) -> list[str]:
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--detokenizer-mode", mode,
         *(["--enforce-eager"] if args.enforce_eager else []),
+        "--stream-interval", str(args.stream_interval),
     ]  # fmt: skip
 
 
@@ -84,6 +85,9 @@ def main() -> None:
     throughput.add_workload_args(parser)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--profile", type=Path, default=None, help="py-spy output folder")
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="the servers' --stream-interval"
+    )
     parser.add_argument("--json", default="bench/results/serve_vs_offline.json")
     args = parser.parse_args()
     args.max_concurrency = 0

@@ -319,6 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse new requests while N are waiting for the engine (default: no limit)",
     )
     serve.add_argument(
+        "--stream-interval",
+        type=parse_positive_int,
+        default=1,
+        metavar="N",
+        help="output tokens a stream gathers before sending them, after the first token "
+        "(vLLM's flag; larger: fewer events, less API-server work per token; default 1)",
+    )
+    serve.add_argument(
         "--vllm-metric-names",
         action="store_true",
         help="/metrics also lists every series under vLLM's vllm: prefix (for routers and "
@@ -433,6 +441,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         allow_credentials=args.allow_credentials,
         max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
+        stream_interval=args.stream_interval,
         max_logprobs=args.max_logprobs,
         vllm_metric_names=args.vllm_metric_names,
         request_body_timeout=args.request_body_timeout,

@@ -27,6 +27,9 @@ API_KEY_ENV = "TRIO_LLM_API_KEY"
 
 #: Largest request body accepted by default (bytes).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
+#: Largest ``--stream-interval``: the API server pauses a request in the engine once 64 of
+#: its tokens are unread (`trio_llm.frontend.engine_client.PAUSE_AFTER_UNREAD_TOKENS`).
+MAX_STREAM_INTERVAL = 64
 
 #: KV cache size used when neither --num-kv-blocks nor --kv-cache-memory is given (bytes).
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
@@ -412,6 +415,9 @@ class ServerConfig:
             required by ``enable_auto_tool_choice``.
         vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
             prefix (for routers and autoscalers that read vLLM's names).
+        stream_interval: output tokens a stream gathers before it sends them, after its
+            first token (vLLM's ``--stream-interval``): larger values send fewer, bigger
+            events and cost the API server less per token; 1 sends every token at once.
         data_parallel_size: engine-core children, each with its own model copy and KV
             cache (`trio_llm.frontend.data_parallel`): on CUDA one GPU each, on the CPU
             an equal share of the cores each unless ``engine.num_threads`` says otherwise.
@@ -433,6 +439,7 @@ class ServerConfig:
     allow_credentials: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_num_waiting_requests: int | None = None
+    stream_interval: int = 1
     max_logprobs: int = 20
     limits: RequestLimits = field(default_factory=RequestLimits)
     request_body_timeout: float = 30.0
@@ -473,6 +480,8 @@ class ServerConfig:
             raise ValueError("max_request_body_bytes must be at least 1 byte")
         if self.max_num_waiting_requests is not None and self.max_num_waiting_requests < 1:
             raise ValueError("max_num_waiting_requests must be at least 1 (or None for no limit)")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be between 1 and {MAX_STREAM_INTERVAL}")
         if not self.request_body_timeout > 0:
             raise ValueError("request_body_timeout must be positive")
         if self.max_logprobs < 0:

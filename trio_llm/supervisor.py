@@ -95,6 +95,7 @@ async def serve(
         async with trio.open_nursery() as engine_nursery:
             engine: EngineHandle = await engine_nursery.start(_supervise_engines, config, lifecycle)
             for rank, client in enumerate(engine.engines):
+                client.stream_interval = config.stream_interval
                 info = client.info
                 name = "engine" if len(engine.engines) == 1 else f"engine {rank}"
                 logger.info(

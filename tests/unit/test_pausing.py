@@ -6,10 +6,13 @@ FakeEngine), so the messages the client sends are seen exactly.
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
 from tests.unit.conftest import FakeEngine, engine_client_pair
+from trio_llm.cli import build_parser, config_from_args
+from trio_llm.config import MAX_STREAM_INTERVAL
 from trio_llm.frontend.engine_client import PAUSE_AFTER_UNREAD_TOKENS
 from trio_llm.messages import (
     AddRequest,
@@ -57,3 +60,74 @@ async def test_unread_output_pauses_the_request_and_reading_resumes_it() -> None
                         read += len((await slow.__anext__()).token_ids)
                 assert client.num_pauses == 1
             nursery.cancel_scope.cancel()
+
+
+async def test_stream_interval_gathers_tokens_after_the_first() -> None:
+    """``--stream-interval 4``: the first token at once, then deltas of 4 tokens, and
+    whatever is left when the request finishes; the engine's steps are unchanged."""
+    client, stream = engine_client_pair(INFO)
+    client.stream_interval = 4
+    engine = FakeEngine(stream)
+    deltas: list[tuple[int, str | None]] = []
+
+    async def read(request: object) -> None:
+        async for delta in request:  # type: ignore[attr-defined]
+            deltas.append((len(delta.token_ids), delta.finish_reason))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.route_outputs)
+            nursery.start_soon(engine.run)
+            async with client.open_requests([([1], SamplingParams(max_tokens=100))]) as (req,):
+                await engine.wait_for(AddRequest)
+                async with trio.open_nursery() as readers:
+                    readers.start_soon(read, req)
+                    await engine.tokens(req.request_id, 1)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert deltas == [(1, None)]
+                    await engine.tokens(req.request_id, 3)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert deltas == [(1, None)]  # 3 of 4: held
+                    await engine.tokens(req.request_id, 1)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert deltas == [(1, None), (4, None)]
+                    await engine.tokens(req.request_id, 2)
+                    await engine.output(req.request_id, finish="length")
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert deltas == [(1, None), (4, None), (3, "length")]
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_largest_stream_interval_cannot_wait_for_a_paused_request() -> None:
+    """The largest interval equals the unread tokens that pause a request, so a paused
+    request always has a full delta to read (and reading resumes it)."""
+    assert MAX_STREAM_INTERVAL == PAUSE_AFTER_UNREAD_TOKENS
+    client, stream = engine_client_pair(INFO)
+    client.stream_interval = MAX_STREAM_INTERVAL
+    engine = FakeEngine(stream)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.route_outputs)
+            nursery.start_soon(engine.run)
+            async with client.open_requests([([1], SamplingParams(max_tokens=1000))]) as (req,):
+                await engine.wait_for(AddRequest)
+                await engine.tokens(req.request_id, 1)
+                assert len((await req.__anext__()).token_ids) == 1
+                await engine.tokens(req.request_id, PAUSE_AFTER_UNREAD_TOKENS)
+                await engine.wait_for(PauseRequests)
+                assert len((await req.__anext__()).token_ids) == PAUSE_AFTER_UNREAD_TOKENS
+                await engine.wait_for(ResumeRequests)
+            nursery.cancel_scope.cancel()
+
+
+def test_stream_interval_flag() -> None:
+    """vLLM's flag: 1 by default, at most `MAX_STREAM_INTERVAL`; out of range is a
+    usage error, naming the field."""
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["serve"])).stream_interval == 1
+    args = parser.parse_args(["serve", "--stream-interval", "8"])
+    assert config_from_args(args).stream_interval == 8
+    with pytest.raises(ValueError, match="stream_interval must be between 1 and 64"):
+        config_from_args(parser.parse_args(["serve", "--stream-interval", "65"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--stream-interval", "0"])

@@ -226,6 +226,7 @@ class RequestStream:
         self._client = client
         self.finished = False
         self.finish_reason: str | None = None
+        self._yielded = False
 
     async def finish(self, reason: str) -> None:
         """End the request early on the server's side (e.g. a stop string matched).
@@ -246,11 +247,18 @@ class RequestStream:
         box = self._mailbox
         if self.finished:
             raise StopAsyncIteration
+        # The first delta as soon as there is one; later ones gather `stream_interval`
+        # tokens (fewer at the end), as vLLM's --stream-interval.
+        needed = self._client.stream_interval if self._yielded else 1
         while (
-            not box.token_ids and not box.text and box.finish_reason is None and box.error is None
+            len(box.token_ids) < needed
+            and not (needed == 1 and box.text)
+            and box.finish_reason is None
+            and box.error is None
         ):
             await box.wakeup.wait()
             box.wakeup = trio.Event()
+        self._yielded = True
         if box.error is not None:
             self.finished = True
             raise box.error
@@ -319,6 +327,10 @@ class EngineClient(AdmissionControl):
     ) -> None:
         self.info = info
         self.detokenizes = detokenizes
+        #: Tokens each stream gathers before it yields a delta, after its first one
+        #: (``--stream-interval``; 1 to `PAUSE_AFTER_UNREAD_TOKENS`: a request is paused
+        #: once that many are unread, so a larger interval would wait for ever).
+        self.stream_interval = 1
         self.stats = EngineStats()
         self.step_timeout = step_timeout
         #: A dead child will be replaced (requests then wait); off after `give_up`.
