@@ -129,7 +129,7 @@ class KVGroups:
 class KVCache:
     """Key and value tensors shared by the KV cache groups.
 
-    Slot ``j`` of every group is one pair of tensors ``[num_blocks * block_size,
+    Slot ``j`` of every group is one pair of tensors ``[(num_blocks + 1) * block_size,
     num_kv_heads, head_dim]`` (the shape of the layers in that slot). Layer ``l`` of
     group ``g`` reads and writes at ``block_id * block_size + offset`` with ``g``'s
     block table. One more block past the pool, never in a block table, is scratch space:

@@ -125,7 +125,8 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM (e.g. ``LlamaForCausalLM``), on the CPU or on a
-            CUDA device (the step's inputs are built on the CPU and moved to its device).
+            CUDA device (each step's inputs are staged on the CPU and moved to its device
+            in one copy, `StepInputs`).
         kv_cache: the paged cache this runner writes to.
         model_impl: ``auto``, ``trio_llm`` or ``transformers`` (`trio_llm.engine.native`).
         quantization: ``int8``, ``int4`` or None: the decoder's linear layers become
