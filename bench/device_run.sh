@@ -3,8 +3,9 @@
 # device tool. Run `bash bench/device_prepare.sh` here first and carry .whl and .devmodel;
 # results go to $OUT.
 #   bash bench/device_run.sh [NUM_PROMPTS] [OUTPUT_LEN]
+# An estimate of 6 minutes on the H200 (never timed there): give the call timeout_s=540.
 # DEVICE=cpu runs the same steps on the CPU (float32, smaller cache): how the script is
-# tried without a GPU, e.g. `DEVICE=cpu bash bench/device_run.sh 8 16`.
+# tried without a GPU, e.g. `DEVICE=cpu PYTHON=.venv/bin/python bash bench/device_run.sh 4 8`.
 set -uo pipefail
 prompts=${1:-256}
 output_len=${2:-200}
