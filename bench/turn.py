@@ -32,6 +32,7 @@ from typing import Any
 
 import compare
 import contention
+import gpu_targets
 import roofline
 import trio
 from common import sonnet_prompts, write_json
@@ -193,6 +194,14 @@ def target_lines(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
             f"target 5 ({row['setting']}): beside a one-core hog {row['hog slowdown']:.2f}x "
             f"slower, two engines {row['pair slowdown']:.2f}x slower each, vs goal <= 2.2x"
         )
+    gpu = args.gpu_results
+    if gpu is not None and (gpu / "offline.json").exists():
+        lines += gpu_targets.target_lines(gpu)
+    else:
+        lines.append(
+            "target 4 (GPU): not measured in this run; bench/device_run.sh on a lent GPU, "
+            "then --gpu-results OUT_DIR prints its lines here"
+        )
     return lines
 
 
@@ -203,6 +212,9 @@ def main() -> None:
         "--modes", nargs="+", choices=sorted(MODES), default=["fp32", "int8", "int4"]
     )
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--gpu-results", type=Path, default=None, help="bench/device_run.sh's $OUT folder"
+    )
     parser.add_argument("--c1-requests", type=int, default=3)
     parser.add_argument("--c1-input-len", type=int, default=128)
     parser.add_argument("--c1-output-len", type=int, default=64)
