@@ -323,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_positive_int,
         default=1,
         metavar="N",
-        help="output tokens a stream gathers before sending them, after the first token "
-        "(vLLM's flag; larger: fewer events, less API-server work per token; default 1)",
+        help="output tokens (1-64) a stream gathers before sending them, after the first "
+        "token (vLLM's flag; larger: fewer events, less API-server work per token; default 1)",
     )
     serve.add_argument(
         "--vllm-metric-names",

@@ -27,8 +27,8 @@ API_KEY_ENV = "TRIO_LLM_API_KEY"
 
 #: Largest request body accepted by default (bytes).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
-#: Largest ``--stream-interval``: the API server pauses a request in the engine once 64 of
-#: its tokens are unread (`trio_llm.frontend.engine_client.PAUSE_AFTER_UNREAD_TOKENS`).
+#: Largest ``--stream-interval`` (tokens): a stream's unread tokens are held in memory, and
+#: longer pieces stop looking like streaming.
 MAX_STREAM_INTERVAL = 64
 
 #: KV cache size used when neither --num-kv-blocks nor --kv-cache-memory is given (bytes).

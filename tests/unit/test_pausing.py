@@ -98,10 +98,10 @@ async def test_stream_interval_gathers_tokens_after_the_first() -> None:
             nursery.cancel_scope.cancel()
 
 
-async def test_the_largest_stream_interval_cannot_wait_for_a_paused_request() -> None:
-    """The largest interval equals the unread tokens that pause a request, so a paused
-    request always has a full delta to read (and reading resumes it)."""
-    assert MAX_STREAM_INTERVAL == PAUSE_AFTER_UNREAD_TOKENS
+async def test_a_reader_of_full_pieces_is_never_paused() -> None:
+    """With the largest interval, a full piece of unread tokens does not pause the
+    request (its reader is waiting for exactly that); 64 more than a full piece, less
+    one, do, and the paused request's reader takes them all and resumes it."""
     client, stream = engine_client_pair(INFO)
     client.stream_interval = MAX_STREAM_INTERVAL
     engine = FakeEngine(stream)
@@ -113,9 +113,17 @@ async def test_the_largest_stream_interval_cannot_wait_for_a_paused_request() ->
                 await engine.wait_for(AddRequest)
                 await engine.tokens(req.request_id, 1)
                 assert len((await req.__anext__()).token_ids) == 1
-                await engine.tokens(req.request_id, PAUSE_AFTER_UNREAD_TOKENS)
+                for _ in range(3):
+                    await engine.tokens(req.request_id, MAX_STREAM_INTERVAL)
+                    assert len((await req.__anext__()).token_ids) == MAX_STREAM_INTERVAL
+                assert client.num_pauses == 0
+                unread = MAX_STREAM_INTERVAL - 1 + PAUSE_AFTER_UNREAD_TOKENS
+                await engine.tokens(req.request_id, unread - 1)
+                await trio.testing.wait_all_tasks_blocked()
+                assert client.num_pauses == 0
+                await engine.tokens(req.request_id, 1)
                 await engine.wait_for(PauseRequests)
-                assert len((await req.__anext__()).token_ids) == PAUSE_AFTER_UNREAD_TOKENS
+                assert len((await req.__anext__()).token_ids) == unread
                 await engine.wait_for(ResumeRequests)
             nursery.cancel_scope.cancel()
 

@@ -4,7 +4,8 @@ One reader task (`EngineClient.route_outputs`) receives every `StepOutputs` mess
 hands each request's tokens to that request's mailbox; handlers consume them through
 `EngineClient.open_request`. A mailbox coalesces tokens, so a slow consumer never blocks
 the reader (and with it every other request). Once a mailbox holds
-`PAUSE_AFTER_UNREAD_TOKENS` unread tokens, the request is paused in the engine
+`PAUSE_AFTER_UNREAD_TOKENS` unread tokens beyond the ``stream_interval`` its consumer
+waits for, the request is paused in the engine
 (`PauseRequests`: it leaves the batch and frees its KV blocks) until its consumer reads
 them (`ResumeRequests`), so a client that stops reading costs a bounded buffer here and
 no batch slot there.
@@ -62,7 +63,9 @@ from trio_llm.messages import (
 #: Engine request numbers, shared by every client in this process.
 _REQUEST_IDS = itertools.count()
 
-#: Unread output tokens after which a request is paused in the engine (see the module doc).
+#: Unread output tokens, beyond a full piece of ``stream_interval`` tokens less one, after
+#: which a request is paused in the engine (see the module doc): 64 with the default
+#: interval of 1.
 PAUSE_AFTER_UNREAD_TOKENS = 64
 
 
@@ -328,8 +331,8 @@ class EngineClient(AdmissionControl):
         self.info = info
         self.detokenizes = detokenizes
         #: Tokens each stream gathers before it yields a delta, after its first one
-        #: (``--stream-interval``; 1 to `PAUSE_AFTER_UNREAD_TOKENS`: a request is paused
-        #: once that many are unread, so a larger interval would wait for ever).
+        #: (``--stream-interval``). A request is paused only past a full piece, so a
+        #: reader that keeps up is never paused whatever the interval.
         self.stream_interval = 1
         self.stats = EngineStats()
         self.step_timeout = step_timeout
@@ -591,7 +594,7 @@ class EngineClient(AdmissionControl):
                 box.finish_reason = output.finish_reason
                 del self._mailboxes[output.request_id]
                 self._finished(box, output.finish_reason)
-            elif not box.paused and len(box.token_ids) >= PAUSE_AFTER_UNREAD_TOKENS:
+            elif not box.paused and len(box.token_ids) >= self._pause_after:
                 box.paused = True
                 self.num_pauses += 1
                 to_pause.append(output.request_id)
@@ -636,6 +639,12 @@ class EngineClient(AdmissionControl):
         """No child will be started any more: fail everything with ``error`` for good."""
         self.restart_enabled = False
         self.fail_all(error)
+
+    @property
+    def _pause_after(self) -> int:
+        """Unread tokens at which a request is paused: `PAUSE_AFTER_UNREAD_TOKENS` past a
+        full piece of `stream_interval` tokens (less one)."""
+        return PAUSE_AFTER_UNREAD_TOKENS + self.stream_interval - 1
 
     def attach(self, channel: ipc.MessageChannel[FromEngine], info: EngineReady) -> None:
         """Serve through a restarted child from now on (requests waiting for it go ahead)."""
