@@ -188,6 +188,13 @@ class KVCache:
         return 2 * block_size * per_token * itemsize
 
 
+def context_slots(table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The cache slots (int64 ``[length]``) of positions ``0 .. length - 1`` of a request
+    whose block table is ``table`` (int64 ``[columns]``, non-negative, covering them)."""
+    positions = torch.arange(length, device=table.device)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
 @dataclass
 class PrefillSpan:
     """One request's chunk of new tokens inside the packed sequence.
@@ -331,10 +338,8 @@ class PagedAttentionMetadata:
         cache group ``group`` (int64 ``[length]``), built once per step and group."""
         slots = self._decode_slots.get(group)
         if slots is None:
-            bs = self.kv_cache.block_size
             table = self.decode_blocks[group][0]
-            positions = torch.arange(length, device=table.device)
-            slots = table[positions // bs] * bs + positions % bs
+            slots = context_slots(table, length, self.kv_cache.block_size)
             self._decode_slots[group] = slots
         return slots
 

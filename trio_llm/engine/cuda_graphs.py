@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from trio_llm.engine.attention import PagedAttentionMetadata
-from trio_llm.engine.block_manager import cdiv
 
 if TYPE_CHECKING:
     from trio_llm.engine.model_runner import ModelRunner, StepInputs
@@ -105,8 +104,8 @@ class DecodeGraphs:
         self.capture = capture
         self.max_num_seqs = max_num_seqs
         self.batch_sizes = batch_buckets(max_num_seqs)
-        max_len = self.kv_cache.num_blocks * self.kv_cache.block_size
-        self.widths = column_buckets(cdiv(max_len, self.kv_cache.block_size))
+        # No block table is wider than the pool.
+        self.widths = column_buckets(self.kv_cache.num_blocks)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         #: Captures done, and replays (or eager padded runs) served.

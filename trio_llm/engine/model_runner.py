@@ -25,6 +25,7 @@ from trio_llm.engine.attention import (
     PagedAttentionMetadata,
     PrefillBatch,
     PrefillSpan,
+    context_slots,
     step_metadata,
 )
 from trio_llm.engine.block_manager import cdiv
@@ -348,8 +349,7 @@ class ModelRunner:
             span_slots = None
             if start > 0 and per_chunk:
                 span_slots = [
-                    self._context_slots(table_t[g, index], start + n)
-                    for g in range(self.num_groups)
+                    context_slots(table_t[g, index], start + n, bs) for g in range(self.num_groups)
                 ]
             spans.append(PrefillSpan(start=row, num_new=n, context_len=start + n, slots=span_slots))
             row += n
@@ -367,13 +367,6 @@ class ModelRunner:
             sample_requests=sample_requests,
             prompt_rows=prompt_rows,
         )
-
-    def _context_slots(self, table: torch.Tensor, length: int) -> torch.Tensor:
-        """Cache slots (int64 ``[length]``) of positions ``0 .. length - 1`` of one block
-        table row (int64 ``[columns]``)."""
-        bs = self.block_size
-        offsets = torch.arange(bs, device=table.device)
-        return (table[: cdiv(length, bs), None] * bs + offsets).reshape(-1)[:length]
 
     def _stage(self, values: list[int]) -> torch.Tensor:
         """``values`` as one int64 tensor on the model's device: on a GPU through a reused
