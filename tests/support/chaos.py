@@ -55,9 +55,9 @@ from tests.support.load import (
     normal_request,
 )
 from tests.support.procfs import (
-    count_fds,
     descendants,
     listening_sockets,
+    open_fds,
     wait_for_exit,
 )
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
@@ -126,6 +126,11 @@ class TrialSpec:
             "sigkill-detokenizer",
             "sigterm-detokenizer",
         }
+
+    @property
+    def engine_lost(self) -> bool:
+        """One of several engines fails for good and the others serve on."""
+        return self.engine_fails and not self.restart and self.data_parallel_size > 1
 
     @property
     def server_stops(self) -> bool:
@@ -255,7 +260,7 @@ async def _trial_body(
         extra = [s for s in listening_sockets(pid) if s != f"tcp:{port}" or pid != server.pid]
         if extra:
             result.failures.append(f"pid {pid} listens on {extra}")
-    fds_before = count_fds(server.pid)
+    fds_before = open_fds(server.pid)
     async with trio.open_nursery() as stuck_nursery:
         stuck_done = trio.Event()
         try:
@@ -263,7 +268,9 @@ async def _trial_body(
             if result.exit_code is None:
                 # The stuck client still holds its connection (the shutdown must cut it).
                 held = 1 if spec.fault == "stuck-client" else 0
-                await check_fds(server.pid, fds_before + held, result)
+                await check_fds(
+                    server.pid, fds_before, result, held=held, engine_lost=spec.engine_lost
+                )
                 server.send_signal(signal.SIGTERM)
                 result.exit_code = await _wait_exit(server, SHUTDOWN_TIMEOUT + 15)
         finally:

@@ -17,7 +17,9 @@ from tests.support.load import Record
 from tests.support.procfs import (
     count_fds,
     fd_targets,
+    open_fds,
     parent_pid,
+    pidfd_target,
     process_state,
     socket_inode,
     tcp_sockets,
@@ -99,17 +101,46 @@ def _stop_allowance(spec: TrialSpec) -> float:
 FD_SETTLE_SECONDS = 12.0
 
 
-async def check_fds(pid: int, before: int, result: TrialResult) -> None:
-    """The surviving server's descriptors come back to their count before the load."""
-    now = before
+async def check_fds(
+    pid: int,
+    before: dict[int, str],
+    result: TrialResult,
+    *,
+    held: int = 0,
+    engine_lost: bool = False,
+) -> None:
+    """The surviving server's descriptors come back to what they were before the load
+    (``before``: number -> target, `open_fds`), plus ``held`` a client still holds open.
+
+    With ``engine_lost`` (one of several engines failed for good) the server must have
+    closed that engine's handles: it settles on fewer descriptors than before, each one
+    of them open before the load, and none a pidfd of an exited process."""
+    expected = len(before) + held
+    settled = False
     with trio.move_on_after(FD_SETTLE_SECONDS):
         # Another process's descriptors: they close as its handlers finish.
-        while (now := count_fds(pid)) != before:  # noqa: ASYNC110
+        while not (settled := _fds_settled(pid, before, expected, engine_lost)):  # noqa: ASYNC110
             await trio.sleep(0.1)
-    if now != before:
+    if not settled:
+        now = count_fds(pid)
+        if engine_lost:
+            wanted = f"fewer than {len(before)}, all of them open before the load"
+        else:
+            wanted = f"{expected}"
         result.failures.append(
-            f"server holds {now} file descriptors, {before} before the load: {describe_fds(pid)}"
+            f"server holds {now} file descriptors, {wanted} expected: {describe_fds(pid)}"
         )
+
+
+def _fds_settled(pid: int, before: dict[int, str], expected: int, engine_lost: bool) -> bool:
+    now = open_fds(pid)
+    if not engine_lost:
+        return len(now) == expected
+    return (
+        len(now) < len(before)
+        and all(before.get(fd) == target for fd, target in now.items())
+        and all(pidfd_target(pid, fd) != -1 for fd in now)
+    )
 
 
 async def check_tree_gone(tree: set[int], result: TrialResult) -> None:

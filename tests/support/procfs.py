@@ -121,6 +121,34 @@ def fd_targets(pid: int) -> list[str] | None:
     return targets
 
 
+def open_fds(pid: int) -> dict[int, str]:
+    """``pid``'s open descriptors: number -> target (see `fd_targets`); empty if it is gone."""
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return {}
+    fds = {}
+    for name in names:
+        try:
+            fds[int(name)] = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+    return fds
+
+
+def pidfd_target(pid: int, fd: int) -> int | None:
+    """The process a pidfd of ``pid`` refers to (-1 once that process has exited and was
+    reaped); None if ``fd`` is not a pidfd or is closed."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+            for line in info:
+                if line.startswith("Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def socket_inode(target: str) -> str | None:
     """The inode of a descriptor target that is a socket (``socket:[INODE]``)."""
     return target[len("socket:[") : -1] if target.startswith("socket:[") else None
