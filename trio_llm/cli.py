@@ -17,6 +17,7 @@ from trio_llm.config import (
     DEVICES,
     DTYPES,
     GEMMA3_270M_MODEL,
+    MAX_STREAM_INTERVAL,
     MODEL_IMPLS,
     QUANTIZATION_METHODS,
     RESTART_MODES,
@@ -70,6 +71,11 @@ def parse_port(text: str) -> int:
 def parse_positive_int(text: str) -> int:
     """An integer of at least 1."""
     return _bounded_int(text, 1, None, "a positive integer")
+
+
+def parse_stream_interval(text: str) -> int:
+    """A stream interval: an integer from 1 to `MAX_STREAM_INTERVAL` (tokens)."""
+    return _bounded_int(text, 1, MAX_STREAM_INTERVAL, f"an integer from 1 to {MAX_STREAM_INTERVAL}")
 
 
 def parse_num_threads(text: str) -> int | str:
@@ -320,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--stream-interval",
-        type=parse_positive_int,
+        type=parse_stream_interval,
         default=1,
         metavar="N",
         help="output tokens (1-64) a stream gathers before sending them, after the first "

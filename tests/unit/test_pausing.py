@@ -12,7 +12,7 @@ import trio.testing
 
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.cli import build_parser, config_from_args
-from trio_llm.config import MAX_STREAM_INTERVAL
+from trio_llm.config import MAX_STREAM_INTERVAL, ServerConfig
 from trio_llm.frontend.engine_client import PAUSE_AFTER_UNREAD_TOKENS
 from trio_llm.messages import (
     AddRequest,
@@ -128,14 +128,16 @@ async def test_a_reader_of_full_pieces_is_never_paused() -> None:
             nursery.cancel_scope.cancel()
 
 
-def test_stream_interval_flag() -> None:
+def test_stream_interval_flag(capsys: pytest.CaptureFixture[str]) -> None:
     """vLLM's flag: 1 by default, at most `MAX_STREAM_INTERVAL`; out of range is a
-    usage error, naming the field."""
+    usage error naming the flag; the config refuses it too (embedders build it)."""
     parser = build_parser()
     assert config_from_args(parser.parse_args(["serve"])).stream_interval == 1
     args = parser.parse_args(["serve", "--stream-interval", "8"])
     assert config_from_args(args).stream_interval == 8
+    for bad in ("0", "65", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--stream-interval", bad])
+        assert "argument --stream-interval: not an integer from 1 to 64" in capsys.readouterr().err
     with pytest.raises(ValueError, match="stream_interval must be between 1 and 64"):
-        config_from_args(parser.parse_args(["serve", "--stream-interval", "65"]))
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--stream-interval", "0"])
+        ServerConfig(stream_interval=65)
