@@ -251,6 +251,15 @@ class EngineConfig:
         if self.adaptive_threads and self.num_threads is not None:
             raise ValueError("give either num_threads or adaptive_threads, not both")
 
+    def with_dtype(self, dtype: str) -> EngineConfig:
+        """This config with ``--dtype auto`` replaced by ``dtype``, the one an engine
+        resolved it to, so that its restarts and the other data-parallel engines serve
+        the same one (auto may time bfloat16 against float32, and two timings can
+        disagree); unchanged where a dtype was given or ``dtype`` is not one of `DTYPES`."""
+        if self.model.dtype != "auto" or dtype not in DTYPES or dtype == "auto":
+            return self
+        return replace(self, model=replace(self.model, dtype=dtype))
+
     def cache_dir(self) -> Path:
         """The folder for converted model weights."""
         if self.model.download_dir:

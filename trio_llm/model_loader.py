@@ -32,6 +32,8 @@ from trio_llm.errors import ModelConversionError, ModelNotFoundError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
+    from trio_llm.config import ModelConfig
+
 
 logger = logging.getLogger(__name__)
 
@@ -417,6 +419,17 @@ def resolve_dtype(
     choice = "bfloat16" if speedup >= BF16_MIN_SPEEDUP else "float32"
     logger.info(f"--dtype auto: bfloat16 products {speedup:.2f}x as fast as float32: {choice}")
     return choice
+
+
+def dtype_is_timed(model: ModelConfig) -> bool:
+    """Whether an engine resolves this model's ``--dtype`` by timing bfloat16 against
+    float32 (`resolve_dtype`): ``auto`` on a CPU with native bf16 arithmetic. Two
+    engines may then choose differently."""
+    return (
+        model.dtype == "auto"
+        and model.device == "cpu"
+        and bool(cpu_flags() & NATIVE_BF16_CPU_FLAGS)
+    )
 
 
 def load_config(model_dir: Path) -> PretrainedConfig:

@@ -41,6 +41,7 @@ from trio_llm.errors import EngineDeadError, EngineStartupError
 from trio_llm.frontend.data_parallel import DataParallelClient, EngineHandle
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
+from trio_llm.model_loader import dtype_is_timed
 from trio_llm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,8 @@ async def _supervise_engines(
 ) -> None:
     """Start ``config.data_parallel_size`` engines at once and supervise each; report one
     `EngineClient`, or a `DataParallelClient` over several, once every engine is ready.
+    Where ``--dtype auto`` is decided by timing (`dtype_is_timed`), engine 0 starts first
+    and the others load the dtype it chose.
 
     One engine's failure for good (no restart, or its restarts used up) leaves the others
     serving; the server stops (exit 1) when the last one is gone.
@@ -246,15 +249,24 @@ async def _supervise_engines(
         else:
             logger.error(f"engine core {rank} died: {error}; {left} of {size} engines left")
 
+    configs = [config.engine_for_rank(rank) for rank in range(size)]
     async with trio.open_nursery() as nursery:
 
         async def start(rank: int) -> None:
             clients[rank] = await nursery.start(
-                _supervise_engine, config.engine_for_rank(rank), config, rank, ended
+                _supervise_engine, configs[rank], config, rank, ended
             )
 
         async with trio.open_nursery() as starting:
-            for rank in range(size):
+            first = 0
+            if size > 1 and dtype_is_timed(config.engine.model):
+                # Each engine would time bfloat16 against float32 by itself, while the
+                # others load on the same cores: engine 0 decides, the others load its dtype.
+                await start(0)
+                dtype = clients[0].info.dtype
+                configs = [engine.with_dtype(dtype) for engine in configs]
+                first = 1
+            for rank in range(first, size):
                 starting.start_soon(start, rank)
         ready = [client for client in clients if client is not None]
         started = True

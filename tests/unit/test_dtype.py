@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trio_llm import model_loader
-from trio_llm.config import ModelConfig
+from trio_llm.config import EngineConfig, ModelConfig
 from trio_llm.model_loader import resolve_dtype
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
@@ -56,3 +56,31 @@ def test_bf16_speedup_times_both_dtypes() -> None:
 def test_unknown_devices_are_rejected() -> None:
     with pytest.raises(ValueError, match="device must be one of"):
         ModelConfig(device="tpu")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "flags", "timed"),
+    [
+        ("auto", "cpu", AVX2_ONLY | {"avx512_bf16"}, True),
+        ("auto", "cpu", AVX2_ONLY, False),  # float32 by the flags alone
+        ("auto", "cuda", AVX2_ONLY | {"avx512_bf16"}, False),  # bfloat16 on a GPU
+        ("float32", "cpu", AVX2_ONLY | {"avx512_bf16"}, False),
+    ],
+)
+def test_dtype_is_timed_only_for_auto_on_a_cpu_with_native_bf16(
+    dtype: str, device: str, flags: frozenset[str], timed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_loader, "cpu_flags", lambda: flags)
+    assert model_loader.dtype_is_timed(ModelConfig(dtype=dtype, device=device)) is timed
+
+
+def test_an_engine_config_keeps_the_dtype_auto_resolved_to() -> None:
+    """What a first engine chose for auto is what its restarts and siblings load; a dtype
+    the user gave is never replaced."""
+    auto = EngineConfig(model=ModelConfig(dtype="auto"))
+    assert auto.with_dtype("bfloat16").model.dtype == "bfloat16"
+    assert auto.with_dtype("float32").model.dtype == "float32"
+    assert auto.with_dtype("auto") is auto
+    assert auto.with_dtype("float16") is auto  # not one --dtype takes
+    given = EngineConfig(model=ModelConfig(dtype="float32"))
+    assert given.with_dtype("bfloat16") is given

@@ -153,7 +153,8 @@ async def run_engine_process(
 
     Returns normally once `EngineClient.stop` was called and the children went away.
     ``task_status.started(client)`` is called once, when the first child is ready; with
-    ``restart`` the same `EngineClient` then serves through every later child.
+    ``restart`` the same `EngineClient` then serves through every later child, each
+    loading the dtype the first one chose for ``--dtype auto``.
 
     Args:
         config: sent to the engine child, pickled, as the first frame.
@@ -200,6 +201,8 @@ async def run_engine_process(
                 )
                 client.give_up(error)
                 raise error from exc
+            # A restarted child serves the dtype the first one chose for ``--dtype auto``.
+            config = config.with_dtype(client.info.dtype)
             delay = restart.backoff(len(failures))
             logger.warning(f"{supervision.name} failed: {exc}; restarting it in {delay:g} s")
             with supervision.new_scope():
