@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 .venv/bin/python bench/quantization.py [--windows 8] [--prompts 8]
 
 Per mode (float32 through transformers' modules and through the engine's own forward
-pass, int8, int4), an in-process `EngineCore` on the default model:
+pass, bfloat16, int8, int4), an in-process `EngineCore` on the default model:
 
 - perplexity on bench/data/sonnet.txt: ``--windows`` windows of ``--window`` tokens, each
   a request with ``prompt_logprobs=0`` (the engine's own logprobs of every prompt token);
@@ -34,6 +34,8 @@ from trio_llm.text.tokenizer import Tokenizer
 MODES = {
     "fp32 (transformers)": {"model_impl": "transformers"},
     "fp32": {},
+    # What --dtype auto picks on a CPU with native bf16 arithmetic (emulated, slow, elsewhere).
+    "bf16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
 }
@@ -50,7 +52,7 @@ def _drain(core: EngineCore) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def measure(mode: dict, windows: list[list[int]], prompts: list[list[int]]) -> dict:
-    core = EngineCore.from_config(engine_config(DEFAULT_MODEL, dtype="float32", **mode))
+    core = EngineCore.from_config(engine_config(DEFAULT_MODEL, **{"dtype": "float32", **mode}))
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         for i, window in enumerate(windows):
