@@ -6,7 +6,7 @@
 Parts (same machine, same run; figures are ratios against llama-cpp-python's OpenAI
 server on the same GGUF with 2 threads, or against the GEMM roofline measured here):
 
-- ``c1``: one client. trio_llm servers (``--modes``: ``fp32`` = ``--dtype auto``, ``int8``,
+- ``c1``: one client. trio_llm servers (``--modes``: ``auto`` = ``--dtype auto``, ``int8``,
   ``int4`` = ``--quantization``) and llama-cpp are all started, then ``--rounds``
   interleaved rounds send each the same ``--c1-requests`` chat requests one after another
   (``--c1-input-len`` sonnet tokens, ``--c1-output-len`` output tokens, greedy). Per round
@@ -43,7 +43,7 @@ from trio_llm.model_loader import default_gguf_path, resolve_dtype, resolve_mode
 from trio_llm.text.tokenizer import Tokenizer
 
 MODES = {
-    "fp32": ["--dtype", "auto"],
+    "auto": ["--dtype", "auto"],
     "int8": ["--dtype", "auto", "--quantization", "int8"],
     "int4": ["--dtype", "auto", "--quantization", "int4"],
 }
@@ -209,7 +209,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["c1", "batched", "clients", "contention"])
     parser.add_argument(
-        "--modes", nargs="+", choices=sorted(MODES), default=["fp32", "int8", "int4"]
+        "--modes", nargs="+", choices=sorted(MODES), default=["auto", "int8", "int4"]
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=250)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--sweep-output-len", type=int, default=64)
-    parser.add_argument("--clients-mode", choices=sorted(MODES), default="fp32")
+    parser.add_argument("--clients-mode", choices=sorted(MODES), default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="bench/results/turn.json")
     args = parser.parse_args()
