@@ -108,25 +108,20 @@ def count_fds(pid: int) -> int:
 def fd_targets(pid: int) -> list[str] | None:
     """What each of ``pid``'s open descriptors points to (a path, ``socket:[INODE]``,
     ``pipe:[INODE]``, ...); None if the process is gone."""
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
-    targets = []
-    for name in names:
-        try:
-            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
-        except OSError:
-            continue  # closed meanwhile
-    return targets
+    fds = _read_fds(pid)
+    return None if fds is None else list(fds.values())
 
 
 def open_fds(pid: int) -> dict[int, str]:
     """``pid``'s open descriptors: number -> target (see `fd_targets`); empty if it is gone."""
+    return _read_fds(pid) or {}
+
+
+def _read_fds(pid: int) -> dict[int, str] | None:
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return {}
+        return None
     fds = {}
     for name in names:
         try:
