@@ -22,6 +22,10 @@ _HEADER = struct.Struct(">I")
 #: Largest frame accepted (bytes); a bigger length prefix means a corrupt stream.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
+#: Seconds one frame may take to write before the stream counts as broken (a peer that
+#: stopped reading); `FramedStream`'s default.
+WRITE_TIMEOUT = 60.0
+
 
 class ProtocolError(Exception):
     """The peer sent bytes that are not a valid frame or message."""
@@ -34,22 +38,57 @@ class FramedStream:
     conflict detection would raise `trio.BusyResourceError`): users with several senders
     hold a `trio.Lock` around each send (`EngineClient`, the engine loop, and the
     detokenizer child's side towards the engine each have one).
+
+    A frame is never cut by a cancellation, on either side. A sender cancelled before its
+    frame's first byte sends nothing; once a frame has begun it is written whole, shielded
+    from the caller's cancellation, within ``write_timeout`` seconds. A frame that cannot
+    be finished in that time (the peer stopped reading) or whose write fails breaks the
+    stream for good: it is closed, so the peer sees a broken stream rather than a frame
+    that is not one, and every later send raises `trio.BrokenResourceError`. A receiver
+    cancelled inside a frame keeps what it read: the next call goes on from there.
+
+    Args:
+        stream: the byte stream (a socket stream, or a memory stream in tests).
+        write_timeout: seconds one frame may take to write (see above).
     """
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream, write_timeout: float = WRITE_TIMEOUT) -> None:
         self.stream = stream
+        self.write_timeout = write_timeout
         self._buffer = bytearray()
+        #: Why sending is no longer possible (a frame was cut off), or None.
+        self._broken: str | None = None
 
     async def send_frame(self, payload: bytes) -> None:
-        """Send one frame.
+        """Send one frame, whole (see the class).
 
         Raises:
             ValueError: the payload is larger than `MAX_FRAME_BYTES`.
-            trio.BrokenResourceError: the peer is gone.
+            trio.BrokenResourceError: the peer is gone, or this frame or an earlier one
+                could not be written whole.
+            trio.ClosedResourceError: the stream was closed.
         """
         if len(payload) > MAX_FRAME_BYTES:
             raise ValueError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
-        await self.stream.send_all(_HEADER.pack(len(payload)) + payload)
+        if self._broken is not None:
+            raise trio.BrokenResourceError(self._broken)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        data = _HEADER.pack(len(payload)) + payload
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + self.write_timeout
+            try:
+                await self.stream.send_all(data)
+            except BaseException as exc:
+                self._broken = f"an earlier frame could not be written: {exc!r}"
+                if not isinstance(exc, trio.Cancelled):
+                    raise
+            else:
+                return
+        # Only the write timeout ends the shielded scope early.
+        self._broken = f"a frame could not be written within {self.write_timeout:g} s"
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+        raise trio.BrokenResourceError(self._broken)
 
     async def receive_frame(self) -> bytes | None:
         """Receive one frame; None when the peer closed the stream between frames.
@@ -58,27 +97,25 @@ class FramedStream:
             ProtocolError: end of stream inside a frame, or a length over the limit.
             trio.BrokenResourceError: the connection broke.
         """
-        header = await self._receive_exactly(_HEADER.size, allow_eof=True)
-        if header is None:
-            return None
-        (length,) = _HEADER.unpack(header)
-        if length > MAX_FRAME_BYTES:
-            raise ProtocolError(f"frame length {length} exceeds {MAX_FRAME_BYTES}")
-        payload = await self._receive_exactly(length, allow_eof=False)
-        assert payload is not None
-        return payload
-
-    async def _receive_exactly(self, n: int, *, allow_eof: bool) -> bytes | None:
-        while len(self._buffer) < n:
-            chunk = await self.stream.receive_some(max(65536, n - len(self._buffer)))
+        buffer = self._buffer
+        while True:
+            needed = _HEADER.size
+            if len(buffer) >= _HEADER.size:
+                (length,) = _HEADER.unpack_from(buffer)
+                if length > MAX_FRAME_BYTES:
+                    raise ProtocolError(f"frame length {length} exceeds {MAX_FRAME_BYTES}")
+                needed += length
+                if len(buffer) >= needed:
+                    payload = bytes(buffer[_HEADER.size : needed])
+                    del buffer[:needed]
+                    return payload
+            # Bytes join the buffer only once received: a cancelled read loses nothing.
+            chunk = await self.stream.receive_some(max(65536, needed - len(buffer)))
             if not chunk:
-                if allow_eof and not self._buffer:
+                if not buffer:
                     return None
-                raise ProtocolError(f"stream ended inside a frame ({len(self._buffer)}/{n} bytes)")
-            self._buffer += chunk
-        data = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        return data
+                raise ProtocolError(f"stream ended inside a frame ({len(buffer)}/{needed} bytes)")
+            buffer += chunk
 
     async def aclose(self) -> None:
         """Close the underlying stream."""
