@@ -6,8 +6,8 @@ payload is the start-up `EngineConfig`, sent once over the same private socket.
 
 Direction          Messages
 server -> engine   `AddRequest`, `AbortRequests`, `PauseRequests`, `ResumeRequests`,
-                   `Shutdown`
-engine -> server   `EngineReady`, `StepOutputs`, `Heartbeat`, `EngineFailed`
+                   `HealthCheck`, `Shutdown`
+engine -> server   `EngineReady`, `StepOutputs`, `Heartbeat`, `HealthReply`, `EngineFailed`
 
 In 3-process mode (``--detokenizer-mode process``) the detokenizer child sits between the
 two and speaks the same messages on both sides: it forwards what the server sends, and
@@ -220,6 +220,18 @@ class ResumeRequests(msgspec.Struct, tag="resume", array_like=True):
     request_ids: list[str]
 
 
+class HealthCheck(msgspec.Struct, tag="health", array_like=True):
+    """Answer with a `HealthReply` of the same ``seq``.
+
+    The engine's main loop answers it, between steps, after every message sent before it:
+    a reply proves the whole path works (the server's writes, the engine's reader, its
+    loop, its writes; in 3-process mode the detokenizer's relay both ways), which a
+    `Heartbeat` (sent by a task of its own) does not.
+    """
+
+    seq: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Finish the current step, then exit with status 0."""
 
@@ -351,11 +363,17 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
     step_seconds: float
 
 
+class HealthReply(msgspec.Struct, tag="health_reply", array_like=True):
+    """The answer to the `HealthCheck` with this ``seq``."""
+
+    seq: int
+
+
 class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
     """The engine hit an error it cannot recover from; it exits right after sending this."""
 
     message: str
 
 
-ToEngine = AddRequest | AbortRequests | PauseRequests | ResumeRequests | Shutdown
-FromEngine = EngineReady | StepOutputs | Heartbeat | EngineFailed
+ToEngine = AddRequest | AbortRequests | PauseRequests | ResumeRequests | HealthCheck | Shutdown
+FromEngine = EngineReady | StepOutputs | Heartbeat | HealthReply | EngineFailed

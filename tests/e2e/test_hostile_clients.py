@@ -21,6 +21,7 @@ from wsproto.events import CloseConnection, TextMessage
 
 from tests.e2e.conftest import MODEL
 from tests.e2e.test_websocket import _open_raw_websocket, ws_url
+from tests.support.faults import large_request
 from tests.support.metrics_scrape import metric, poll, wait_until_idle
 from tests.support.server_process import ServerProcess
 
@@ -424,6 +425,39 @@ def test_a_small_repetition_penalty_gives_a_proper_distribution(same_server: Ser
     ):
         assert -50 < value <= 0
         assert all(v <= 0 for v in alternatives.values())
+
+
+# ------------------------------------------------------------------ clients that leave
+
+
+def _leave_after_a_large_websocket_generation(server: ServerProcess) -> None:
+    async def run() -> None:
+        stream, connection = await _open_raw_websocket(ws_url(server.url))
+        async with stream:
+            body = json.loads(large_request("/v1/completions").partition(b"\r\n\r\n")[2])
+            message = {"type": "completion", "id": "big", **body}
+            await stream.send_all(connection.send(TextMessage(json.dumps(message))))
+
+    trio.run(run)
+
+
+def test_clients_that_leave_right_after_a_large_request_harm_nothing(
+    same_server: ServerProcess, expected_answer: str
+) -> None:
+    # Issue 30: a client closing its socket right after a 0.7 MB request (a logit_bias
+    # over the whole vocabulary) cut the frame to the engine in the middle; every later
+    # request hung while /health said 200, and the third one made the engine exit.
+    for index in range(6):
+        if index % 3 == 2:
+            _leave_after_a_large_websocket_generation(same_server)
+        else:
+            path = ("/v1/completions", "/v1/chat/completions")[index % 3]
+            with socket.create_connection(_address(same_server)) as sock:
+                sock.sendall(large_request(path))
+        response = httpx.post(f"{same_server.url}/v1/completions", json=NORMAL, timeout=30)
+        assert response.status_code == 200, (index, response.text)
+        assert response.json()["choices"][0]["text"] == expected_answer
+        assert httpx.get(f"{same_server.url}/health", timeout=10).status_code == 200
 
 
 # ------------------------------------------------------------------ fair share of the engine

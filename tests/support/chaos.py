@@ -44,6 +44,7 @@ from tests.support.faults import (
     HOSTILE_TRIGGERS,
     fault_target,
     hostile_client,
+    large_request_hangups,
     stuck_client,
 )
 from tests.support.load import (
@@ -312,6 +313,8 @@ async def _load_and_fault(
                 hostile_client, port, spec.hostile_trigger, opened, hostile_done, result
             )
             await opened.wait()
+        elif spec.fault == "large-request-hangup":
+            await large_request_hangups(int(server.url.rsplit(":", 1)[1]))
         else:
             target = fault_target(spec, server)
             name = spec.fault.split("-")[0].upper()

@@ -1,6 +1,7 @@
 """The faults a chaos trial injects (`FAULTS`): signals to a process of the server's
 tree (`fault_target` picks it), a client that never reads its stream, a burst past the
-waiting limit (`tests.support.load.burst`), a hostile client (`HOSTILE_TRIGGERS`)."""
+waiting limit (`tests.support.load.burst`), a hostile client (`HOSTILE_TRIGGERS`), clients
+that leave right after sending a large request (`large_request_hangups`)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ FAULTS = (
     "stuck-client",
     "burst",
     "hostile-client",
+    "large-request-hangup",
 )
 
 #: What a "hostile-client" fault does (the trial's seed picks one; issue 14's triggers).
@@ -160,6 +162,34 @@ async def hostile_client(
     except OSError as exc:
         result.failures.append(f"hostile client {trigger}: {exc!r}")
         opened.set()
+
+
+#: Requests a "large-request-hangup" fault sends; vocabulary of the chaos server's model.
+HANGUPS = 3
+VOCAB_SIZE = 49152
+
+
+def large_request(path: str) -> bytes:
+    """A request of about 0.7 MB that reaches the engine: a ``logit_bias`` over the whole
+    vocabulary (as big as a frame to the engine can be from an allowed request)."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8}
+    body["logit_bias"] = {str(token): 1 for token in range(VOCAB_SIZE)}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Hi"
+    return _http_request(path, body)
+
+
+async def large_request_hangups(port: int) -> None:
+    """`HANGUPS` clients, one after another, each closing its connection as soon as its
+    large request (`large_request`) is sent. Each of them once wedged the engine for
+    good: the cancelled handler cut its frame to the engine in the middle (issue 30)."""
+    for index in range(HANGUPS):
+        path = ("/v1/completions", "/v1/chat/completions")[index % 2]
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(large_request(path))
 
 
 def fault_target(spec: TrialSpec, server: ServerProcess) -> int:

@@ -17,6 +17,8 @@ from trio_llm.messages import (
     AbortRequests,
     AddRequest,
     EngineReady,
+    HealthCheck,
+    HealthReply,
     RequestOutput,
     StepOutputs,
     StepStats,
@@ -114,7 +116,11 @@ def engine_client_pair(
 class FakeEngine:
     """The engine core, played by the test over an in-memory stream: keeps every message
     the server sends (``received``; the ids of ``added`` and ``aborted`` requests) and
-    sends outputs only when the test says so. `on_message` is a subclass's script."""
+    sends outputs only when the test says so. `on_message` is a subclass's script.
+
+    It answers each `HealthCheck` at once, as a working engine's loop does (those are not
+    kept in ``received``), while ``answers_health_checks`` is True.
+    """
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.channel = ipc.engine_channel(stream)
@@ -123,9 +129,20 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.arrived = trio.Event()
+        self.answers_health_checks = True
+        #: Health checks received (answered or not), and those left unanswered.
+        self.num_health_checks = 0
+        self.unanswered: list[HealthCheck] = []
 
     async def run(self) -> None:
         while (message := await self.channel.receive()) is not None:
+            if isinstance(message, HealthCheck):
+                self.num_health_checks += 1
+                if self.answers_health_checks:
+                    await self.server_side.send(HealthReply(message.seq))
+                else:
+                    self.unanswered.append(message)
+                continue
             self.received.append(message)
             if isinstance(message, AddRequest):
                 self.added.append(message.request_id)

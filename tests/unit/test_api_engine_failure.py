@@ -1,4 +1,5 @@
-"""The HTTP layer when the engine dies: in-flight requests get errors, /health says 503.
+"""The HTTP layer when the engine dies or its loop stops answering: in-flight requests get
+errors, /health says 503.
 
 The engine is played by the test over an in-memory stream, so the moment of death is
 exact and nothing is timed.
@@ -12,11 +13,12 @@ import httpx
 import trio
 import trio.testing
 
-from tests.unit.conftest import STATS, engine_client_pair
+from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from trio_llm import ipc
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.messages import AddRequest, RequestOutput, StepOutputs
+from trio_llm.frontend.engine_client import UNANSWERED_LIMIT
+from trio_llm.messages import AddRequest, HealthReply, RequestOutput, StepOutputs
 
 
 async def _fake_engine(stream: trio.abc.Stream, die_after_tokens: int) -> None:
@@ -76,3 +78,29 @@ async def test_a_stream_ends_with_an_error_event_then_done(smol_tokenizer) -> No
     assert "engine core died" in error["message"]
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
     assert "".join(texts) == smol_tokenizer.decode([28, 28, 28])
+
+
+async def test_health_turns_503_when_the_engine_loop_stops_answering(
+    smol_tokenizer, autojump_clock: trio.abc.Clock
+) -> None:
+    # Issue 30: an engine whose loop was stuck still sent heartbeats, and /health said 200.
+    engine, stream = engine_client_pair()  # no step timeout: reported, not restarted
+    fake = FakeEngine(stream)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.route_outputs)
+        nursery.start_soon(fake.run)
+        app = build_app(OpenAIServing(engine, smol_tokenizer, ("m",)), lambda: True)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await trio.sleep(10.0)
+            assert (await client.get("/health")).status_code == 200
+            fake.answers_health_checks = False
+            await trio.sleep(UNANSWERED_LIMIT + 2.0)
+            health = await client.get("/health")
+            assert health.status_code == 503
+            assert "left a health check unanswered" in health.json()["error"]["message"]
+            fake.answers_health_checks = True
+            await fake.server_side.send(HealthReply(fake.unanswered[-1].seq))
+            await trio.testing.wait_all_tasks_blocked()
+            assert (await client.get("/health")).status_code == 200
+        nursery.cancel_scope.cancel()

@@ -6,11 +6,13 @@ and Trio's autojump clock makes the timeouts instant and exact.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import trio
 import trio.testing
 
-from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
+from tests.unit.conftest import INFO, STATS, FakeEngine, engine_client_pair
 from trio_llm import ipc
 from trio_llm.config import RestartPolicy
 from trio_llm.errors import (
@@ -19,8 +21,8 @@ from trio_llm.errors import (
     EngineRestartingError,
     EngineShutdownError,
 )
-from trio_llm.frontend.engine_client import EngineClient
-from trio_llm.messages import Heartbeat, SamplingParams
+from trio_llm.frontend.engine_client import UNANSWERED_LIMIT, EngineClient
+from trio_llm.messages import HealthReply, Heartbeat, SamplingParams, StepOutputs
 
 PARAMS = SamplingParams(max_tokens=5)
 
@@ -59,6 +61,7 @@ async def test_silence_past_the_step_timeout_is_a_hang(autojump_clock: trio.abc.
             await trio.sleep(1.0)
             await fake.server_side.send(Heartbeat(0.0))
         assert engine.is_alive
+        fake.answers_health_checks = False  # the engine goes silent (stopped, say)
         await engine.route_outputs()  # returns once the silence reaches 2 s
         assert trio.current_time() - start == pytest.approx(7.0)
         nursery.cancel_scope.cancel()
@@ -78,6 +81,84 @@ async def test_a_step_running_past_the_timeout_is_a_hang(autojump_clock: trio.ab
         nursery.cancel_scope.cancel()
     assert isinstance(engine.error, EngineHungError)
     assert "a step has run for 2.5 s" in str(engine.error)
+
+
+async def test_a_loop_that_leaves_health_checks_unanswered_is_a_hang(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Issue 30: the engine's reader was stuck on a misread frame while its heartbeat task
+    # went on; every request hung and /health said 200. The round trip sees it.
+    engine, fake = _pair(step_timeout=2.0)
+    fake.answers_health_checks = False
+    outcome: list[BaseException] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fake.run)
+
+            async def heartbeats() -> None:
+                with contextlib.suppress(trio.BrokenResourceError):  # the server closed it
+                    while True:
+                        await fake.server_side.send(Heartbeat(0.0))  # idle, and alive
+                        await trio.sleep(0.5)
+
+            async def consume() -> None:
+                async with engine.open_request([1], PARAMS) as stream:
+                    try:
+                        async for _ in stream:
+                            pass
+                    except EngineDeadError as exc:
+                        outcome.append(exc)
+
+            nursery.start_soon(heartbeats)
+            nursery.start_soon(consume)
+            await engine.route_outputs()
+            nursery.cancel_scope.cancel()
+    assert isinstance(engine.error, EngineHungError)
+    assert "left a health check unanswered for 2 s" in str(engine.error)
+    assert isinstance(outcome[0], EngineHungError)
+    # The first check goes out after a quarter of the timeout; the verdict 2 s later.
+    assert trio.current_time() == pytest.approx(2.5)
+    assert fake.num_health_checks == 1 and engine.num_hangs == 1
+
+
+async def test_a_step_delays_the_answer_without_a_hang(autojump_clock: trio.abc.Clock) -> None:
+    # A step in progress holds the answer back: heartbeats saying so keep the engine
+    # alive (the step timeout judges the step), and the answer after the step counts.
+    engine, fake = _pair(step_timeout=2.0)
+    fake.answers_health_checks = False
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fake.run)
+        nursery.start_soon(engine.route_outputs)
+        for _ in range(4):  # four steps of 1.5 s each, back to back
+            for seconds in (0.5, 1.0, 1.5):
+                await trio.sleep(0.5)
+                await fake.server_side.send(Heartbeat(seconds))
+            await fake.server_side.send(StepOutputs([], STATS))
+        assert fake.unanswered and engine.is_alive
+        await fake.server_side.send(HealthReply(fake.unanswered[-1].seq))
+        fake.answers_health_checks = True
+        await trio.sleep(5.0)  # idle now, answering
+        assert engine.is_alive and engine.error is None and engine.num_hangs == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_without_hang_detection_an_unanswered_check_is_only_reported(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine, fake = _pair(step_timeout=None)
+    fake.answers_health_checks = False
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fake.run)
+        nursery.start_soon(engine.route_outputs)
+        await trio.sleep(UNANSWERED_LIMIT)
+        assert engine.is_alive  # the first check went out a second in
+        await trio.sleep(1.5)
+        assert not engine.is_alive  # /health says 503, and why:
+        assert "left a health check unanswered for 60 s" in str(engine.error)
+        await fake.server_side.send(HealthReply(fake.unanswered[-1].seq))
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.is_alive and engine.error is None and engine.num_hangs == 0
+        nursery.cancel_scope.cancel()
 
 
 async def test_requests_wait_for_a_restarted_engine(autojump_clock: trio.abc.Clock) -> None:

@@ -5,7 +5,9 @@ while a step computes), another applies them between steps and runs `EngineCore.
 worker thread, so the event loop stays responsive. Aborts that arrive during a step take
 effect right after it; the server drops any output for a request it already aborted.
 A third task sends a `Heartbeat` every ``heartbeat_interval`` seconds saying how long the
-current step has been running, so the server can tell a hung engine from a busy one.
+current step has been running, so the server can tell a hung engine from a busy one. The
+loop itself answers the server's `HealthCheck` messages between steps, which proves that
+the reader and the loop work too.
 
 Structured outputs' grammars compile in the engine core's own worker thread. When nothing
 else can run, the loop waits for the next message *or* a compile to finish (`_Wakeup`:
@@ -37,6 +39,8 @@ from trio_llm.messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
+    HealthCheck,
+    HealthReply,
     Heartbeat,
     PauseRequests,
     ResumeRequests,
@@ -167,7 +171,7 @@ class _Outbox:
         #: Monotonic time at which the step now computing started; None between steps.
         self.step_started: float | None = None
 
-    async def send(self, message: StepOutputs | Heartbeat) -> None:
+    async def send(self, message: StepOutputs | Heartbeat | HealthReply) -> None:
         async with self._lock:
             await self.channel.send(message)
 
@@ -263,8 +267,8 @@ async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -
                     if not await _apply(core, outbox, message):
                         break
                     # An abort of a paused request changes the stats without any step:
-                    # the next idle turn reports them.
-                    reported_idle = False
+                    # the next idle turn reports them (a health check changes nothing).
+                    reported_idle = reported_idle and isinstance(message, HealthCheck)
             if not await _apply_pending(core, outbox, inbox):
                 break
             if core.has_work():
@@ -307,6 +311,8 @@ async def _apply(core: EngineCore, outbox: _Outbox, message: ToEngine) -> bool:
         core.pause(message.request_ids)
     elif isinstance(message, ResumeRequests):
         core.resume(message.request_ids)
+    elif isinstance(message, HealthCheck):
+        await outbox.send(HealthReply(message.seq))
     elif isinstance(message, Shutdown):
         return False
     return True

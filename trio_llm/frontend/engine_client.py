@@ -15,6 +15,13 @@ when outputs arrive, with this process's monotonic clock, and reported to an opt
 `RequestObserver` (the Prometheus metrics). The queue time is measured by the engine
 process with its own clock and shipped as a duration.
 
+Liveness. The engine sends a `Heartbeat` every second from a task of its own, saying how
+long the step under way has run; `route_outputs` also sends a `HealthCheck` every second
+and the engine's main loop answers it between steps. The engine is hung when it is silent
+for ``step_timeout`` seconds, when a step runs longer, or when a health check stays
+unanswered that long while no step runs (its reader or its loop is stuck while its
+heartbeats go on).
+
 The client outlives the engine child it talks to when the supervisor restarts children
 (``--engine-restart on-failure``): when a child dies or hangs, every open request fails at
 once, new requests wait (up to ``restart_wait``) for the next child, which `attach`
@@ -51,6 +58,8 @@ from trio_llm.messages import (
     EngineFailed,
     EngineReady,
     FromEngine,
+    HealthCheck,
+    HealthReply,
     Heartbeat,
     PauseRequests,
     ResumeRequests,
@@ -67,6 +76,14 @@ _REQUEST_IDS = itertools.count()
 #: which a request is paused in the engine (see the module doc): 64 with the default
 #: interval of 1.
 PAUSE_AFTER_UNREAD_TOKENS = 64
+
+#: Seconds between the `HealthCheck` round trips through the engine's loop (at most; a
+#: quarter of the step timeout when that is shorter).
+HEALTH_CHECK_INTERVAL = 1.0
+
+#: Without hang detection (no step timeout): seconds a health check may stay unanswered,
+#: while no step runs, before the engine is reported unhealthy (``/health`` answers 503).
+UNANSWERED_LIMIT = 60.0
 
 
 @dataclass
@@ -360,13 +377,24 @@ class EngineClient(AdmissionControl):
         #: Set once the engine stopped serving for good (died, or `stop` was called).
         self.ended = trio.Event()
         self.observer: RequestObserver | None = None
+        #: The last `HealthCheck` sent, and when (trio's clock; None once answered).
+        self._health_seq = 0
+        self._unanswered_since: float | None = None
+        #: When the engine was last seen in or just after a step (trio's clock): an
+        #: unanswered health check counts from then, since a step delays the answer.
+        self._last_busy = -math.inf
+        #: A health check has been unanswered for `UNANSWERED_LIMIT` (no hang detection).
+        self._stalled = False
+        #: The cancel scope of `route_outputs`' wait for the next message.
+        self._receive_scope = trio.CancelScope()
 
     # ------------------------------------------------------------ state
 
     @property
     def is_alive(self) -> bool:
-        """True while an engine child is serving and the client is not stopping."""
-        return self._error is None and not self.stopping
+        """True while an engine child is serving (it answers health checks) and the client
+        is not stopping."""
+        return self._error is None and not self.stopping and not self._stalled
 
     @property
     def is_restarting(self) -> bool:
@@ -376,6 +404,11 @@ class EngineClient(AdmissionControl):
     @property
     def error(self) -> EngineError | None:
         """Why the engine is not serving (the last failure while restarting), if it is not."""
+        if self._error is None and self._stalled:
+            return EngineHungError(
+                f"the engine core has left a health check unanswered for "
+                f"{UNANSWERED_LIMIT:g} s while no step ran"
+            )
         return self._error
 
     @property
@@ -497,7 +530,13 @@ class EngineClient(AdmissionControl):
                 await self._send_quietly(AbortRequests([request_id]))
 
     async def _send(
-        self, message: AddRequest | AbortRequests | PauseRequests | ResumeRequests | Shutdown
+        self,
+        message: AddRequest
+        | AbortRequests
+        | PauseRequests
+        | ResumeRequests
+        | HealthCheck
+        | Shutdown,
     ) -> None:
         try:
             async with self._send_lock:
@@ -506,7 +545,7 @@ class EngineClient(AdmissionControl):
             raise self._error or EngineDeadError("the engine connection is closed") from exc
 
     async def _send_quietly(
-        self, message: AbortRequests | PauseRequests | ResumeRequests | Shutdown
+        self, message: AbortRequests | PauseRequests | ResumeRequests | HealthCheck | Shutdown
     ) -> None:
         try:
             await self._send(message)
@@ -518,31 +557,73 @@ class EngineClient(AdmissionControl):
     async def route_outputs(self) -> None:
         """Deliver engine messages to request mailboxes until the channel ends or hangs.
 
-        On return the current child is considered gone: every open request got an error
-        (`EngineHungError` when it stopped answering for ``step_timeout`` seconds).
+        Meanwhile a task sends the health checks (see the module doc). On return the
+        current child is considered gone: every open request got an error
+        (`EngineHungError` when it stopped answering for ``step_timeout`` seconds), and
+        the channel is closed, which also ends any write to it still under way.
         """
+        self._unanswered_since = None
+        self._stalled = False
+        interval = min(HEALTH_CHECK_INTERVAL, self._unanswered_limit / 4)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_health_checks, interval)
+                try:
+                    await self._route()
+                finally:
+                    nursery.cancel_scope.cancel()
+                    with trio.CancelScope(shield=True):
+                        await self._channel.aclose()
+        finally:
+            self._stalled = False
+
+    async def _route(self) -> None:
+        """`route_outputs`' loop: returns once the child is gone, every request failed."""
         reason = "the engine core process exited unexpectedly"
         error_type: type[EngineDeadError] = EngineDeadError
         timeout = math.inf if self.step_timeout is None else self.step_timeout
+        limit = self._unanswered_limit
         try:
             while True:
-                with trio.move_on_after(timeout):
+                heard = trio.current_time()
+                deadline = heard + timeout
+                if self._unanswered_since is not None and not self._stalled:
+                    deadline = min(deadline, max(self._unanswered_since, self._last_busy) + limit)
+                # `_send_health_checks` brings the deadline forward when it sends a check.
+                with trio.move_on_at(deadline) as self._receive_scope:
                     message = await self._channel.receive()
                     if message is None:
                         break
                     if isinstance(message, StepOutputs):
+                        self._last_busy = trio.current_time()
                         unread = self._deliver(message)
                         if unread and self._error is None:
                             await self._send_quietly(PauseRequests(unread))
+                    elif isinstance(message, HealthReply):
+                        if message.seq == self._health_seq:
+                            self._unanswered_since = None
+                            self._stalled = False
                     elif isinstance(message, EngineFailed):
                         reason = message.message
-                    elif isinstance(message, Heartbeat) and message.step_seconds > timeout:
-                        seconds = message.step_seconds
-                        reason = f"engine core hung: a step has run for {seconds:.1f} s"
-                        error_type = EngineHungError
-                        break
+                    elif isinstance(message, Heartbeat):
+                        if message.step_seconds > 0:
+                            self._last_busy = trio.current_time()
+                        if message.step_seconds > timeout:
+                            seconds = message.step_seconds
+                            reason = f"engine core hung: a step has run for {seconds:.1f} s"
+                            error_type = EngineHungError
+                            break
                     continue
-                reason = f"engine core hung: no heartbeat for {timeout:g} s"
+                if trio.current_time() < heard + timeout:  # a health check went unanswered
+                    if self.step_timeout is None:
+                        self._stalled = True  # reported by /health; nothing is ended
+                        continue
+                    reason = (
+                        f"engine core hung: its loop left a health check unanswered for "
+                        f"{limit:g} s while no step ran"
+                    )
+                else:
+                    reason = f"engine core hung: no heartbeat for {timeout:g} s"
                 error_type = EngineHungError
                 break
         except (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError) as exc:
@@ -555,6 +636,22 @@ class EngineClient(AdmissionControl):
                     self.fail_all(EngineShutdownError("the server is shutting down"))
                 else:
                     self.fail_all(error_type(reason))
+
+    async def _send_health_checks(self, interval: float) -> None:
+        """Every ``interval`` seconds, a `HealthCheck` unless the last one is unanswered."""
+        while True:
+            await trio.sleep(interval)
+            if self._unanswered_since is None:
+                self._health_seq += 1
+                self._unanswered_since = now = trio.current_time()
+                scope = self._receive_scope
+                scope.deadline = min(scope.deadline, now + self._unanswered_limit)
+                await self._send_quietly(HealthCheck(self._health_seq))
+
+    @property
+    def _unanswered_limit(self) -> float:
+        """Seconds a health check may stay unanswered while no step runs."""
+        return UNANSWERED_LIMIT if self.step_timeout is None else self.step_timeout
 
     def _deliver(self, message: StepOutputs) -> list[str]:
         """Hand each output to its mailbox; returns the ids of requests to pause (their
