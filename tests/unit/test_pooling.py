@@ -37,9 +37,11 @@ def minilm_core(minilm_dir: Path) -> PoolingCore:
 
 
 def _run(core: PoolingCore, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-    """Every prompt's vector (in prompt order) and the batch sizes of the steps."""
+    """Every prompt's vector (in prompt order) and the batch sizes of the steps; the
+    prompts are the inputs of one API request (one group)."""
     for i, ids in enumerate(prompts):
-        assert core.add_request(AddRequest(str(i), ids, SamplingParams(max_tokens=0))) is None
+        message = AddRequest(str(i), ids, SamplingParams(max_tokens=0), "request")
+        assert core.add_request(message) is None
     vectors: dict[str, list[float]] = {}
     sizes = []
     while core.has_work():
@@ -92,6 +94,79 @@ def test_batches_group_similar_lengths_around_the_oldest(minilm_dir: Path) -> No
     assert steps == [["0", "2"], ["1", "3"]]
 
 
+def _queue(core: PoolingCore, inputs: list[tuple[str, int, str | None]]) -> None:
+    """Queue ``(request_id, length, group)`` inputs in order."""
+    for request_id, length, group in inputs:
+        ids = [101, *range(2000, 2000 + length - 2), 102]
+        message = AddRequest(request_id, ids, SamplingParams(max_tokens=0), group)
+        assert core.add_request(message) is None
+
+
+def _step(core: PoolingCore) -> list[str]:
+    """One step: the request ids it finished, in batch order."""
+    return [output.request_id for output in core.step().outputs]
+
+
+def _steps(core: PoolingCore, inputs: list[tuple[str, int, str | None]]) -> list[list[str]]:
+    """Queue ``inputs`` (see `_queue`), then run steps until none waits."""
+    _queue(core, inputs)
+    steps = []
+    while core.has_work():
+        steps.append(_step(core))
+    return steps
+
+
+def test_a_small_request_beside_a_large_one_waits_one_step(minilm_dir: Path) -> None:
+    # A 12-input request of 40 tokens each, then a one-input request, with room for two
+    # inputs a step: the large one leads the first step, the small one the second - not
+    # after the large one's six steps - and is not padded to 40 tokens by the large one's.
+    core = PoolingCore.from_config(engine_config(str(minilm_dir), max_num_batched_tokens=100))
+    large = [(f"large{i}", 40, "large") for i in range(12)]
+    steps = _steps(core, [*large, ("small", 5, None)])
+    assert steps[:3] == [["large0", "large1"], ["small"], ["large2", "large3"]]
+    everyone = ["small", *(request_id for request_id, _, _ in large)]
+    assert sorted(r for step in steps for r in step) == sorted(everyone)
+    assert all(len(step) <= 2 for step in steps)
+    # Sent while the large one runs alone (it led the step running): the next step is its.
+    _queue(core, large[:6])
+    assert _step(core) == ["large0", "large1"]
+    steps = _steps(core, [("late", 5, None)])
+    assert steps == [["late"], ["large2", "large3"], ["large4", "large5"]]
+    # A short input fills the room a longer leader leaves (3 x 30 padded tokens).
+    steps = _steps(core, [("l0", 30, "l"), ("l1", 30, "l"), ("short", 12, None)])
+    assert steps == [["l0", "l1", "short"]]
+
+
+def test_large_requests_take_turns_leading_the_steps(minilm_dir: Path) -> None:
+    # Two requests of 6 inputs, the second queued after the first: each step is led by
+    # the next one in turn (two 40-token inputs fill 100 padded tokens).
+    core = PoolingCore.from_config(engine_config(str(minilm_dir), max_num_batched_tokens=100))
+    first = [(f"a{i}", 40, "a") for i in range(6)]
+    second = [(f"b{i}", 40, "b") for i in range(6)]
+    steps = _steps(core, [*first, *second])
+    assert steps == [
+        ["a0", "a1"],
+        ["b0", "b1"],
+        ["a2", "a3"],
+        ["b2", "b3"],
+        ["a4", "a5"],
+        ["b4", "b5"],
+    ]
+
+
+def test_a_leader_packs_its_own_similar_lengths_first(minilm_dir: Path) -> None:
+    # Two requests whose inputs arrive interleaved: the leader's 12-token input joins its
+    # 10-token one before the other request's equally short ones, which fill the room
+    # left (its long ones would not fit: 58 x 3 > 130). Then the other request leads,
+    # alone (58 is more than twice its 12).
+    config = engine_config(str(minilm_dir), max_num_batched_tokens=130, max_num_seqs=3)
+    core = PoolingCore.from_config(config)
+    inputs = [("m0", 10, "m"), ("m1", 60, "m"), ("m2", 58, "m"), ("o0", 12, "o")]
+    inputs += [("o1", 12, "o"), ("m3", 12, "m")]
+    steps = _steps(core, inputs)
+    assert steps == [["m0", "m3", "o0"], ["o1"], ["m1", "m2"]]
+
+
 def test_too_long_and_aborted_requests(minilm_core: PoolingCore) -> None:
     params = SamplingParams(max_tokens=0)
     rejected = minilm_core.add_request(AddRequest("long", [101] * 257, params))
@@ -99,6 +174,14 @@ def test_too_long_and_aborted_requests(minilm_core: PoolingCore) -> None:
     assert "257 tokens" in (rejected.error or "")
     assert minilm_core.add_request(AddRequest("gone", [101, 7592, 102], params)) is None
     minilm_core.abort(["gone"])
+    assert not minilm_core.has_work()
+    # A client that leaves aborts the inputs of its request that still wait.
+    for i in range(3):
+        message = AddRequest(f"many{i}", [101, 7592, 102], params, "many")
+        assert minilm_core.add_request(message) is None
+    minilm_core.abort(["many0", "many2", "unknown"])
+    assert minilm_core.stats().num_waiting == 1
+    assert [o.request_id for o in minilm_core.step().outputs] == ["many1"]
     assert not minilm_core.has_work()
 
 

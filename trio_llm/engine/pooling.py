@@ -8,6 +8,15 @@ tokens) through the model, and every request of the batch finishes in that step 
 vector in `RequestOutput.embedding`. There is no KV cache: an embedding is one forward
 pass.
 
+The steps are shared fairly between API requests: the inputs of one API request share a
+*group* (`AddRequest.group`), and each step is led by the next group in turn (groups take
+their turn in the order they arrived; the group that led goes behind every group waiting
+then). The leader's inputs come first, packed by similar length; the room they leave is
+filled with other groups' inputs of the most similar lengths, none much longer than the
+leader's (`PoolingCore._take_batch`). So one request of 2,048 inputs leads one step in
+each round and cannot keep a one-input request waiting for more than about a step (the
+one running when it arrives, then its own, short one), and no input waits for ever.
+
 How a vector is made follows the model folder:
 
 - a sentence-transformers folder (``modules.json``): the Transformer module (the folder
@@ -26,6 +35,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -40,9 +50,15 @@ from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutput
 
 logger = logging.getLogger(__name__)
 
-#: A pooling step picks its batch among the oldest ``BATCH_WINDOW * max_num_seqs`` waiting
-#: requests (by similar length; `PoolingCore._take_batch`).
+#: A pooling step picks its leader's inputs among the group's oldest ``BATCH_WINDOW *
+#: max_num_seqs``, and the inputs that fill the rest of the batch among as many of the other
+#: groups' (by similar length; `PoolingCore._take_batch`).
 BATCH_WINDOW = 4
+
+#: Other groups' inputs fill a step's room only up to this many times the length of its
+#: leader's longest input, so that a short request's step stays short (a one-input
+#: request is not padded to the length of a large request beside it).
+FILL_LENGTH_FACTOR = 2
 
 #: sentence-transformers pooling modes this core implements (``pooling_mode_<name>``).
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
@@ -167,6 +183,25 @@ class _Waiting:
     request_id: str
     token_ids: list[int]
     arrival: float
+    group: str
+
+
+def _interleave(queues: Iterable[deque[_Waiting]], limit: int) -> list[_Waiting]:
+    """Up to ``limit`` waiting inputs, taken round-robin from ``queues`` (the first of
+    each queue, then the second of each ...), so that no queue fills them alone."""
+    out: list[_Waiting] = []
+    iterators = [iter(queue) for queue in islice(queues, limit)]
+    while iterators and len(out) < limit:
+        alive = []
+        for iterator in iterators:
+            item = next(iterator, None)
+            if item is not None:
+                out.append(item)
+                alive.append(iterator)
+                if len(out) == limit:
+                    break
+        iterators = alive
+    return out
 
 
 class PoolingCore:
@@ -210,7 +245,12 @@ class PoolingCore:
             dtype=str(param.dtype).removeprefix("torch."),
         )
         self.embedding_dim = int(mconf.hidden_size)
-        self.waiting: deque[_Waiting] = deque()
+        #: Waiting inputs by group (a request without a group is one of its own), in
+        #: turn order: the next step's leader first (see `_take_batch`).
+        self.groups: dict[str, deque[_Waiting]] = {}
+        self._group_of: dict[str, str] = {}  # request id -> its group
+        self._num_waiting = 0
+        self._last_leader: str | None = None
         #: Called by the engine loop's protocol (a generator's grammar compiles); unused.
         self.on_grammar_compiled: Any = None
         self._last_batch = (0, 0)
@@ -284,13 +324,35 @@ class PoolingCore:
             error = f"token ids must be in [0, {self.info.vocab_size})"
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
-        self.waiting.append(_Waiting(message.request_id, ids, time.monotonic()))
+        group = message.group if message.group is not None else message.request_id
+        waiting = _Waiting(message.request_id, ids, time.monotonic(), group)
+        self.groups.setdefault(group, deque()).append(waiting)
+        self._group_of[message.request_id] = group
+        self._num_waiting += 1
         return None
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop these requests if they still wait (unknown ids are ignored)."""
-        gone = set(request_ids)
-        self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
+        gone: dict[str, set[str]] = {}
+        for request_id in request_ids:
+            group = self._group_of.pop(request_id, None)
+            if group is not None:
+                gone.setdefault(group, set()).add(request_id)
+        for group, ids in gone.items():
+            self._remove(group, lambda r, ids=ids: r.request_id in ids)
+
+    def _remove(self, group: str, drop: Callable[[_Waiting], bool]) -> None:
+        """Drop the inputs of ``group`` for which ``drop`` is true (and the group once
+        it has none left)."""
+        queue = self.groups[group]
+        kept = deque(r for r in queue if not drop(r))
+        self._num_waiting -= len(queue) - len(kept)
+        if kept:
+            self.groups[group] = kept
+        else:
+            del self.groups[group]
+            if group == self._last_leader:
+                self._last_leader = None
 
     def pause(self, request_ids: list[str]) -> None:
         """Nothing to pause: a request's one output comes with its step."""
@@ -300,11 +362,11 @@ class PoolingCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits."""
-        return bool(self.waiting)
+        return bool(self._num_waiting)
 
     def has_work(self) -> bool:
         """True while any request waits."""
-        return bool(self.waiting)
+        return bool(self._num_waiting)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -312,37 +374,56 @@ class PoolingCore:
     # ------------------------------------------------------------ the step
 
     def _take_batch(self) -> list[_Waiting]:
-        """The next batch: the oldest waiting request, with the waiting requests of the
-        most similar lengths (each row is padded to the longest, so similar lengths waste
-        the least), within ``max_num_seqs`` requests and ``max_num_batched_tokens`` padded
-        tokens. Only the oldest `BATCH_WINDOW` times ``max_num_seqs`` requests are
-        considered, and the oldest always goes, so no request waits for ever."""
-        if not self.waiting:
+        """The next batch, within ``max_num_seqs`` requests and ``max_num_batched_tokens``
+        padded tokens (each row is padded to the longest, so similar lengths waste the
+        least):
+
+        1. The leader is the first group in turn order, after the previous step's leader
+           went behind every group waiting now. Its oldest input always goes, then its
+           inputs closest in length to that one (among its oldest `BATCH_WINDOW` times
+           ``max_num_seqs``) while they fit.
+        2. The room left goes to the other groups' inputs closest in length to the
+           leader's oldest, among as many of theirs taken round-robin from the groups in
+           turn order (so the first group cannot fill it alone), none longer than
+           `FILL_LENGTH_FACTOR` times the leader's longest.
+
+        Each group leads once per round, so a group waits for at most one step per group
+        ahead of it, and every input is taken in the end."""
+        if not self.groups:
             return []
+        last = self._last_leader
+        if last is not None and len(self.groups) > 1:
+            self.groups[last] = self.groups.pop(last)  # behind everyone waiting now
         scheduler = self.config.scheduler
-        window = list(islice(self.waiting, BATCH_WINDOW * scheduler.max_num_seqs))
-        oldest = window[0]
-        window.sort(key=lambda r: len(r.token_ids))
-        at = window.index(oldest)
-        low = high = at  # the batch is window[low : high + 1], around the oldest
-        while high - low + 1 < scheduler.max_num_seqs:
-            # Grow toward the neighbour closer in length (shorter ones first on a tie).
-            left = len(window[low - 1].token_ids) if low > 0 else None
-            right = len(window[high + 1].token_ids) if high + 1 < len(window) else None
-            if left is None and right is None:
-                break
-            mine = len(oldest.token_ids)
-            go_left = right is None or (left is not None and mine - left <= right - mine)
-            longest = len(window[high + (0 if go_left else 1)].token_ids)
-            if longest * (high - low + 2) > scheduler.max_num_batched_tokens:
-                break
-            if go_left:
-                low -= 1
-            else:
-                high += 1
-        batch = window[low : high + 1]
-        taken = {id(r) for r in batch}
-        self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+        max_rows, budget = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+        window = BATCH_WINDOW * max_rows
+        leader, queue = next(iter(self.groups.items()))
+        self._last_leader = leader
+        own = list(islice(queue, window))
+        mine = len(own[0].token_ids)
+        batch = [own[0]]
+        longest = mine
+
+        def fill(candidates: list[_Waiting], cap: int) -> None:
+            nonlocal longest
+            candidates.sort(key=lambda r: (abs(len(r.token_ids) - mine), len(r.token_ids)))
+            for request in candidates:
+                if len(batch) == max_rows or longest * (len(batch) + 1) > budget:
+                    return  # nothing more can fit
+                grown = max(longest, len(request.token_ids))
+                if grown <= cap and grown * (len(batch) + 1) <= budget:
+                    batch.append(request)
+                    longest = grown
+
+        fill(own[1:], budget)
+        others = islice(self.groups.values(), 1, None)
+        fill(_interleave(others, window), FILL_LENGTH_FACTOR * longest)
+        taken: dict[str, set[int]] = {}
+        for request in batch:
+            taken.setdefault(request.group, set()).add(id(request))
+            del self._group_of[request.request_id]
+        for group, ids in taken.items():
+            self._remove(group, lambda r, ids=ids: id(r) in ids)
         return batch
 
     def step(self) -> StepOutputs:
@@ -388,7 +469,7 @@ class PoolingCore:
         num_reqs, num_tokens = self._last_batch if step_seconds else (0, 0)
         return StepStats(
             num_running=0,
-            num_waiting=len(self.waiting),
+            num_waiting=self._num_waiting,
             num_scheduled_reqs=num_reqs,
             num_scheduled_tokens=num_tokens,
             num_prefill_tokens=num_tokens,
