@@ -20,15 +20,21 @@ the connection's first frames, so a client that writes its first frame right beh
 upgrade request is served. And it refuses a WebSocket message split into more than
 `MAX_FRAGMENTS` frames (close code 1009, then the connection is dropped).
 
-Last, HTTP/1.1 status lines get their reason phrase (`ReasonPhraseH11Protocol`):
+HTTP/1.1 status lines get their reason phrase (`ReasonPhraseH11Protocol`):
 hypercorn writes ``HTTP/1.1 404 \r\n``, and clients that print ``response.reason``
 (vLLM's benchmark client, LiteLLM) then show a blank error.
+
+Last, a server that cannot accept connections (out of file descriptors: EMFILE) says so
+at most once a second, on one line (`AcceptErrorFilter`), instead of ten tracebacks a
+second; it goes on retrying, and accepts again as soon as descriptors are free.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -66,6 +72,12 @@ MAX_FRAGMENTS = 4096
 
 #: Kernel send buffer of each client connection (bytes; Linux doubles it for bookkeeping).
 SEND_BUFFER_BYTES = 64 * 1024
+
+#: The logger of Trio's accept loop (``trio.serve_listeners``, which hypercorn runs).
+ACCEPT_LOGGER = "trio.serve_listeners"
+
+#: Shortest time between two log lines about failing accepts (seconds).
+ACCEPT_ERROR_LOG_INTERVAL = 1.0
 
 
 class GuardedTCPServer(TCPServer):
@@ -217,6 +229,55 @@ def _bound_send_buffer(stream: object) -> None:
             pass
 
 
+class AcceptErrorFilter(logging.Filter):
+    """Let through at most one record per ``interval`` seconds, on one line.
+
+    Trio's accept loop logs an error *with its traceback* every time ``accept`` fails for
+    lack of resources (EMFILE, ENFILE, ENOMEM, ENOBUFS), then retries 0.1 s later: ten
+    tracebacks a second for as long as the server is out of file descriptors, which buries
+    everything else in the log. The condition is worth one line, not a traceback (it is
+    always the same one, in Trio's accept). A record that passes has its traceback
+    dropped and says how many were left out since the last one.
+
+    Args:
+        interval: shortest time between two records let through (seconds).
+        clock: the time source (seconds; `time.monotonic`).
+    """
+
+    def __init__(
+        self,
+        interval: float = ACCEPT_ERROR_LOG_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.interval = interval
+        self._clock = clock
+        self._last: float | None = None
+        self._num_left_out = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` is written (rewritten to one line when it is)."""
+        now = self._clock()
+        if self._last is not None and now - self._last < self.interval:
+            self._num_left_out += 1
+            return False
+        self._last = now
+        message = record.getMessage()
+        if self._num_left_out:
+            message += f" ({self._num_left_out} more like it not shown)"
+        self._num_left_out = 0
+        record.msg, record.args = message, None
+        record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
+def _install_accept_error_filter() -> None:
+    """Give `ACCEPT_LOGGER` one `AcceptErrorFilter` (idempotent)."""
+    accept_logger = logging.getLogger(ACCEPT_LOGGER)
+    if not any(isinstance(f, AcceptErrorFilter) for f in accept_logger.filters):
+        accept_logger.addFilter(AcceptErrorFilter())
+
+
 def reason_phrase(status: int) -> bytes:
     """The standard reason phrase of ``status`` (``b"Not Found"``), or ``b""`` if none."""
     try:
@@ -242,7 +303,8 @@ class ReasonPhraseH11Protocol(hypercorn.protocol.h11.H11Protocol):
 
 def install() -> None:
     """Make hypercorn's Trio worker use `GuardedTCPServer`, `EarlyDataWSStream` and
-    `ReasonPhraseH11Protocol` (idempotent).
+    `ReasonPhraseH11Protocol`, and Trio's accept loop log through `AcceptErrorFilter`
+    (idempotent).
 
     Raises:
         RuntimeError: this hypercorn version does not build its connections the way this
@@ -268,3 +330,4 @@ def install() -> None:
             )
     for module, name, _, replacement in patches:
         setattr(module, name, replacement)
+    _install_accept_error_filter()

@@ -7,9 +7,16 @@ FastAPI's automatic validation, in this order:
 1. the body size (`trio_llm.api.middleware.BodySizeLimitMiddleware`, before this module);
 2. the content type, then JSON parsing;
 3. `check_limits` on the raw JSON: counts and lengths only (number of prompts times ``n``,
-   token-id prompt lengths against the context, messages, stop strings and their length),
-   each a 400 naming the field;
+   token-id prompt lengths against the context, messages, stop strings and their length)
+   and how deep arrays and objects nest (`MAX_JSON_DEPTH`), each a 400 naming the field;
 4. pydantic validation of every field.
+
+Every later step that walks a JSON value recursively (pydantic, ``json.dumps`` of tool-call
+arguments and schemas, the chat template's ``tojson``, the Anthropic and Responses
+translations) thus sees at most `MAX_JSON_DEPTH` levels, far from Python's recursion
+limit; JSON text inside a field (tool-call arguments, a schema given as a string) is held
+to the same depth where it is decoded (`json_text_too_deep`). JSON nested too deeply
+for Python's parser itself is refused the same way, naming the field (`load_json`).
 
 Steps 2-4 run in a worker thread when the body is larger than `INLINE_PARSE_BYTES`, so a
 large (valid or not) request never stalls the event loop that streams everyone else's
@@ -20,13 +27,14 @@ tokens. Later, costly work (chat templates, tokenizing) is also sized first, in
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 import trio
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from trio_llm.api.errors import bad_request, validation_message
+from trio_llm.api.errors import APIError, bad_request, validation_message
 from trio_llm.config import RequestLimits
 
 #: Bodies up to this size (bytes) are parsed and validated on the event loop (well under
@@ -35,9 +43,76 @@ INLINE_PARSE_BYTES = 16 * 1024
 
 _Request = TypeVar("_Request", bound=BaseModel)
 
+#: Deepest nesting of arrays and objects in a request body (the body is level 1), and in
+#: JSON text inside one (tool-call arguments, a schema given as a string). serde_json's
+#: default limit, which llguidance applies to every schema anyway; far beyond real requests
+#: (OpenAI's structured outputs allow a schema 5 to 10 levels of objects) and far below Python's
+#: recursion limit (1,000 frames), so every recursive walk of a value after the check
+#: (pydantic, ``json.dumps``, a chat template's ``tojson`` or recursive macros) has room.
+MAX_JSON_DEPTH = 128
+
+
+_CONTAINERS = frozenset((dict, list))
+
+
+def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` (parsed JSON: dicts, lists, scalars) nests arrays and objects
+    more than ``limit`` levels deep (an array or object is level 1, a scalar level 0).
+
+    Iterative, so any depth is safe to check. The cost grows with the number of elements,
+    at C speed for arrays and objects of scalars (a long token-id prompt).
+    """
+    if type(value) not in _CONTAINERS:
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if type(item) is dict else item
+        if _CONTAINERS.isdisjoint(set(map(type, children))):
+            continue
+        stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
+    return False
+
+
+def nested_too_deep(name: str | None) -> APIError:
+    """The 400 for a value (of the field ``name``, when known) nested too deeply."""
+    what = f"{name}: arrays and objects are" if name else "the request's arrays and objects are"
+    return bad_request(
+        f"{what} nested more than {MAX_JSON_DEPTH} levels deep, more than this server accepts",
+        name,
+    )
+
+
+def json_text_too_deep(text: str) -> bool:
+    """Whether ``text`` is JSON nesting arrays and objects more than `MAX_JSON_DEPTH`
+    levels deep (False for text that is not JSON)."""
+    try:
+        return json_depth_exceeds(json.loads(text))
+    except RecursionError:  # deeper than Python's parser goes
+        return True
+    except ValueError:
+        return False
+
+
+def check_json_text_depth(text: str) -> str:
+    """``text`` unchanged, unless `json_text_too_deep` (a pydantic validator).
+
+    Raises:
+        ValueError: it nests too deeply (the message names no field).
+    """
+    if json_text_too_deep(text):
+        raise ValueError(
+            f"the JSON text's arrays and objects are nested more than {MAX_JSON_DEPTH} levels "
+            "deep, more than this server accepts"
+        )
+    return text
+
 
 def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_size: int) -> None:
-    """Refuse a request whose size is out of bounds, looking only at counts and lengths.
+    """Refuse a request whose size is out of bounds, looking only at counts and lengths,
+    and at how deep its arrays and objects nest (`MAX_JSON_DEPTH`, any field).
 
     Runs before field validation; fields of the wrong type are left for it to report.
 
@@ -110,6 +185,9 @@ def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_
                 f"{name} has {len(value)} entries, more than the vocabulary's {vocab_size} tokens",
                 name,
             )
+    for name, value in data.items():  # the body itself is the first level
+        if json_depth_exceeds(value, MAX_JSON_DEPTH - 1):
+            raise nested_too_deep(name)
 
 
 def _check_token_prompt(item: Any, max_model_len: int) -> None:
@@ -142,15 +220,88 @@ def validate(
         raise bad_request(message, param) from exc
 
 
+class JSONTooDeepError(ValueError):
+    """JSON text that nests arrays and objects too deeply for Python's parser.
+
+    Attributes:
+        members: the members of the top-level object that come before the one too deep
+            (empty when the text is not an object).
+        field: the name of the member too deep, None if not found.
+    """
+
+    def __init__(self, members: dict[str, Any], field: str | None) -> None:
+        super().__init__(f"JSON nested too deeply ({field or 'unknown field'})")
+        self.members = members
+        self.field = field
+
+
+def load_json(text: bytes | str) -> Any:
+    """``json.loads``, with JSON nested deeper than the parser goes (about 1,000 levels,
+    less the caller's stack) told apart from invalid JSON.
+
+    Raises:
+        JSONTooDeepError: nested too deeply; it names the top-level member at fault.
+        ValueError: not valid JSON (or not UTF-8).
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        if isinstance(text, bytes):
+            text = text.decode(json.detect_encoding(text), "surrogatepass")
+        raise JSONTooDeepError(*_members_before_too_deep(text)) from None
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+def _members_before_too_deep(text: str) -> tuple[dict[str, Any], str | None]:
+    """The top-level object's members up to the one the parser cannot reach the end of,
+    and that member's name (None if none is found). One member at a time, so the cost is
+    the parse's own."""
+    members: dict[str, Any] = {}
+
+    def skip(i: int) -> int:
+        match = _WHITESPACE.match(text, i)
+        assert match is not None  # the pattern matches the empty string
+        return match.end()
+
+    try:
+        i = skip(0)
+        if text[i] != "{":
+            return members, None
+        i = skip(i + 1)
+        while text[i] == '"':
+            key, i = _DECODER.raw_decode(text, i)
+            i = skip(i)
+            if text[i] != ":":
+                break
+            i = skip(i + 1)
+            try:
+                members[key], i = _DECODER.raw_decode(text, i)
+            except RecursionError:
+                return members, key
+            i = skip(i)
+            if text[i] != ",":
+                break
+            i = skip(i + 1)
+    except (ValueError, IndexError):
+        pass
+    return members, None
+
+
 def parse_json(body: bytes | str) -> Any:
     """The JSON value of ``body``.
 
     Raises:
-        APIError: 400 when the body is not valid JSON (or not UTF-8).
+        APIError: 400 when the body is not valid JSON (or not UTF-8), or nests too deeply
+            for the parser (naming the field).
     """
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:
+        return load_json(body)
+    except JSONTooDeepError as exc:
+        raise nested_too_deep(exc.field) from None
+    except ValueError as exc:
         raise bad_request("the request body is not valid JSON") from exc
 
 

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from trio_llm.api.errors import bad_request, validation_message
+from trio_llm.api.parsing import check_json_text_depth, json_text_too_deep, nested_too_deep
 from trio_llm.api.tools import EMPTY_PARAMETERS, tool_call_grammar
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
@@ -441,10 +442,11 @@ class ToolMessage(_Message):
 
 
 class FunctionCall(BaseModel):
-    """The function of an assistant's tool call; ``arguments`` is JSON text."""
+    """The function of an assistant's tool call; ``arguments`` is JSON text (nested at
+    most `trio_llm.api.parsing.MAX_JSON_DEPTH` levels: the chat template walks it)."""
 
     name: Text
-    arguments: Text
+    arguments: Annotated[Text, AfterValidator(check_json_text_depth)]
 
 
 class AssistantToolCall(BaseModel):
@@ -485,7 +487,7 @@ class AssistantMessage(_Message):
 def _decoded(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # too deep: `FunctionCall` refuses it first
         return arguments
 
 
@@ -650,6 +652,8 @@ def _json_spec(value: Any, name: str) -> StructuredOutput | None:
     if value is None:
         return None
     if isinstance(value, str):
+        if json_text_too_deep(value):
+            raise nested_too_deep(name)
         try:
             value = json.loads(value)
         except ValueError as exc:

@@ -8,7 +8,9 @@ messages, each naming a generation by a client-chosen ``id``; the server answers
 Each connection is one nursery: a reader (the only task that receives, and it never blocks
 on anything else, so hypercorn can always hand over the next message or the hang-up), a
 writer that drains a bounded channel of outgoing events into the socket, a watcher that
-notices the engine dying or the server stopping, and one task per generation. Generation
+notices the engine dying or the server stopping, one task per generation, and one that
+passes the reader's error events on in order (a refused message costs only its queued
+event, up to `MAX_PENDING_ERROR_CHARS` for the connection). Generation
 tasks wait when the channel is full, so a client that stops reading stalls only its own
 generations; their engine output coalesces in the `EngineClient` mailbox, which pauses
 them in the engine once 64 tokens are unread (no batch slot is held for a client that
@@ -22,6 +24,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,7 +40,13 @@ from trio_llm.api.errors import (
     error_body,
 )
 from trio_llm.api.formats import usage
-from trio_llm.api.parsing import INLINE_PARSE_BYTES, validate
+from trio_llm.api.parsing import (
+    INLINE_PARSE_BYTES,
+    JSONTooDeepError,
+    load_json,
+    nested_too_deep,
+    validate,
+)
 from trio_llm.api.plan import OnDelta, Plan, run_choices
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
 from trio_llm.api.serving import OpenAIServing
@@ -60,9 +69,14 @@ MAX_ID_LENGTH = 256
 #: Outgoing events buffered per connection before generation tasks wait (events).
 OUTGOING_EVENT_BUFFER = 32
 
-#: Error events the reader may have waiting for room in the outgoing buffer; a client that
-#: keeps sending invalid messages without reading the answers is disconnected past this.
-MAX_PENDING_ERRORS = 64
+#: Error events the reader may have waiting for room in the outgoing buffer (characters of
+#: JSON, summed): thousands of refused messages (a burst of generations over
+#: `MAX_GENERATIONS_PER_CONNECTION`, or invalid ones). A client that keeps sending them
+#: without reading the answers is disconnected past this.
+MAX_PENDING_ERROR_CHARS = 1024 * 1024
+
+#: Longest stretch of a client's ``type`` quoted in an error event (characters).
+MAX_QUOTED_TYPE_LENGTH = 64
 
 #: Close codes (RFC 6455 section 7.4.1).
 CLOSE_GOING_AWAY = 1001
@@ -81,7 +95,8 @@ def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig
     """Serve the streaming protocol at ``/v1/ws`` on ``app``.
 
     With ``config.api_key`` set, a client must present the key in the handshake
-    (``Authorization: Bearer KEY``, or the ``api_key`` query parameter for browsers);
+    (``Authorization: Bearer KEY`` or ``x-api-key: KEY``, as on every HTTP ``/v1`` route,
+    or the ``api_key`` query parameter for browsers);
     otherwise the connection is accepted and closed at once with code 1008.
 
     A handshake whose ``Origin`` is not allowed is refused with HTTP 403 before anything
@@ -156,7 +171,11 @@ def _is_local_name(hostname: str) -> bool:
 
 
 def _authorized(websocket: WebSocket, key: bytes) -> bool:
-    """Whether the handshake carries ``key`` as a bearer token or ``?api_key=``."""
+    """Whether the handshake carries ``key`` as the HTTP routes take it (a bearer token or
+    ``x-api-key``, see `trio_llm.api.middleware.APIKeyMiddleware`) or as ``?api_key=``."""
+    header_key = websocket.headers.get("x-api-key")
+    if header_key is not None and hmac.compare_digest(header_key.strip().encode("latin-1"), key):
+        return True
     scheme, _, token = websocket.headers.get("authorization", "").strip().partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key):
         return True
@@ -170,6 +189,18 @@ async def _close_quietly(websocket: WebSocket, code: int, reason: str) -> None:
         await websocket.close(code, reason)
     except _DISCONNECTED:
         pass
+
+
+def _id_error(generation_id: Any) -> APIError | None:
+    """The error for a message's invalid ``id``, or None for a valid one."""
+    if not isinstance(generation_id, str) or not 0 < len(generation_id) <= MAX_ID_LENGTH:
+        problem = f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} characters"
+        return bad_request(problem, "id")
+    try:
+        check_unicode(generation_id)
+    except ValueError as exc:
+        return bad_request(f"`id`: {exc}", "id")
+    return None
 
 
 def _error_event(generation_id: str | None, body: dict[str, Any]) -> dict[str, Any]:
@@ -208,7 +239,10 @@ class _Connection:
         self.serving = serving
         self.engine = serving.engine
         self.active: dict[str, trio.CancelScope] = {}  # generation id -> its cancel scope
-        self.num_pending_errors = 0
+        # The reader's error events, in order, until the outbox has room (never blocks
+        # the reader; bounded by `MAX_PENDING_ERROR_CHARS`).
+        self.num_pending_error_chars = 0
+        self._errors, self._errors_receive = trio.open_memory_channel[str](math.inf)
         self.close_requested = trio.Event()
         self.close_code = CLOSE_INTERNAL_ERROR
         self.close_reason = ""
@@ -224,9 +258,11 @@ class _Connection:
                 output.start_soon(self._write_loop, connection.cancel_scope)
                 async with self._outbox, trio.open_nursery() as generations:
                     self._generations = generations
+                    generations.start_soon(self._error_loop)
                     connection.start_soon(self._read_loop, connection.cancel_scope)
                     connection.start_soon(self._watch_engine)
                     await self.close_requested.wait()
+                    self._errors.close()  # the errors queued so far still go out
                     if self.abort_on_close:
                         generations.cancel_scope.cancel()
                 # The outbox is closed: the writer sends what is left, then returns.
@@ -268,6 +304,15 @@ class _Connection:
                 connection.cancel()
                 return
 
+    async def _error_loop(self) -> None:
+        """Move the reader's error events into the outbox, in order."""
+        async with self._errors_receive:
+            async for text in self._errors_receive:
+                try:
+                    await self._outbox.send(text)
+                finally:
+                    self.num_pending_error_chars -= len(text)
+
     async def _watch_engine(self) -> None:
         await self.engine.ended.wait()
         if isinstance(self.engine.error, EngineDeadError):
@@ -280,28 +325,35 @@ class _Connection:
     async def _handle(self, text: str) -> None:
         """Act on one client message (answers go out from other tasks); only parsing a
         large message waits, in a worker thread."""
+        too_deep: APIError | None = None
         try:
             if len(text) > INLINE_PARSE_BYTES:
-                message = await trio.to_thread.run_sync(json.loads, text)
+                message = await trio.to_thread.run_sync(load_json, text)
             else:
-                message = json.loads(text)
-        except (ValueError, RecursionError):
+                message = load_json(text)
+        except JSONTooDeepError as exc:
+            # Refused whole; the members before the deep one may say whose it is.
+            message, too_deep = exc.members, nested_too_deep(exc.field)
+        except ValueError:
             self._reply_error(None, bad_request("the message is not valid JSON"))
             return
         if not isinstance(message, dict):
             self._reply_error(None, bad_request("a message must be a JSON object"))
             return
         generation_id = message.get("id")
-        if not isinstance(generation_id, str) or not 0 < len(generation_id) <= MAX_ID_LENGTH:
-            problem = f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} characters"
-            self._reply_error(None, bad_request(problem, "id"))
-            return
-        try:
-            check_unicode(generation_id)
-        except ValueError as exc:
-            self._reply_error(None, bad_request(f"`id`: {exc}", "id"))
-            return
         kind = message.get("type")
+        id_error = _id_error(generation_id)
+        if too_deep is not None:
+            # The error ends that generation if the message started one (as a validation
+            # error would); otherwise it names none.
+            starts = kind in _GENERATION_TYPES and id_error is None
+            self._reply_error(
+                generation_id if starts and generation_id not in self.active else None, too_deep
+            )
+            return
+        if id_error is not None:
+            self._reply_error(None, id_error)
+            return
         if kind == "cancel":
             scope = self.active.get(generation_id)
             if scope is not None:  # unknown or finished: nothing to do (a normal race)
@@ -309,7 +361,10 @@ class _Connection:
             return
         running = generation_id in self.active
         if kind not in _GENERATION_TYPES:
-            problem = f"unknown message type {kind!r}; expected completion, chat or cancel"
+            quoted = repr(kind)
+            if len(quoted) > MAX_QUOTED_TYPE_LENGTH:
+                quoted = quoted[:MAX_QUOTED_TYPE_LENGTH] + "..."
+            problem = f"unknown message type {quoted}; expected completion, chat or cancel"
             # An error naming a running generation would look like its end.
             self._reply_error(None if running else generation_id, bad_request(problem, "type"))
         elif running:
@@ -329,18 +384,16 @@ class _Connection:
             self._generations.start_soon(self._generate, generation_id, kind, message, scope, large)
 
     def _reply_error(self, generation_id: str | None, error: APIError) -> None:
-        if self.num_pending_errors >= MAX_PENDING_ERRORS:
+        """Queue an error event without waiting: the reader must go on receiving, or a
+        hang-up would not be noticed (hypercorn hands it over in the same queue)."""
+        if self.close_requested.is_set():
+            return  # closing: the answer would not be sent
+        text = json.dumps(_error_event(generation_id, error.body()), ensure_ascii=False)
+        if self.num_pending_error_chars + len(text) > MAX_PENDING_ERROR_CHARS:
             self.request_close(CLOSE_POLICY_VIOLATION, "too many unread error events", abort=True)
             return
-        self.num_pending_errors += 1
-        assert self._generations is not None
-        self._generations.start_soon(self._send_error, _error_event(generation_id, error.body()))
-
-    async def _send_error(self, event: dict[str, Any]) -> None:
-        try:
-            await self._send(event)
-        finally:
-            self.num_pending_errors -= 1
+        self.num_pending_error_chars += len(text)
+        self._errors.send_nowait(text)
 
     async def _send(self, event: dict[str, Any]) -> None:
         await self._outbox.send(json.dumps(event, ensure_ascii=False))

@@ -98,7 +98,8 @@ def render_chat(
     definitions) to the prompt text.
 
     Raises:
-        TemplateError: the template rejected the conversation or failed to render.
+        TemplateError: the template rejected the conversation or failed to render
+            (also when it recursed too deeply).
     """
     template = compile_template(source)
     try:
@@ -112,6 +113,10 @@ def render_chat(
         raise
     except jinja2.TemplateError as exc:
         raise TemplateError(f"cannot apply the chat template: {exc}") from exc
+    except RecursionError:  # a template's recursive macro over a deep value
+        raise TemplateError(
+            "cannot apply the chat template: the conversation nests too deeply for it"
+        ) from None
 
 
 def read_chat_template(
