@@ -30,6 +30,7 @@ from pydantic import (
 
 from trio_llm.api.errors import bad_request, validation_message
 from trio_llm.api.tools import EMPTY_PARAMETERS, tool_call_grammar
+from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, check_spec_limits
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
 
@@ -338,10 +339,7 @@ class GenerationRequest(RequestBody):
             names = ", ".join(name for name, _ in found)
             raise bad_request(f"give one output constraint, not several ({names})", found[1][0])
         name, spec = found[0]
-        try:
-            check_structured_output(spec)
-        except StructuredOutputError as exc:
-            raise bad_request(f"{name}: {exc}", name) from exc
+        _check_spec(spec, name)
         return spec
 
     @property
@@ -593,6 +591,8 @@ class ChatCompletionRequest(GenerationRequest):
         if not self.forces_tool_call:
             return spec
         grammar = tool_call_grammar(functions, self.forced_function, self.parallel_tool_calls)
+        if self.forced_function is not None:
+            return grammar  # the function's own schema, checked above
         try:
             check_structured_output(grammar)
         except StructuredOutputError as exc:
@@ -604,9 +604,12 @@ class ChatCompletionRequest(GenerationRequest):
 
         Raises:
             APIError: a 400 naming ``tools`` (a bad name, a repeated name, a schema that
-                cannot be enforced) or ``tool_choice`` (no tools, an unknown function).
+                cannot be enforced, matches nothing or is over this server's limits) or
+                ``tool_choice`` (no tools, an unknown function).
         """
         functions: dict[str, dict[str, Any]] = {}
+        specs: list[tuple[str, StructuredOutput]] = []
+        total = 0  # characters of all the schemas
         for i, tool in enumerate(self.tools or ()):
             function = tool.function
             if not _FUNCTION_NAME.fullmatch(function.name):
@@ -620,19 +623,29 @@ class ChatCompletionRequest(GenerationRequest):
                     f"tools: the function name {function.name!r} is repeated", "tools"
                 )
             schema = EMPTY_PARAMETERS if function.parameters is None else function.parameters
+            where = f"tools[{i}].function.parameters ({function.name})"
             if schema.get("type", "object") != "object":
                 raise bad_request(
-                    f"tools[{i}].function.parameters ({function.name}) must be a JSON Schema "
-                    f'of type "object" (the arguments are an object), got {schema["type"]!r}',
+                    f"{where} must be a JSON Schema of type \"object\" (the arguments are an "
+                    f"object), got {schema['type']!r}",
                     "tools",
                 )
+            spec = StructuredOutput("json", json.dumps(schema))
+            total += len(spec.spec)
             try:
-                check_structured_output(StructuredOutput("json", json.dumps(schema)))
+                check_spec_limits(spec)
             except StructuredOutputError as exc:
-                raise bad_request(
-                    f"tools[{i}].function.parameters ({function.name}): {exc}", "tools"
-                ) from exc
+                raise bad_request(f"{where}: {exc}", "tools") from exc
             functions[function.name] = schema
+            specs.append((where, spec))
+        if total > MAX_SCHEMA_CHARS:
+            raise bad_request(
+                f"tools: the functions' parameters schemas have {total:,} characters in all, "
+                f"more than this server's limit of {MAX_SCHEMA_CHARS:,}",
+                "tools",
+            )
+        for where, spec in specs:  # every limit first, then the grammars
+            _check_spec(spec, where, "tools")
         name = self.forced_function
         if self.tool_choice not in (None, "none") and not self.tools:
             raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
@@ -643,6 +656,21 @@ class ChatCompletionRequest(GenerationRequest):
                 "tool_choice",
             )
         return functions
+
+
+def _check_spec(spec: StructuredOutput, name: str, param: str | None = None) -> None:
+    """Check ``spec`` against this server's size limits (on its text, at once), then
+    build its grammar (`check_structured_output`).
+
+    Raises:
+        APIError: a 400 whose message starts with ``name`` and names ``param`` (``name``
+            when None).
+    """
+    try:
+        check_spec_limits(spec)
+        check_structured_output(spec)
+    except StructuredOutputError as exc:
+        raise bad_request(f"{name}: {exc}", param or name) from exc
 
 
 def _json_spec(value: Any, name: str) -> StructuredOutput | None:

@@ -49,6 +49,7 @@ from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
+from trio_llm.engine.structured import default_compile_workers
 from trio_llm.errors import EngineError, InvalidRequest
 from trio_llm.frontend.data_parallel import EngineHandle
 from trio_llm.frontend.engine_client import Admission
@@ -120,6 +121,9 @@ class OpenAIServing:
         self.vocab_size = engine.info.vocab_size
         self.eos_token_ids = frozenset(engine.info.eos_token_ids)
         self.inputs = InputPreprocessor(tokenizer, self.max_model_len, self.vocab_size)
+        #: Structured-output specs checked at once in worker threads (each builds a
+        #: grammar): as many as the engine compiles at once.
+        self.grammar_checks = trio.CapacityLimiter(default_compile_workers())
 
     # ------------------------------------------------------------ validation
 
@@ -189,7 +193,11 @@ class OpenAIServing:
             await trio.to_thread.run_sync(compile_stops, tuple(dict.fromkeys(stops)))
         if request.asks_for_structured_output:
             # Parse and check the spec off the loop; `_params` then finds the result.
-            await trio.to_thread.run_sync(request.structured_output)
+            # At most `grammar_checks` at once; one whose client leaves is abandoned (its
+            # thread ends by itself, bounded by the spec limits and llguidance's own).
+            await trio.to_thread.run_sync(
+                request.structured_output, limiter=self.grammar_checks, abandon_on_cancel=True
+            )
 
     def _params(
         self,
@@ -219,8 +227,12 @@ class OpenAIServing:
 
     async def respond(self, request: GenerationRequest, receive: Receive) -> Response:
         """Handle ``POST /v1/completions`` and ``POST /v1/chat/completions``: one JSON
-        body, or server-sent events with ``stream``."""
-        return await self._respond(await self.plan(request), request, receive)
+        body, or server-sent events with ``stream``. A client that leaves while its
+        request is still being checked (a grammar, a long prompt) stops that work."""
+        plan = await run_while_connected(receive, partial(self.plan, request))
+        if plan is None:  # the client left while the request was checked
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await self._respond(plan, request, receive)
 
     async def plan(self, request: GenerationRequest) -> Plan:
         """Validate and tokenize a request into a `Plan` (chat: render the template first).
@@ -414,7 +426,12 @@ class OpenAIServing:
         else:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
-        chat, plan = await self._plan_translated(request, make_format, endpoint)
+        planned = await run_while_connected(
+            receive, partial(self._plan_translated, request, make_format, endpoint)
+        )
+        if planned is None:  # the client left while the request was checked
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        chat, plan = planned
         return await self._respond(plan, chat, receive)
 
     async def _plan_translated(

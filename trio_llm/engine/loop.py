@@ -243,7 +243,7 @@ async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -
     channel = outbox.channel
     inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
     wakeup = _Wakeup()
-    core.on_grammar_compiled = wakeup.notify
+    core.on_grammar_event = wakeup.notify
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_read_messages, channel, inbox_send)
         nursery.start_soon(outbox.heartbeats, heartbeat_interval)

@@ -212,7 +212,7 @@ class PoolingCore:
         self.embedding_dim = int(mconf.hidden_size)
         self.waiting: deque[_Waiting] = deque()
         #: Called by the engine loop's protocol (a generator's grammar compiles); unused.
-        self.on_grammar_compiled: Any = None
+        self.on_grammar_event: Any = None
         self._last_batch = (0, 0)
         logger.info(
             "%s as an embedding model: %s pooling%s, %d dimensions, up to %d tokens",
