@@ -626,7 +626,7 @@ class ChatCompletionRequest(GenerationRequest):
             where = f"tools[{i}].function.parameters ({function.name})"
             if schema.get("type", "object") != "object":
                 raise bad_request(
-                    f"{where} must be a JSON Schema of type \"object\" (the arguments are an "
+                    f'{where} must be a JSON Schema of type "object" (the arguments are an '
                     f"object), got {schema['type']!r}",
                     "tools",
                 )
