@@ -257,6 +257,19 @@ def test_a_grammar_that_matches_nothing_is_refused(grammar: str) -> None:
         check_structured_output(StructuredOutput("grammar", grammar))
 
 
+def test_a_rule_wider_than_the_parser_is_refused_at_validation() -> None:
+    """llguidance's parser holds at most 2,000 items in a row: a rule of more
+    alternatives compiles, and fails at the output's first token (found here by a
+    one-byte step into the grammar)."""
+    wide = "start: " + " | ".join(json.dumps(f"w{i}") for i in range(3000))
+    with pytest.raises(StructuredOutputError, match="max is 2000") as raised:
+        check_structured_output(StructuredOutput("grammar", wide))
+    assert "\n" not in str(raised.value)
+    # A choice list of as many strings is one lexeme, not a rule: it is served.
+    choices = [f"w{i}" for i in range(MAX_CHOICES)]
+    check_structured_output(StructuredOutput("choice", json.dumps(choices)))
+
+
 def test_the_api_refuses_what_matches_nothing_naming_the_field() -> None:
     error = _refused({"messages": QUESTION, "structured_outputs": {"grammar": "start: start"}})
     assert error.param == "structured_outputs" and "matches no string" in error.message

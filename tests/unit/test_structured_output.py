@@ -351,6 +351,15 @@ def test_a_grammar_that_matches_nothing_fails_its_request(core: EngineCore) -> N
         assert error.startswith("structured_output: ") and "matches no" in error
 
 
+def test_a_choice_of_thousands_of_strings_is_served(core: EngineCore, smol_tokenizer) -> None:
+    choices = [f"label number {i}" for i in range(3000)]  # past llguidance's 2,000 per row
+    source = json.dumps(choices)
+    requests = {f"c{n}": _params("choice", source, seed=n, max_tokens=16) for n in range(3)}
+    for result in _run(core, requests).values():
+        assert result["finish"] == "stop", result
+        assert smol_tokenizer.decode(result["tokens"]) in choices
+
+
 def test_a_matcher_that_fails_mid_output_is_an_error_not_a_stop(core: EngineCore) -> None:
     """Every output of this grammar is infinitely deep, and llguidance finds out only once
     it has forced a few braces (its item limit, while the mask is computed); the matcher

@@ -332,9 +332,36 @@ def check_structured_output(spec: StructuredOutput, tokenizer: Any = None) -> st
             string at all.
     """
     grammar = grammar_source(spec)
-    vocab_size = None if tokenizer is not None else _BYTE_VOCAB
-    checked_matcher(spec, tokenizer or _byte_tokenizer(), vocab_size, grammar=grammar)
+    if tokenizer is not None:
+        checked_matcher(spec, tokenizer, None, grammar=grammar)
+        return grammar
+    matcher = checked_matcher(spec, _byte_tokenizer(), _BYTE_VOCAB, grammar=grammar)
+    _probe(matcher)
     return grammar
+
+
+def _probe(matcher: llguidance.LLMatcher) -> None:
+    """Take one step into the grammar: consume the first byte its first mask allows and
+    compute the next mask. Some of llguidance's limits are only met there (a rule of more
+    than 2,000 alternatives fills a parser row past ``max_items_in_row``), and a model
+    would meet them at its first token.
+
+    Raises:
+        StructuredOutputError: the library's reason.
+    """
+    import numpy as np
+
+    llg_numpy = _llguidance_numpy()
+    mask = llg_numpy.allocate_token_bitmask(1, _BYTE_VOCAB)
+    llg_numpy.fill_next_token_bitmask(matcher, mask, 0)
+    bits = np.unpackbits(mask.astype("<i4").view(np.uint8), count=256, bitorder="little")
+    allowed = np.flatnonzero(bits)  # the bytes, not the end token
+    if not len(allowed):
+        return  # only the end: nothing to probe
+    if matcher.consume_token(int(allowed[0])):
+        llg_numpy.fill_next_token_bitmask(matcher, mask, 0)
+    if matcher.is_error():
+        raise StructuredOutputError(_library_reason(matcher.get_error()))
 
 
 def checked_matcher(
@@ -354,7 +381,8 @@ def checked_matcher(
 
     if grammar is None:
         grammar = grammar_source(spec)
-    matcher = llguidance.LLMatcher(tokenizer, grammar, limits=parser_limits())
+    # log_level 0: the library's warnings on stderr say what get_error() returns.
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
         raise StructuredOutputError(_library_reason(matcher.get_error()))
     warnings = matcher.get_grammar_warnings()
@@ -394,8 +422,11 @@ def grammar_source(spec: StructuredOutput) -> str:
             choices = json.loads(spec.spec)
             if not choices or not all(isinstance(c, str) for c in choices):
                 raise ValueError("choice must be a non-empty list of strings")
-            # The text of one choice, unquoted (as vLLM's choice): a Lark rule of literals.
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, choices)))
+            # The text of one choice, unquoted (as vLLM's choice): one lexeme of literals.
+            # (Not a rule of them: llguidance's parser holds at most 2,000 items in a row,
+            # and a rule of more alternatives fails at the output's first token.)
+            alternatives = " | ".join(map(json.dumps, choices))
+            return LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
         if spec.kind == "grammar":
             return LLMatcher.grammar_from_lark(spec.spec)
     except (ValueError, TypeError, RecursionError) as exc:
