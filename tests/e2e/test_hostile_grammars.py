@@ -116,14 +116,16 @@ def test_a_grammar_that_fails_mid_output_is_an_error_without_internals(
     server: ServerProcess,
 ) -> None:
     """Every output of this grammar is infinitely deep; llguidance finds that out only
-    after a few forced braces, in the engine: an error with a one-line reason, in the
-    body of a whole response and in the last event of a stream (never "stop")."""
+    after a few forced braces, in the engine: an error naming the field with a one-line
+    reason, in the body of a whole response and in the last event of a stream (never
+    "stop")."""
     body = {"messages": QUESTION, "max_tokens": 32, "guided_grammar": 'start: "{" start "}"'}
     response = _post(server, "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
-    message = response.json()["error"]["message"]
-    assert message.startswith("structured output: ")
-    _assert_clean(message)
+    error = response.json()["error"]
+    assert error["param"] == "guided_grammar", error
+    assert error["message"].startswith("structured output: ")
+    _assert_clean(error["message"])
     streamed = _post(server, "/v1/chat/completions", {**body, "stream": True})
     assert streamed.status_code == 200
     events = [
@@ -131,6 +133,7 @@ def test_a_grammar_that_fails_mid_output_is_an_error_without_internals(
     ]
     finishes = [c["finish_reason"] for e in events for c in e.get("choices", [])]
     assert "stop" not in finishes, events
-    errors = [e["error"]["message"] for e in events if "error" in e]
-    assert errors and errors[0].startswith("structured output: "), events
-    _assert_clean(errors[0])
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and errors[0]["message"].startswith("structured output: "), events
+    assert errors[0]["param"] == "guided_grammar"
+    _assert_clean(errors[0]["message"])

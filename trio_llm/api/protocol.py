@@ -221,6 +221,7 @@ class GenerationRequest(RequestBody):
     guided_grammar: Text | None = None
     _structured_output: StructuredOutput | None = PrivateAttr(default=None)
     _structured_checked: bool = PrivateAttr(default=False)
+    _structured_param: str | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         """Raise a 400 for a field this server does not implement (given a non-neutral value).
@@ -339,8 +340,15 @@ class GenerationRequest(RequestBody):
             names = ", ".join(name for name, _ in found)
             raise bad_request(f"give one output constraint, not several ({names})", found[1][0])
         name, spec = found[0]
+        self._structured_param = name
         _check_spec(spec, name)
         return spec
+
+    @property
+    def structured_param(self) -> str | None:
+        """The field that gave the output constraint (``tools`` for a forced tool call),
+        once `structured_output` ran; None without a constraint."""
+        return self._structured_param if self._structured_output is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -590,6 +598,7 @@ class ChatCompletionRequest(GenerationRequest):
             )
         if not self.forces_tool_call:
             return spec
+        self._structured_param = "tools"
         grammar = tool_call_grammar(functions, self.forced_function, self.parallel_tool_calls)
         if self.forced_function is not None:
             return grammar  # the function's own schema, checked above

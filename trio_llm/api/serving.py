@@ -280,6 +280,7 @@ class OpenAIServing:
             echo=request.echo,
             num_top_logprobs=request.logprobs,
             num_prompt_logprobs=request.prompt_logprobs,
+            structured_param=request.structured_param,
         )
         for prompt in prompts:
             max_tokens = self.inputs.resolve_max_tokens(
@@ -447,9 +448,11 @@ class OpenAIServing:
             # that grows with the request, so it runs in a worker thread.
             chat = await trio.to_thread.run_sync(request.to_chat)
             try:
-                return chat, await self._plan_chat(chat, make_format, endpoint)
+                plan = await self._plan_chat(chat, make_format, endpoint)
             except InvalidRequest as exc:
                 raise bad_request(exc.message, exc.param) from exc
+            plan.structured_param = request.api_names(plan.structured_param, "")[0]
+            return chat, plan
         except APIError as exc:
             # The checks are the chat path's: name this API's fields instead.
             exc.param, exc.message = request.api_names(exc.param, exc.message)
@@ -494,6 +497,7 @@ class OpenAIServing:
             self.tokenizer, tool_parser, parallel_tool_calls=request.parallel_tool_calls
         )
         plan = Plan(chat_format, model, num_top_logprobs=logprobs)
+        plan.structured_param = request.structured_param
         plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
         return plan
 
@@ -572,13 +576,17 @@ class OpenAIServing:
         async def collect() -> None:
             await run_choices(self.engine, plan, choices, admission, None)
 
-        if not await self._run_connected(receive, admission, collect):
+        if not await self._run_connected(receive, admission, collect, plan.structured_param):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         body = plan.format.response(plan, choices)
         return JSONResponse(body)
 
     async def _run_connected(
-        self, receive: Receive, admission: Admission, work: Callable[[], Awaitable[None]]
+        self,
+        receive: Receive,
+        admission: Admission,
+        work: Callable[[], Awaitable[None]],
+        structured_param: str | None = None,
     ) -> bool:
         """Run ``work`` (a non-streamed response's engine requests) while the client is
         connected; False if it left first. The admission is released either way.
@@ -594,6 +602,6 @@ class OpenAIServing:
         try:
             return await run_while_connected(receive, run) is not None
         except EngineError as exc:
-            raise engine_error(exc) from exc
+            raise engine_error(exc, structured_param) from exc
         finally:
             self.engine.release(admission)
