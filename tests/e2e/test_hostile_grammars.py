@@ -116,10 +116,11 @@ def test_a_grammar_that_fails_mid_output_is_an_error_without_internals(
     server: ServerProcess,
 ) -> None:
     """Every output of this grammar is infinitely deep; llguidance finds that out only
-    after a few forced braces, in the engine: an error naming the field with a one-line
-    reason, in the body of a whole response and in the last event of a stream (never
-    "stop")."""
-    body = {"messages": QUESTION, "max_tokens": 32, "guided_grammar": 'start: "{" start "}"'}
+    after its three letters and a few forced braces, in the engine: an error naming the
+    field with a one-line reason, in the body of a whole response and in the last event
+    of a stream (never "stop")."""
+    grammar = 'start: /[a-z]{3}/ t\nt: "{" t "}"'  # three letters, then braces forever
+    body = {"messages": QUESTION, "max_tokens": 32, "guided_grammar": grammar}
     response = _post(server, "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

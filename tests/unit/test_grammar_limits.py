@@ -258,13 +258,16 @@ def test_a_grammar_that_matches_nothing_is_refused(grammar: str) -> None:
 
 
 def test_a_rule_wider_than_the_parser_is_refused_at_validation() -> None:
-    """llguidance's parser holds at most 2,000 items in a row: a rule of more
-    alternatives compiles, and fails at the output's first token (found here by a
-    one-byte step into the grammar)."""
+    """Some of llguidance's limits show only after the first byte: its parser holds at
+    most 2,000 items in a row, so a rule of more alternatives compiles and fails at the
+    output's first token. A one-byte step into the grammar finds them."""
     wide = "start: " + " | ".join(json.dumps(f"w{i}") for i in range(3000))
     with pytest.raises(StructuredOutputError, match="max is 2000") as raised:
         check_structured_output(StructuredOutput("grammar", wide))
     assert "\n" not in str(raised.value)
+    # A forced chain without end shows there too, as llguidance's item limit.
+    with pytest.raises(StructuredOutputError, match="Too many items"):
+        check_structured_output(StructuredOutput("grammar", 'start: "{" start "}"'))
     # A choice list of as many strings is one lexeme, not a rule: it is served.
     choices = [f"w{i}" for i in range(MAX_CHOICES)]
     check_structured_output(StructuredOutput("choice", json.dumps(choices)))
