@@ -160,7 +160,8 @@ async def run(url: str, server_pid: int, args: argparse.Namespace) -> dict[str, 
         print_table(table, ["request", "status", "seconds"])
         alone = [(await timed_post(client, newcomer_body()))[1] for _ in range(args.repeats)]
         results["newcomer_alone"] = alone
-        rows = [{"case": "(none)", "newcomer_s": statistics.median(alone), "runs": alone}]
+        runs = [round(t, 2) for t in alone]
+        rows = [{"case": "(none)", "newcomer_s": statistics.median(alone), "runs": runs}]
         for case in args.cases.split(","):
             rounds = []
             for _ in range(args.repeats):

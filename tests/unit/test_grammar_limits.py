@@ -20,7 +20,7 @@ from trio_llm.api.app import build_app
 from trio_llm.api.errors import APIError
 from trio_llm.api.protocol import ChatCompletionRequest
 from trio_llm.api.responses import ResponsesRequest
-from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, SMALL_GRAMMAR_CHARS, OpenAIServing
 from trio_llm.engine import spec_checks
 from trio_llm.engine.spec_checks import (
     MAX_CHOICES,
@@ -434,18 +434,27 @@ def test_a_failed_build_is_one_line_and_stays_cached(monkeypatch: pytest.MonkeyP
 INFO = EngineReady("/model", 4096, 256, 16, [2], 49152, "float32", 1)
 
 
+#: A regex large enough to wait for its turn among the grammar checks.
+LARGE = "x" * (SMALL_GRAMMAR_CHARS + 1)
+
+
 async def test_a_client_that_leaves_abandons_its_grammar_check(
     smol_tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The check runs in a worker thread (one at a time here); the client leaves while it
-    runs and a second one leaves while it waits for its turn: both answers come at once,
-    and the waiting check never starts."""
+    """A large spec's grammar is checked in a worker thread, one at a time here: its
+    client leaves while the check runs, a second one while it waits for its turn, and
+    both answers come at once; the waiting check never starts. A small spec is checked
+    meanwhile without waiting for its turn."""
     entered = threading.Event()
+    small_checked = threading.Event()
     release = threading.Event()
     checked: list[str] = []
 
     def slow_check(spec: StructuredOutput, tokenizer: object = None) -> str:
-        checked.append(spec.spec)
+        checked.append(spec.spec[:6])
+        if len(spec.spec) <= SMALL_GRAMMAR_CHARS:
+            small_checked.set()
+            return ""
         entered.set()
         release.wait(timeout=20)
         return ""
@@ -459,22 +468,24 @@ async def test_a_client_that_leaves_abandons_its_grammar_check(
             serving = OpenAIServing(engine, smol_tokenizer, ("m",))
             serving.grammar_checks = trio.CapacityLimiter(1)
             app = build_app(serving, lambda: True)
-            first = _Client(app, {"messages": QUESTION, "guided_regex": "first"})
-            second = _Client(app, {"messages": QUESTION, "guided_regex": "second"})
+            first = _Client(app, {"messages": QUESTION, "guided_regex": "first" + LARGE})
+            second = _Client(app, {"messages": QUESTION, "guided_regex": "secnd" + LARGE})
+            small = _Client(app, {"messages": QUESTION, "guided_regex": "small"})
             nursery.start_soon(first.run)
             await trio.to_thread.run_sync(entered.wait)
             nursery.start_soon(second.run)
             await trio.testing.wait_all_tasks_blocked()
             with trio.fail_after(10):  # (a safety net: today's server answers at once)
-                first.leave()
-                second.leave()
-                await first.answered.wait()
-                await second.answered.wait()
+                nursery.start_soon(small.run)
+                await trio.to_thread.run_sync(small_checked.wait, abandon_on_cancel=True)
+                for client in (first, second, small):
+                    client.leave()
+                    await client.answered.wait()
             nursery.cancel_scope.cancel()
     finally:
         release.set()
-    assert first.status == second.status == CLIENT_CLOSED_REQUEST
-    assert checked == ["first"]
+    assert first.status == second.status == small.status == CLIENT_CLOSED_REQUEST
+    assert checked == ["firstx", "small"]
 
 
 class _Client:

@@ -221,6 +221,9 @@ class GenerationRequest(RequestBody):
     guided_grammar: Text | None = None
     _structured_output: StructuredOutput | None = PrivateAttr(default=None)
     _structured_checked: bool = PrivateAttr(default=False)
+    _structured_limits_checked: bool = PrivateAttr(default=False)
+    #: Grammars still to build for `structured_output`: (spec, message prefix, param).
+    _grammar_checks: list[tuple[StructuredOutput, str, str]] = PrivateAttr(default_factory=list)
     _structured_param: str | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
@@ -317,9 +320,42 @@ class GenerationRequest(RequestBody):
                 keyword, for example).
         """
         if not self._structured_checked:
-            self._structured_output = self._check_structured_output()
+            self.structured_output_chars()
+            for spec, name, param in self._grammar_checks:
+                try:
+                    check_structured_output(spec)
+                except StructuredOutputError as exc:
+                    raise bad_request(f"{name}: {exc}", param) from exc
+            self._grammar_checks = []
             self._structured_checked = True
         return self._structured_output
+
+    def structured_output_chars(self) -> int:
+        """The cheap half of `structured_output`: find the output constraint and check
+        it against this server's size limits (time linear in its text); the characters
+        of spec whose grammars are still to be built. Computed once.
+
+        Raises:
+            APIError: as `structured_output`, but never after building a grammar.
+        """
+        if not self._structured_limits_checked:
+            self._structured_output = self._check_structured_output()
+            self._structured_limits_checked = True
+        return sum(len(spec.spec) for spec, _, _ in self._grammar_checks)
+
+    def _check_spec(self, spec: StructuredOutput, name: str, param: str | None = None) -> None:
+        """Check ``spec`` against this server's size limits now, and queue its grammar's
+        check for `structured_output`.
+
+        Raises:
+            APIError: a 400 whose message starts with ``name`` and names ``param``
+                (``name`` when None).
+        """
+        try:
+            check_spec_limits(spec)
+        except StructuredOutputError as exc:
+            raise bad_request(f"{name}: {exc}", param or name) from exc
+        self._grammar_checks.append((spec, name, param or name))
 
     def _check_structured_output(self) -> StructuredOutput | None:
         found = [
@@ -341,7 +377,7 @@ class GenerationRequest(RequestBody):
             raise bad_request(f"give one output constraint, not several ({names})", found[1][0])
         name, spec = found[0]
         self._structured_param = name
-        _check_spec(spec, name)
+        self._check_spec(spec, name)
         return spec
 
     @property
@@ -600,12 +636,8 @@ class ChatCompletionRequest(GenerationRequest):
             return spec
         self._structured_param = "tools"
         grammar = tool_call_grammar(functions, self.forced_function, self.parallel_tool_calls)
-        if self.forced_function is not None:
-            return grammar  # the function's own schema, checked above
-        try:
-            check_structured_output(grammar)
-        except StructuredOutputError as exc:
-            raise bad_request(f"tools: {exc}", "tools") from exc
+        if self.forced_function is None:  # (a named one is the function's own schema)
+            self._grammar_checks.append((grammar, "tools", "tools"))
         return grammar
 
     def _check_tools(self) -> dict[str, dict[str, Any]]:
@@ -617,7 +649,6 @@ class ChatCompletionRequest(GenerationRequest):
                 ``tool_choice`` (no tools, an unknown function).
         """
         functions: dict[str, dict[str, Any]] = {}
-        specs: list[tuple[str, StructuredOutput]] = []
         total = 0  # characters of all the schemas
         for i, tool in enumerate(self.tools or ()):
             function = tool.function
@@ -641,20 +672,14 @@ class ChatCompletionRequest(GenerationRequest):
                 )
             spec = StructuredOutput("json", json.dumps(schema))
             total += len(spec.spec)
-            try:
-                check_spec_limits(spec)
-            except StructuredOutputError as exc:
-                raise bad_request(f"{where}: {exc}", "tools") from exc
+            self._check_spec(spec, where, "tools")
             functions[function.name] = schema
-            specs.append((where, spec))
         if total > MAX_SCHEMA_CHARS:
             raise bad_request(
                 f"tools: the functions' parameters schemas have {total:,} characters in all, "
                 f"more than this server's limit of {MAX_SCHEMA_CHARS:,}",
                 "tools",
             )
-        for where, spec in specs:  # every limit first, then the grammars
-            _check_spec(spec, where, "tools")
         name = self.forced_function
         if self.tool_choice not in (None, "none") and not self.tools:
             raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
@@ -665,21 +690,6 @@ class ChatCompletionRequest(GenerationRequest):
                 "tool_choice",
             )
         return functions
-
-
-def _check_spec(spec: StructuredOutput, name: str, param: str | None = None) -> None:
-    """Check ``spec`` against this server's size limits (on its text, at once), then
-    build its grammar (`check_structured_output`).
-
-    Raises:
-        APIError: a 400 whose message starts with ``name`` and names ``param`` (``name``
-            when None).
-    """
-    try:
-        check_spec_limits(spec)
-        check_structured_output(spec)
-    except StructuredOutputError as exc:
-        raise bad_request(f"{name}: {exc}", param or name) from exc
 
 
 def _json_spec(value: Any, name: str) -> StructuredOutput | None:

@@ -71,6 +71,10 @@ INLINE_EMBEDDING_INPUTS = 8
 #: Stop strings with more characters than this in all are compiled in a worker thread.
 INLINE_STOP_CHARS = 1024
 
+#: Output constraints of at most this many characters of spec have their grammars
+#: checked at once (a few milliseconds); larger ones queue for `OpenAIServing.grammar_checks`.
+SMALL_GRAMMAR_CHARS = 16 * 1024
+
 
 @dataclass
 class _Prompt:
@@ -121,8 +125,8 @@ class OpenAIServing:
         self.vocab_size = engine.info.vocab_size
         self.eos_token_ids = frozenset(engine.info.eos_token_ids)
         self.inputs = InputPreprocessor(tokenizer, self.max_model_len, self.vocab_size)
-        #: Structured-output specs checked at once in worker threads (each builds a
-        #: grammar): as many as the engine compiles at once.
+        #: Large structured-output specs checked at once in worker threads (each builds
+        #: a grammar): as many as the engine compiles at once.
         self.grammar_checks = trio.CapacityLimiter(default_compile_workers())
 
     # ------------------------------------------------------------ validation
@@ -193,10 +197,16 @@ class OpenAIServing:
             await trio.to_thread.run_sync(compile_stops, tuple(dict.fromkeys(stops)))
         if request.asks_for_structured_output:
             # Parse and check the spec off the loop; `_params` then finds the result.
-            # At most `grammar_checks` at once; one whose client leaves is abandoned (its
-            # thread ends by itself, bounded by the spec limits and llguidance's own).
+            # First its size limits (cheap), then its grammar: a large one waits its turn
+            # among at most `grammar_checks` at once, so a small one never waits behind
+            # hostile ones. A check whose client leaves is abandoned (its thread ends by
+            # itself, bounded by the limits and llguidance's own).
+            chars = await trio.to_thread.run_sync(
+                request.structured_output_chars, abandon_on_cancel=True
+            )
+            limiter = self.grammar_checks if chars > SMALL_GRAMMAR_CHARS else None
             await trio.to_thread.run_sync(
-                request.structured_output, limiter=self.grammar_checks, abandon_on_cancel=True
+                request.structured_output, limiter=limiter, abandon_on_cancel=True
             )
 
     def _params(
