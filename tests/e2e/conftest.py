@@ -31,6 +31,7 @@ INLINE_ONLY_MODULES = {
     "test_concurrency",
     "test_examples",
     "test_hostile_clients",
+    "test_hostile_grammars",
     "test_hostile_messages",
     "test_langchain",
     "test_litellm",

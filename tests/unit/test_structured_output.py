@@ -319,8 +319,99 @@ def test_aborting_a_request_while_its_grammar_compiles(
     assert not core.has_unfinished_requests()
     held.release.set()
     # The compile goes on for the cache; the aborted request never produces an output.
-    core.grammars.compile(spec.structured_output).result(timeout=120)
+    core.grammars.compile(spec.structured_output).future.result(timeout=120)
     assert not core.has_work() and core.step().outputs == []
     assert core.add_request(AddRequest("gone", PROMPT, spec)) is None  # the id is free
     assert core.num_waiting_for_grammar == 0  # compiled once, cached
     assert _drain(core)["gone"]["finish"] == "stop" and len(held.specs) == 1
+
+
+# ------------------------------------------------------------ hostile grammars (issue 30)
+# A grammar that matches nothing, or that fails while a mask is computed, ends its request
+# with an error (never finish_reason "stop" on an unfinished grammar); a compile past its
+# time limit fails its requests; a queued compile every request left is never run.
+
+
+def test_a_grammar_that_matches_nothing_fails_its_request(core: EngineCore) -> None:
+    for request_id, spec in {
+        "loop": _params("grammar", "start: start"),
+        "self": _params("json", json.dumps({"$ref": "#"})),
+        "cycle": _params(
+            "json",
+            json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+        ),
+    }.items():
+        rejected = core.add_request(AddRequest(request_id, PROMPT, spec))
+        if rejected is None:  # compiled in the worker: the next step says
+            result = _drain(core)[request_id]
+            finish, error, tokens = result["finish"], result["error"], result["tokens"]
+        else:
+            finish, error, tokens = rejected.finish_reason, rejected.error, []
+        assert finish == "abort" and tokens == [], (request_id, finish, tokens)
+        assert error.startswith("structured_output: ") and "matches no" in error
+
+
+def test_a_choice_of_thousands_of_strings_is_served(core: EngineCore, smol_tokenizer) -> None:
+    choices = [f"label number {i}" for i in range(3000)]  # past llguidance's 2,000 per row
+    source = json.dumps(choices)
+    requests = {f"c{n}": _params("choice", source, seed=n, max_tokens=16) for n in range(3)}
+    for result in _run(core, requests).values():
+        assert result["finish"] == "stop", result
+        assert smol_tokenizer.decode(result["tokens"]) in choices
+
+
+def test_a_matcher_that_fails_mid_output_is_an_error_not_a_stop(core: EngineCore) -> None:
+    """Every output of this grammar is infinitely deep, and llguidance finds out only once
+    it has forced a few braces (its item limit, while the mask is computed); the matcher
+    then allows only EOS, which must not read as a completed grammar."""
+    spec = _params("grammar", 'start: "{" start "}"', max_tokens=32)
+    assert core.add_request(AddRequest("nested", PROMPT, spec)) is None
+    result = _drain(core)["nested"]
+    assert result["finish"] == "abort", result
+    error = result["error"]
+    assert error.startswith("structured output: ") and "\n" not in error
+    assert "<" not in error  # no <state> dump, no <non-verbose/> marker
+
+
+def test_a_compile_past_its_time_limit_fails_its_requests(
+    core: EngineCore, held: _HeldCompiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = threading.Semaphore(0)
+    monkeypatch.setattr(core.grammars, "timeout", 0.05)
+    monkeypatch.setattr(core, "on_grammar_event", events.release)
+    spec = _params("json", json.dumps(_new_schema("past_its_time_limit")))
+    assert core.add_request(AddRequest("slow", PROMPT, spec)) is None
+    assert core.add_request(AddRequest("same", PROMPT, spec)) is None
+    assert held.started.wait(timeout=120)
+    while not core.has_work():  # woken at the compile's start, then at its time limit
+        assert events.acquire(timeout=30), "no word of the compile's time limit"
+    outputs = {o.request_id: o for o in core.step().outputs}
+    for request_id in ("slow", "same"):
+        assert outputs[request_id].finish_reason == "abort"
+        assert "did not compile within 0.05 s" in outputs[request_id].error
+    assert not core.has_unfinished_requests()
+    held.release.set()  # the compile ends after all; its grammar is cached
+    job = core.grammars.compile(spec.structured_output)
+    job.future.result(timeout=120)
+    core.grammars.release(job)
+    assert core.add_request(AddRequest("later", PROMPT, spec)) is None
+    assert core.num_waiting_for_grammar == 0
+    assert _drain(core)["later"]["finish"] == "stop"
+
+
+def test_aborting_the_requests_of_a_queued_compile_cancels_it(
+    core: EngineCore, held: _HeldCompiles
+) -> None:
+    if core.grammars.num_workers != 1:
+        pytest.skip("needs a queue: one compile worker (a machine of 1 or 2 cores)")
+    running = _params("json", json.dumps(_new_schema("runs_first")))
+    queued = _params("json", json.dumps(_new_schema("never_runs")))
+    assert core.add_request(AddRequest("running", PROMPT, running)) is None
+    assert held.started.wait(timeout=120)
+    assert core.add_request(AddRequest("queued", PROMPT, queued)) is None
+    job = next(r for r in core.scheduler.waiting if r.request_id == "queued").grammar
+    core.abort(["queued"])
+    assert job.future.cancelled()
+    held.release.set()
+    assert _drain(core)["running"]["finish"] == "stop"
+    assert [spec.spec for spec in held.specs] == [running.structured_output.spec]

@@ -124,10 +124,18 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def engine_error(exc: EngineError) -> APIError:
-    """The HTTP error for an engine-side failure of one request."""
+#: How the engine's refusals of a request's output constraint begin (its compile failed
+#: or timed out; its matcher failed during the output).
+STRUCTURED_OUTPUT_ERRORS = ("structured_output: ", "structured output: ")
+
+
+def engine_error(exc: EngineError, structured_param: str | None = None) -> APIError:
+    """The HTTP error for an engine-side failure of one request; a refusal of its output
+    constraint names ``structured_param`` (the request's field that gave it)."""
     if isinstance(exc, RequestRejectedError):
-        return bad_request(str(exc))
+        message = str(exc)
+        param = structured_param if message.startswith(STRUCTURED_OUTPUT_ERRORS) else None
+        return bad_request(message, param)
     if isinstance(exc, EngineOverloadedError):
         return _retry_later(exc, "too_many_waiting_requests")
     if isinstance(exc, EngineShutdownError):

@@ -33,6 +33,8 @@ class Plan:
         num_top_logprobs: alternatives per token when logprobs were asked for, else None.
         num_prompt_logprobs: alternatives per prompt token for vLLM's ``prompt_logprobs``
             (completions), else None.
+        structured_param: the request field of its output constraint (what an engine
+            error about the constraint names), else None.
     """
 
     format: ResponseFormat
@@ -45,6 +47,7 @@ class Plan:
     echo_texts: list[str | None] = field(default_factory=list)
     response_id: str = ""
     created: int = 0
+    structured_param: str | None = None
 
     def add_prompt(
         self, token_ids: list[int], params: list[SamplingParams], echo_text: str | None

@@ -31,6 +31,7 @@ from pydantic import (
 from trio_llm.api.errors import bad_request, validation_message
 from trio_llm.api.parsing import check_json_text_depth, json_text_too_deep, nested_too_deep
 from trio_llm.api.tools import EMPTY_PARAMETERS, tool_call_grammar
+from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, check_spec_limits
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
 
@@ -221,6 +222,10 @@ class GenerationRequest(RequestBody):
     guided_grammar: Text | None = None
     _structured_output: StructuredOutput | None = PrivateAttr(default=None)
     _structured_checked: bool = PrivateAttr(default=False)
+    _structured_limits_checked: bool = PrivateAttr(default=False)
+    #: Grammars still to build for `structured_output`: (spec, message prefix, param).
+    _grammar_checks: list[tuple[StructuredOutput, str, str]] = PrivateAttr(default_factory=list)
+    _structured_param: str | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         """Raise a 400 for a field this server does not implement (given a non-neutral value).
@@ -316,9 +321,42 @@ class GenerationRequest(RequestBody):
                 keyword, for example).
         """
         if not self._structured_checked:
-            self._structured_output = self._check_structured_output()
+            self.structured_output_chars()
+            for spec, name, param in self._grammar_checks:
+                try:
+                    check_structured_output(spec)
+                except StructuredOutputError as exc:
+                    raise bad_request(f"{name}: {exc}", param) from exc
+            self._grammar_checks = []
             self._structured_checked = True
         return self._structured_output
+
+    def structured_output_chars(self) -> int:
+        """The cheap half of `structured_output`: find the output constraint and check
+        it against this server's size limits (time linear in its text); the characters
+        of spec whose grammars are still to be built. Computed once.
+
+        Raises:
+            APIError: as `structured_output`, but never after building a grammar.
+        """
+        if not self._structured_limits_checked:
+            self._structured_output = self._check_structured_output()
+            self._structured_limits_checked = True
+        return sum(len(spec.spec) for spec, _, _ in self._grammar_checks)
+
+    def _check_spec(self, spec: StructuredOutput, name: str, param: str | None = None) -> None:
+        """Check ``spec`` against this server's size limits now, and queue its grammar's
+        check for `structured_output`.
+
+        Raises:
+            APIError: a 400 whose message starts with ``name`` and names ``param``
+                (``name`` when None).
+        """
+        try:
+            check_spec_limits(spec)
+        except StructuredOutputError as exc:
+            raise bad_request(f"{name}: {exc}", param or name) from exc
+        self._grammar_checks.append((spec, name, param or name))
 
     def _check_structured_output(self) -> StructuredOutput | None:
         found = [
@@ -339,11 +377,15 @@ class GenerationRequest(RequestBody):
             names = ", ".join(name for name, _ in found)
             raise bad_request(f"give one output constraint, not several ({names})", found[1][0])
         name, spec = found[0]
-        try:
-            check_structured_output(spec)
-        except StructuredOutputError as exc:
-            raise bad_request(f"{name}: {exc}", name) from exc
+        self._structured_param = name
+        self._check_spec(spec, name)
         return spec
+
+    @property
+    def structured_param(self) -> str | None:
+        """The field that gave the output constraint (``tools`` for a forced tool call),
+        once `structured_output` ran; None without a constraint."""
+        return self._structured_param if self._structured_output is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -594,11 +636,10 @@ class ChatCompletionRequest(GenerationRequest):
             )
         if not self.forces_tool_call:
             return spec
+        self._structured_param = "tools"
         grammar = tool_call_grammar(functions, self.forced_function, self.parallel_tool_calls)
-        try:
-            check_structured_output(grammar)
-        except StructuredOutputError as exc:
-            raise bad_request(f"tools: {exc}", "tools") from exc
+        if self.forced_function is None:  # (a named one is the function's own schema)
+            self._grammar_checks.append((grammar, "tools", "tools"))
         return grammar
 
     def _check_tools(self) -> dict[str, dict[str, Any]]:
@@ -606,9 +647,11 @@ class ChatCompletionRequest(GenerationRequest):
 
         Raises:
             APIError: a 400 naming ``tools`` (a bad name, a repeated name, a schema that
-                cannot be enforced) or ``tool_choice`` (no tools, an unknown function).
+                cannot be enforced, matches nothing or is over this server's limits) or
+                ``tool_choice`` (no tools, an unknown function).
         """
         functions: dict[str, dict[str, Any]] = {}
+        total = 0  # characters of all the schemas
         for i, tool in enumerate(self.tools or ()):
             function = tool.function
             if not _FUNCTION_NAME.fullmatch(function.name):
@@ -622,19 +665,23 @@ class ChatCompletionRequest(GenerationRequest):
                     f"tools: the function name {function.name!r} is repeated", "tools"
                 )
             schema = EMPTY_PARAMETERS if function.parameters is None else function.parameters
+            where = f"tools[{i}].function.parameters ({function.name})"
             if schema.get("type", "object") != "object":
                 raise bad_request(
-                    f"tools[{i}].function.parameters ({function.name}) must be a JSON Schema "
-                    f'of type "object" (the arguments are an object), got {schema["type"]!r}',
+                    f'{where} must be a JSON Schema of type "object" (the arguments are an '
+                    f"object), got {schema['type']!r}",
                     "tools",
                 )
-            try:
-                check_structured_output(StructuredOutput("json", json.dumps(schema)))
-            except StructuredOutputError as exc:
-                raise bad_request(
-                    f"tools[{i}].function.parameters ({function.name}): {exc}", "tools"
-                ) from exc
+            spec = StructuredOutput("json", json.dumps(schema))
+            total += len(spec.spec)
+            self._check_spec(spec, where, "tools")
             functions[function.name] = schema
+        if total > MAX_SCHEMA_CHARS:
+            raise bad_request(
+                f"tools: the functions' parameters schemas have {total:,} characters in all, "
+                f"more than this server's limit of {MAX_SCHEMA_CHARS:,}",
+                "tools",
+            )
         name = self.forced_function
         if self.tool_choice not in (None, "none") and not self.tools:
             raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")

@@ -49,6 +49,7 @@ from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
+from trio_llm.engine.structured import default_compile_workers
 from trio_llm.errors import EngineError, InvalidRequest
 from trio_llm.frontend.data_parallel import EngineHandle
 from trio_llm.frontend.engine_client import Admission
@@ -69,6 +70,10 @@ INLINE_EMBEDDING_INPUTS = 8
 
 #: Stop strings with more characters than this in all are compiled in a worker thread.
 INLINE_STOP_CHARS = 1024
+
+#: Output constraints of at most this many characters of spec have their grammars
+#: checked at once (a few milliseconds); larger ones queue for `OpenAIServing.grammar_checks`.
+SMALL_GRAMMAR_CHARS = 16 * 1024
 
 
 @dataclass
@@ -120,6 +125,9 @@ class OpenAIServing:
         self.vocab_size = engine.info.vocab_size
         self.eos_token_ids = frozenset(engine.info.eos_token_ids)
         self.inputs = InputPreprocessor(tokenizer, self.max_model_len, self.vocab_size)
+        #: Large structured-output specs checked at once in worker threads (each builds
+        #: a grammar): as many as the engine compiles at once.
+        self.grammar_checks = trio.CapacityLimiter(default_compile_workers())
 
     # ------------------------------------------------------------ validation
 
@@ -189,7 +197,17 @@ class OpenAIServing:
             await trio.to_thread.run_sync(compile_stops, tuple(dict.fromkeys(stops)))
         if request.asks_for_structured_output:
             # Parse and check the spec off the loop; `_params` then finds the result.
-            await trio.to_thread.run_sync(request.structured_output)
+            # First its size limits (cheap), then its grammar: a large one waits its turn
+            # among at most `grammar_checks` at once, so a small one never waits behind
+            # hostile ones. A check whose client leaves is abandoned (its thread ends by
+            # itself, bounded by the limits and llguidance's own).
+            chars = await trio.to_thread.run_sync(
+                request.structured_output_chars, abandon_on_cancel=True
+            )
+            limiter = self.grammar_checks if chars > SMALL_GRAMMAR_CHARS else None
+            await trio.to_thread.run_sync(
+                request.structured_output, limiter=limiter, abandon_on_cancel=True
+            )
 
     def _params(
         self,
@@ -219,8 +237,12 @@ class OpenAIServing:
 
     async def respond(self, request: GenerationRequest, receive: Receive) -> Response:
         """Handle ``POST /v1/completions`` and ``POST /v1/chat/completions``: one JSON
-        body, or server-sent events with ``stream``."""
-        return await self._respond(await self.plan(request), request, receive)
+        body, or server-sent events with ``stream``. A client that leaves while its
+        request is still being checked (a grammar, a long prompt) stops that work."""
+        plan = await run_while_connected(receive, partial(self.plan, request))
+        if plan is None:  # the client left while the request was checked
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await self._respond(plan, request, receive)
 
     async def plan(self, request: GenerationRequest) -> Plan:
         """Validate and tokenize a request into a `Plan` (chat: render the template first).
@@ -268,6 +290,7 @@ class OpenAIServing:
             echo=request.echo,
             num_top_logprobs=request.logprobs,
             num_prompt_logprobs=request.prompt_logprobs,
+            structured_param=request.structured_param,
         )
         for prompt in prompts:
             max_tokens = self.inputs.resolve_max_tokens(
@@ -417,7 +440,12 @@ class OpenAIServing:
         else:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
-        chat, plan = await self._plan_translated(request, make_format, endpoint)
+        planned = await run_while_connected(
+            receive, partial(self._plan_translated, request, make_format, endpoint)
+        )
+        if planned is None:  # the client left while the request was checked
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        chat, plan = planned
         return await self._respond(plan, chat, receive)
 
     async def _plan_translated(
@@ -433,9 +461,11 @@ class OpenAIServing:
             # that grows with the request, so it runs in a worker thread.
             chat = await trio.to_thread.run_sync(request.to_chat)
             try:
-                return chat, await self._plan_chat(chat, make_format, endpoint)
+                plan = await self._plan_chat(chat, make_format, endpoint)
             except InvalidRequest as exc:
                 raise bad_request(exc.message, exc.param) from exc
+            plan.structured_param = request.api_names(plan.structured_param, "")[0]
+            return chat, plan
         except APIError as exc:
             # The checks are the chat path's: name this API's fields instead.
             exc.param, exc.message = request.api_names(exc.param, exc.message)
@@ -480,6 +510,7 @@ class OpenAIServing:
             self.tokenizer, tool_parser, parallel_tool_calls=request.parallel_tool_calls
         )
         plan = Plan(chat_format, model, num_top_logprobs=logprobs)
+        plan.structured_param = request.structured_param
         plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
         return plan
 
@@ -558,13 +589,17 @@ class OpenAIServing:
         async def collect() -> None:
             await run_choices(self.engine, plan, choices, admission, None)
 
-        if not await self._run_connected(receive, admission, collect):
+        if not await self._run_connected(receive, admission, collect, plan.structured_param):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         body = plan.format.response(plan, choices)
         return JSONResponse(body)
 
     async def _run_connected(
-        self, receive: Receive, admission: Admission, work: Callable[[], Awaitable[None]]
+        self,
+        receive: Receive,
+        admission: Admission,
+        work: Callable[[], Awaitable[None]],
+        structured_param: str | None = None,
     ) -> bool:
         """Run ``work`` (a non-streamed response's engine requests) while the client is
         connected; False if it left first. The admission is released either way.
@@ -580,6 +615,6 @@ class OpenAIServing:
         try:
             return await run_while_connected(receive, run) is not None
         except EngineError as exc:
-            raise engine_error(exc) from exc
+            raise engine_error(exc, structured_param) from exc
         finally:
             self.engine.release(admission)

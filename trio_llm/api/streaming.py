@@ -76,7 +76,7 @@ class Stream:
             await run_choices(self.engine, plan, self.choices, self.admission, self._on_delta)
             await self._send(form.stream_end(plan, self.choices, include_usage=include_usage))
         except EngineError as exc:
-            await self._send([form.stream_error(engine_error(exc))])
+            await self._send([form.stream_error(engine_error(exc, plan.structured_param))])
         except Exception as exc:  # a bug: still end the stream properly, and say so
             logger.exception("internal error in a streamed response")
             leaf = first_leaf(exc)

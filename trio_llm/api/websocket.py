@@ -451,7 +451,10 @@ class _Connection:
             if not scope.cancel_called:  # a cancel may arrive while the prompt is prepared
                 with scope:
                     on_delta = self._delta_sender(generation_id, plan, choices)
-                    await run_choices(self.engine, plan, choices, admission, on_delta)
+                    try:
+                        await run_choices(self.engine, plan, choices, admission, on_delta)
+                    except EngineError as exc:
+                        raise engine_error(exc, plan.structured_param) from exc
         finally:
             self.engine.release(admission)
         return {

@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -25,7 +23,12 @@ from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, Prompt
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
-from trio_llm.engine.structured import GrammarCompiler, StructuredOutputError
+from trio_llm.engine.structured import (
+    GrammarCompile,
+    GrammarCompiler,
+    StructuredOutputError,
+    matcher_error,
+)
 from trio_llm.engine.support import check_context, check_supported, describe
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import (
@@ -63,9 +66,11 @@ class EngineCore:
     A structured output's grammar is compiled in a worker thread (`GrammarCompiler`); its
     request waits in the scheduler's waiting queue, unscheduled and holding no KV blocks,
     while the batch keeps decoding. Each step first hands finished compiles to their
-    requests (or ends a request whose grammar failed). `has_work` is true as soon as a
-    compile is done, and `on_grammar_compiled` says so from the worker thread, so an idle
-    caller can wait for it instead of polling. Call `close` when done with the core.
+    requests (or ends a request whose grammar failed or ran past its time limit).
+    `has_work` is true as soon as a compile is done or timed out, and `on_grammar_event`
+    is called from the worker (or timer) thread whenever one starts, ends or times out, so
+    an idle caller can wait for it instead of polling. Call `close` when done with the
+    core.
 
     Args:
         model: a transformers causal LM; its attention implementation is switched to
@@ -171,11 +176,13 @@ class EngineCore:
         #: Matchers for constrained outputs, compiled in a worker thread; the engine loop
         #: calls ``grammars.start()`` at start-up to build llguidance's tokenizer there.
         self.grammars = GrammarCompiler(model_dir, self.runner.vocab_size, self.info.eos_token_ids)
+        self.grammars.on_event = self._grammar_event
         #: Requests in the scheduler waiting for their grammar's compile, by id.
         self._compiling: dict[str, Request] = {}
-        #: Called (from the worker thread, or at once) whenever a grammar finishes
-        #: compiling; the engine loop sets it to wake up. Must be thread-safe and quick.
-        self.on_grammar_compiled: Callable[[], None] | None = None
+        #: Called (from a worker or timer thread) whenever a grammar compile starts, ends
+        #: or runs past its time limit; the engine loop sets it to wake up (and look at
+        #: `has_work` again). Must be thread-safe and quick.
+        self.on_grammar_event: Callable[[], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -234,36 +241,54 @@ class EngineCore:
             message.request_id, message.prompt_token_ids, message.params, message.group
         )
         if message.params.structured_output is not None:
-            grammar = self.grammars.compile(message.params.structured_output)
-            if grammar.done():  # compiled before
-                error = _take_grammar(request, grammar)
+            job = self.grammars.compile(message.params.structured_output)
+            request.grammar = job
+            if job.ready():  # compiled before (or its compile is past its time limit)
+                error = self._take_grammar(request)
                 if error is not None:
                     return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
             else:
-                request.grammar = grammar
                 self._compiling[request.request_id] = request
-                grammar.add_done_callback(self._grammar_compiled)
         self.scheduler.add(request)
         return None
 
-    def _grammar_compiled(self, _: Future[Any]) -> None:
-        callback = self.on_grammar_compiled
+    def _grammar_event(self) -> None:
+        callback = self.on_grammar_event
         if callback is not None:
             callback()
 
     def _collect_grammars(self) -> list[RequestOutput]:
         """Give the requests whose grammar compiled their matchers (they may be scheduled
-        from now on) and end those whose grammar failed; their outputs."""
+        from now on) and end those whose grammar failed or timed out; their outputs."""
         failed = []
         for request_id, request in list(self._compiling.items()):
-            if not request.grammar.done():
+            if not request.grammar.ready():
                 continue
             del self._compiling[request_id]
-            error = _take_grammar(request, request.grammar)
+            error = self._take_grammar(request)
             if error is not None:
                 self.scheduler.abort([request_id])
                 failed.append(RequestOutput(request_id, [], finish_reason="abort", error=error))
         return failed
+
+    def _take_grammar(self, request: Request) -> str | None:
+        """Give ``request`` its own copy of its compiled grammar (`Request.grammar`, a
+        ready `GrammarCompile`); the request's error text if the grammar failed or its
+        compile ran past the time limit."""
+        job: GrammarCompile = request.grammar
+        request.grammar = None
+        if not job.done():  # timed out, still running: it stays cached when it ends
+            self.grammars.release(job)
+            return (
+                f"structured_output: the grammar did not compile within "
+                f"{self.grammars.timeout:g} s (this server's limit); simplify it"
+            )
+        job.waiters -= 1
+        try:
+            request.matcher = job.future.result().deep_copy()
+        except StructuredOutputError as exc:
+            return f"structured_output: {exc}"
+        return None
 
     @property
     def num_waiting_for_grammar(self) -> int:
@@ -292,9 +317,13 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests and free their KV blocks; unknown ids are ignored. A request
-        waiting for its grammar is dropped at once (the compile goes on for the cache)."""
+        waiting for its grammar is dropped at once: a compile no other request waits for
+        is cancelled if no worker began it yet (one under way goes on, for the cache)."""
         for request_id in request_ids:
-            self._compiling.pop(request_id, None)
+            request = self._compiling.pop(request_id, None)
+            if request is not None:
+                self.grammars.release(request.grammar)
+                request.grammar = None
         self.scheduler.abort(request_ids)
 
     def pause(self, request_ids: list[str]) -> None:
@@ -311,14 +340,16 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """True while a step would do something: a request is running, or waiting and not
-        for its grammar, or a grammar finished compiling (the step hands it over). Requests
+        for its grammar, or a grammar finished compiling or timed out (the step hands it
+        over). Requests
         whose grammar is still compiling, like paused ones, are no work yet."""
-        return self.scheduler.has_work or any(r.grammar.done() for r in self._compiling.values())
+        return self.scheduler.has_work or any(r.grammar.ready() for r in self._compiling.values())
 
     def close(self) -> None:
         """Stop the grammar worker thread (compiles not started are cancelled; the one under
         way is not waited for). The core must not be used afterwards."""
-        self.on_grammar_compiled = None
+        self.on_grammar_event = None
+        self.grammars.on_event = None
         self.grammars.close()
 
     # ------------------------------------------------------------ the step
@@ -337,8 +368,14 @@ class EngineCore:
             tokens = dict(zip(result.requests, sampled.token_ids, strict=True))
             logprobs = dict(zip(result.requests, sampled.logprobs, strict=True))
             for request, token in tokens.items():
-                if request.matcher is not None and not request.matcher.consume_token(token):
-                    request.error = f"structured output: {request.matcher.get_error()}"
+                matcher = request.matcher
+                if matcher is None:
+                    continue
+                # A matcher can fail while its mask is filled (past llguidance's limits):
+                # it then allows only EOS, which must not read as a completed grammar.
+                if not matcher.consume_token(token) or matcher.is_error():
+                    reason = matcher_error(matcher) or "the token was rejected"
+                    request.error = f"structured output: {reason}"
             self.scheduler.update(batch, {r.request_id: t for r, t in tokens.items()})
             for request, _ in batch.requests:
                 token = tokens.get(request)
@@ -406,17 +443,6 @@ class EngineCore:
         manager = self.block_manager
         manager.reset_prefix_cache()
         manager.num_queried_tokens = manager.num_hit_tokens = 0
-
-
-def _take_grammar(request: Request, grammar: Future[Any]) -> str | None:
-    """Give ``request`` its own copy of the compiled ``grammar`` (a done future); the
-    request's error text if the grammar failed."""
-    request.grammar = None
-    try:
-        request.matcher = grammar.result().deep_copy()
-    except StructuredOutputError as exc:
-        return f"structured_output: {exc}"
-    return None
 
 
 def blocks_for_one_request(

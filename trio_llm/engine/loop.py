@@ -9,10 +9,10 @@ current step has been running, so the server can tell a hung engine from a busy 
 loop itself answers the server's `HealthCheck` messages between steps, which proves that
 the reader and the loop work too.
 
-Structured outputs' grammars compile in the engine core's own worker thread. When nothing
-else can run, the loop waits for the next message *or* a compile to finish (`_Wakeup`:
-the core's callback cancels the wait), so a request waiting for its grammar is neither
-forgotten nor polled for.
+Structured outputs' grammars compile in the engine core's own worker threads. When nothing
+else can run, the loop waits for the next message *or* a compile to start, finish or run
+past its time limit (`_Wakeup`: the core's callback cancels the wait), so a request
+waiting for its grammar is neither forgotten nor polled for.
 
 With ``adaptive_threads`` (``--num-threads auto``) each CPU step runs on the torch thread
 count `CpuShare` recommends: one thread fewer for each core other processes take.
@@ -202,9 +202,10 @@ class _Outbox:
 
 
 class _Wakeup:
-    """Ends the loop's wait for a message when a grammar finishes compiling.
+    """Ends the loop's wait for a message when a grammar compile starts, finishes or runs
+    past its time limit.
 
-    The engine core calls `notify` from its grammar worker thread; that cancels the wait
+    The engine core calls `notify` from a grammar worker (or timer) thread; that cancels the wait
     under way (a memory channel's receive loses nothing when cancelled). A notification
     with no wait under way does nothing: the loop checks `EngineCore.has_work` before
     waiting.
@@ -247,7 +248,7 @@ async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -
     channel = outbox.channel
     inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
     wakeup = _Wakeup()
-    core.on_grammar_compiled = wakeup.notify
+    core.on_grammar_event = wakeup.notify
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_read_messages, channel, inbox_send)
         nursery.start_soon(outbox.heartbeats, heartbeat_interval)

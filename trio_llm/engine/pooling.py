@@ -252,7 +252,7 @@ class PoolingCore:
         self._num_waiting = 0
         self._last_leader: str | None = None
         #: Called by the engine loop's protocol (a generator's grammar compiles); unused.
-        self.on_grammar_compiled: Any = None
+        self.on_grammar_event: Any = None
         self._last_batch = (0, 0)
         logger.info(
             "%s as an embedding model: %s pooling%s, %d dimensions, up to %d tokens",
