@@ -61,7 +61,7 @@ async def test_a_notification_without_a_wait_does_nothing() -> None:
 class _IdleCore:
     """An engine core with nothing to do (the loop's view of one)."""
 
-    on_grammar_compiled = None
+    on_grammar_event = None
 
     def has_work(self) -> bool:
         return False
