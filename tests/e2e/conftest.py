@@ -89,6 +89,29 @@ def server(
     assert process.process.returncode == 0, process.log()
 
 
+#: The API key, allowed origin and body limit of `guarded_server`.
+GUARDED_API_KEY = "sk-operator-test-0123456789"
+GUARDED_ORIGIN = "http://example.test"
+GUARDED_BODY_LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="session")
+def guarded_server(
+    tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path
+) -> Iterator[ServerProcess]:
+    """A small server with an API key, CORS for one origin, a 64 KiB body limit and vLLM's
+    metric names (test_operators; test_hostile_messages' key and descriptor tests)."""
+    log = tmp_path_factory.mktemp("guarded-server") / "server.log"
+    args = ["--dtype", "float32", "--max-num-seqs", "4", "--api-key", GUARDED_API_KEY]
+    args += ["--allowed-origins", GUARDED_ORIGIN, "--vllm-metric-names"]
+    args += ["--max-request-body-bytes", f"{GUARDED_BODY_LIMIT // 1024}KiB"]
+    process = ServerProcess(args, log_path=log)
+    with process:
+        yield process
+    assert process.process is not None
+    assert process.process.returncode == 0, process.log()
+
+
 @pytest.fixture
 def base_url(server: ServerProcess) -> str:
     return server.url

@@ -12,7 +12,6 @@ import json
 import resource
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ import trio
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import GUARDED_API_KEY, MODEL
 from tests.e2e.test_websocket import ws_url
 from tests.support.metrics_scrape import poll
 from tests.support.procfs import open_fds
@@ -278,21 +277,13 @@ async def test_a_burst_of_websocket_generations_gets_one_error_per_refused_one(
 
 # ------------------------------------------------------------------ a server with --api-key
 
-API_KEY = "sk-hostile-messages-0123456789"
+API_KEY = GUARDED_API_KEY
 
 
-@pytest.fixture(scope="module")
-def keyed(
-    tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path
-) -> Iterator[ServerProcess]:
-    """A small server started with ``--api-key``."""
-    log = tmp_path_factory.mktemp("keyed-server") / "server.log"
-    args = ["--dtype", "float32", "--max-num-seqs", "4", "--api-key", API_KEY]
-    process = ServerProcess(args, log_path=log)
-    with process:
-        yield process
-    assert process.process is not None
-    assert process.process.returncode == 0, process.log()
+@pytest.fixture
+def keyed(guarded_server: ServerProcess) -> ServerProcess:
+    """The session's server started with ``--api-key`` (shared with test_operators)."""
+    return guarded_server
 
 
 async def _handshake(

@@ -1,57 +1,44 @@
 """Operator settings on a real server: API key, CORS and the request body limit, over
 HTTP and the WebSocket.
 
-One extra server for the module, started with ``--api-key``, ``--allowed-origins`` and a
-64 KiB body limit. The last tests check the command line and `ServerConfig` alone.
+One extra server (the session's ``guarded_server``, shared with test_hostile_messages),
+started with ``--api-key``, ``--allowed-origins`` and a 64 KiB body limit. The last tests
+check the command line and `ServerConfig` alone.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import (
+    GUARDED_API_KEY,
+    GUARDED_BODY_LIMIT,
+    GUARDED_ORIGIN,
+    MODEL,
+)
 from tests.support.server_process import ServerProcess
 from trio_llm.cli import build_parser, config_from_args
 from trio_llm.client import ConnectionClosedError, DoneEvent, open_ws_client
 from trio_llm.config import API_KEY_ENV, ServerConfig
 
-API_KEY = "sk-operator-test-0123456789"
-ALLOWED_ORIGIN = "http://example.test"
-BODY_LIMIT = 64 * 1024
+API_KEY = GUARDED_API_KEY
+ALLOWED_ORIGIN = GUARDED_ORIGIN
+BODY_LIMIT = GUARDED_BODY_LIMIT
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 SMALL_REQUEST = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2}
 
 
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Iterator[str]:
-    """Base URL of a server with an API key, CORS for one origin, a 64 KiB body limit and
-    vLLM's metric names."""
-    log = tmp_path_factory.mktemp("guarded-server") / "server.log"
-    args = [
-        "--dtype",
-        "float32",
-        "--max-num-seqs",
-        "4",
-        "--api-key",
-        API_KEY,
-        "--allowed-origins",
-        ALLOWED_ORIGIN,
-        "--max-request-body-bytes",
-        "64KiB",
-        "--vllm-metric-names",
-    ]
-    process = ServerProcess(args, log_path=log)
-    with process:
-        yield process.url
-    assert process.process is not None
-    assert process.process.returncode == 0, process.log()
+@pytest.fixture
+def guarded(guarded_server: ServerProcess) -> str:
+    """Base URL of the server with an API key, CORS for one origin, a 64 KiB body limit
+    and vLLM's metric names (`tests.e2e.conftest.guarded_server`)."""
+    return guarded_server.url
 
 
 @pytest.fixture
