@@ -341,8 +341,8 @@ class EngineCore:
     def has_work(self) -> bool:
         """True while a step would do something: a request is running, or waiting and not
         for its grammar, or a grammar finished compiling or timed out (the step hands it
-        over). Requests
-        whose grammar is still compiling, like paused ones, are no work yet."""
+        over). Requests whose grammar is still compiling, like paused ones, are no work
+        yet."""
         return self.scheduler.has_work or any(r.grammar.ready() for r in self._compiling.values())
 
     def close(self) -> None:
