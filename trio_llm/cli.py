@@ -20,6 +20,7 @@ from trio_llm.config import (
     MAX_STREAM_INTERVAL,
     MODEL_IMPLS,
     QUANTIZATION_METHODS,
+    REASONING_PARSERS,
     RESTART_MODES,
     RUNNERS,
     TOOL_CALL_PARSERS,
@@ -288,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
         "Hermes, Qwen, and the SmolLM2 template trio_llm ships) or llama3_json",
     )
     serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="how the model marks its reasoning (<think>...</think>): deepseek_r1 (all "
+        "output before </think> is reasoning) or qwen3 (reasoning only between <think> and "
+        "</think>; none with chat_template_kwargs enable_thinking false). Responses then "
+        "carry it as reasoning / reasoning_content (chat), reasoning items (Responses) and "
+        "thinking blocks (Messages)",
+    )
+    serve.add_argument(
         "--allowed-origins",
         nargs="+",
         default=[],
@@ -441,6 +452,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         chat_template=read_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),

@@ -66,6 +66,9 @@ RESTART_MODES = ("never", "on-failure")
 #: ``--tool-call-parser`` names (`trio_llm.api.tools`).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
+#: ``--reasoning-parser`` names (vLLM's; `trio_llm.text.reasoning`).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
 
 def default_cache_dir() -> Path:
     """The folder for converted model weights: $TRIO_LLM_CACHE_DIR, else ~/.cache/trio_llm."""
@@ -422,6 +425,9 @@ class ServerConfig:
             has tools), reading calls out of the text with ``tool_call_parser``.
         tool_call_parser: the format of the model's tool calls (`TOOL_CALL_PARSERS`);
             required by ``enable_auto_tool_choice``.
+        reasoning_parser: how the model marks its reasoning (`REASONING_PARSERS`,
+            ``--reasoning-parser``): responses carry it apart from the answer; None
+            leaves the text as generated.
         vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
             prefix (for routers and autoscalers that read vLLM's names).
         stream_interval: output tokens a stream gathers before it sends them, after its
@@ -455,6 +461,7 @@ class ServerConfig:
     detokenizer_mode: str = "inline"
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     vllm_metric_names: bool = False
     data_parallel_size: int = 1
 
@@ -507,6 +514,11 @@ class ServerConfig:
             raise ValueError(
                 f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(

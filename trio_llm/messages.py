@@ -41,10 +41,15 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             of strings, the output is one of them) or ``"grammar"`` (``spec`` is a Lark
             grammar, llguidance's dialect).
         spec: the schema, expression, choices or grammar.
+        prefix: Lark rules (llguidance's dialect) defining the rule ``reasoning``, a part
+            of the output before the constrained one: the model's reasoning up to its end
+            tag, with a ``--reasoning-parser`` (`trio_llm.text.reasoning`); the server
+            writes it, never a client. Empty: the constraint holds from the first token.
     """
 
     kind: str
     spec: str = ""
+    prefix: str = ""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -20,6 +20,7 @@ field. Field names and shapes follow Anthropic's API reference.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
@@ -302,6 +303,13 @@ def _chat_messages(turn: Message) -> list[dict[str, Any]]:
     return out
 
 
+def thinking_signature(thinking: str) -> str:
+    """The ``signature`` of a thinking block: Anthropic's clients expect one (and send it
+    back with the block); this server makes an opaque one from the block's text (the
+    SHA-256 of it, in hex) and checks none."""
+    return hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 #: Chat finish reasons as Messages ``stop_reason``\ s ("stop" is end_turn or, when a stop
 #: sequence matched, stop_sequence).
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -345,6 +353,11 @@ class MessagesFormat(BlockFormat):
     def _content(block: Block, whole: bool) -> dict[str, Any]:
         if block.kind == "text":
             return {"type": "text", "text": block.text if whole else ""}
+        if block.kind == "thinking":
+            if not whole:
+                return {"type": "thinking", "thinking": "", "signature": ""}
+            signature = thinking_signature(block.text)
+            return {"type": "thinking", "thinking": block.text, "signature": signature}
         arguments: Any = {}
         if whole and block.text:
             try:
@@ -380,13 +393,21 @@ class MessagesFormat(BlockFormat):
     def block_delta(self, plan: Plan, block: Block, text: str) -> list[Event]:
         if block.kind == "text":
             delta = {"type": "text_delta", "text": text}
+        elif block.kind == "thinking":
+            delta = {"type": "thinking_delta", "thinking": text}
         else:
             delta = {"type": "input_json_delta", "partial_json": text}
         data = {"type": "content_block_delta", "index": block.index, "delta": delta}
         return [("content_block_delta", data)]
 
     def block_stopped(self, plan: Plan, block: Block) -> list[Event]:
-        return [("content_block_stop", {"type": "content_block_stop", "index": block.index})]
+        events: list[Event] = []
+        if block.kind == "thinking":  # its signature comes last, as Anthropic sends it
+            delta = {"type": "signature_delta", "signature": thinking_signature(block.text)}
+            data = {"type": "content_block_delta", "index": block.index, "delta": delta}
+            events.append(("content_block_delta", data))
+        stop = {"type": "content_block_stop", "index": block.index}
+        return [*events, ("content_block_stop", stop)]
 
     def message_finished(self, plan: Plan, choice: Choice, finish_reason: str) -> list[Event]:
         stop_reason, stop_sequence = self._stop(choice, finish_reason)

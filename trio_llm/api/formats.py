@@ -29,6 +29,7 @@ from trio_llm.api.logprobs_format import (
 )
 from trio_llm.api.tools import CallDelta, ParsedDelta, ToolCallParser
 from trio_llm.text.choice import Choice, ChoiceDelta
+from trio_llm.text.reasoning import ReasoningDelta, ReasoningParser
 from trio_llm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -198,9 +199,16 @@ class ChatFormat(ResponseFormat):
     name first, then the arguments), and a choice that made calls and stopped on its own
     ends with finish_reason "tool_calls".
 
+    With a ``reasoning_parser`` (``--reasoning-parser``), each choice's text goes through
+    it first (`trio_llm.text.reasoning`): the reasoning becomes the message's
+    ``reasoning`` and ``reasoning_content`` (vLLM's newer and older names, both sent; null
+    without reasoning), streamed as ``delta.reasoning`` / ``delta.reasoning_content``, and
+    only the rest (the answer) is ``content`` and goes on to the tool-call parser.
+
     Args:
         tool_parser: makes one parser per choice; None for plain text.
         parallel_tool_calls: False keeps only a choice's first call.
+        reasoning_parser: makes one reasoning parser per choice; None: no reasoning.
     """
 
     id_prefix = "chatcmpl"
@@ -213,11 +221,14 @@ class ChatFormat(ResponseFormat):
         tool_parser: Callable[[], ToolCallParser] | None = None,
         *,
         parallel_tool_calls: bool = True,
+        reasoning_parser: Callable[[], ReasoningParser] | None = None,
     ) -> None:
         super().__init__(tokenizer)
         self.tool_parser = tool_parser
         self.parallel_tool_calls = parallel_tool_calls
+        self.reasoning_parser = reasoning_parser
         self._parsers: dict[int, ToolCallParser] = {}
+        self._reasoners: dict[int, ReasoningParser] = {}
         self._role_sent: set[int] = set()
 
     def _logprobs(self, plan: Plan, entries: list) -> Any:
@@ -233,16 +244,24 @@ class ChatFormat(ResponseFormat):
         return "tool_calls" if made_calls and reason == "stop" else reason
 
     def final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        text, reasoning = choice.text, None
+        if self.reasoning_parser is not None:
+            split = self.reasoning_parser().parse(text)
+            text, reasoning = split.content, split.reasoning or None
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         finish_reason = choice.finish_reason
         if self.tool_parser is not None:
-            parsed = self.tool_parser().parse(choice.text)
+            parsed = self.tool_parser().parse(text)
             parsed.calls = self._allowed(parsed.calls)
             calls = parsed.tool_calls()
             message["content"] = parsed.content or (None if calls else "")
             if calls:
                 message["tool_calls"] = calls
             finish_reason = self._finish_reason(finish_reason, bool(calls))
+        if self.reasoning_parser is not None:
+            if reasoning is not None and not message["content"]:
+                message["content"] = None  # all reasoning (vLLM's null content)
+            message["reasoning"] = message["reasoning_content"] = reasoning
         logprobs = self._logprobs(plan, choice.all_logprobs)
         return _choice(choice.index, "message", message, logprobs, finish_reason, choice)
 
@@ -261,14 +280,23 @@ class ChatFormat(ResponseFormat):
     ) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
         logprobs = self._logprobs(plan, piece.logprobs) if piece.logprobs else None
+        text = piece.text
+        if self.reasoning_parser is not None:
+            split = self._reason(choice.index, piece)
+            text = split.content
+            if split.reasoning:
+                delta["reasoning"] = delta["reasoning_content"] = split.reasoning
         if self.tool_parser is None:
-            if piece.text or piece.finish_reason is None:
-                delta["content"] = piece.text
+            plain = self.reasoning_parser is None or logprobs is not None
+            if text or (piece.finish_reason is None and not delta and plain):
+                delta["content"] = text
+            if not delta and piece.finish_reason is None and logprobs is None:
+                return None  # text held back by the reasoning parser (a tag's beginning)
             return _choice(choice.index, "delta", delta, logprobs, piece.finish_reason, piece)
         parser = self._parsers.get(choice.index)
         if parser is None:
             parser = self._parsers[choice.index] = self.tool_parser()
-        parsed = parser.feed(piece.text)
+        parsed = parser.feed(text)
         if piece.finish_reason is not None:
             parsed.extend(parser.finish())
         # One entry per call in a chunk: a call's name and its first arguments arrive as
@@ -276,7 +304,7 @@ class ChatFormat(ResponseFormat):
         merged = ParsedDelta()
         merged.extend(ParsedDelta(calls=self._allowed(parsed.calls)))
         calls = merged.calls
-        if parsed.content or (logprobs is not None and not calls):
+        if parsed.content or (logprobs is not None and not calls and not delta):
             delta["content"] = parsed.content
         if calls:
             delta["tool_calls"] = [call.to_openai() for call in calls]
@@ -284,6 +312,17 @@ class ChatFormat(ResponseFormat):
             return None  # text held back by the parser (a call's beginning, say)
         finish_reason = self._finish_reason(piece.finish_reason, parser.num_calls > 0)
         return _choice(choice.index, "delta", delta, logprobs, finish_reason, piece)
+
+    def _reason(self, index: int, piece: ChoiceDelta) -> ReasoningDelta:
+        """``piece``'s text through choice ``index``'s reasoning parser."""
+        assert self.reasoning_parser is not None
+        parser = self._reasoners.get(index)
+        if parser is None:
+            parser = self._reasoners[index] = self.reasoning_parser()
+        split = parser.feed(piece.text)
+        if piece.finish_reason is not None:
+            split.extend(parser.finish())
+        return split
 
     def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
         return self._logprobs(plan, piece.logprobs) if piece.logprobs else None
@@ -313,14 +352,15 @@ class Block:
     content blocks, the Responses API's output items).
 
     Attributes:
-        kind: ``"text"`` or ``"call"`` (a tool call).
+        kind: ``"text"``, ``"call"`` (a tool call) or ``"thinking"`` (the model's
+            reasoning, with a ``--reasoning-parser``; it comes first).
         index: the block's position in the message, from 0.
         text: the text so far, or a call's arguments (JSON text) so far.
         call_id: a call's id.
         name: a call's function name.
     """
 
-    kind: Literal["text", "call"]
+    kind: Literal["text", "call", "thinking"]
     index: int
     text: str = ""
     call_id: str | None = None
@@ -328,7 +368,8 @@ class Block:
 
 
 class BlockFormat(ChatFormat):
-    """A chat response written as blocks: text blocks and tool-call blocks, in order.
+    """A chat response written as blocks: a thinking block (with a reasoning parser),
+    text blocks and tool-call blocks, in order.
 
     The chat format does the work (text, the tool-call parser, the finish reason); this
     base turns each choice's message, or each of its chunks' deltas, into `Block`\\ s
@@ -343,8 +384,14 @@ class BlockFormat(ChatFormat):
         tool_parser: Callable[[], ToolCallParser] | None = None,
         *,
         parallel_tool_calls: bool = True,
+        reasoning_parser: Callable[[], ReasoningParser] | None = None,
     ) -> None:
-        super().__init__(tokenizer, tool_parser, parallel_tool_calls=parallel_tool_calls)
+        super().__init__(
+            tokenizer,
+            tool_parser,
+            parallel_tool_calls=parallel_tool_calls,
+            reasoning_parser=reasoning_parser,
+        )
         self._open: Block | None = None
         self._num_blocks = 0
         #: The chat finish reason once the message ended (set before its last block
@@ -357,8 +404,10 @@ class BlockFormat(ChatFormat):
         entry = self.final_choice(plan, choice)
         message = entry["message"]
         blocks = []
+        if message.get("reasoning"):
+            blocks.append(Block("thinking", 0, message["reasoning"]))
         if message["content"]:
-            blocks.append(Block("text", 0, message["content"]))
+            blocks.append(Block("text", len(blocks), message["content"]))
         for call in message.get("tool_calls", ()):
             function = call["function"]
             blocks.append(
@@ -372,6 +421,12 @@ class BlockFormat(ChatFormat):
             return []
         events: list[Event] = []
         delta = entry["delta"]
+        if delta.get("reasoning"):
+            if self._open is None or self._open.kind != "thinking":
+                events += self._open_block(plan, Block("thinking", self._num_blocks))
+            assert self._open is not None
+            self._open.text += delta["reasoning"]
+            events += self.block_delta(plan, self._open, delta["reasoning"])
         if delta.get("content"):
             if self._open is None or self._open.kind != "text":
                 events += self._open_block(plan, Block("text", self._num_blocks))

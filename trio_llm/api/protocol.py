@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +35,7 @@ from trio_llm.api.tools import EMPTY_PARAMETERS, tool_call_grammar
 from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, check_spec_limits
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
+from trio_llm.text.chat_template import RESERVED_VARIABLES
 
 #: Largest integer accepted where the engine takes a 64-bit or 32-bit value.
 INT32_MAX = 2**31 - 1
@@ -586,6 +588,29 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: StrictBool = True
     #: vLLM's: leave the final (assistant) message open, so the output continues it.
     continue_final_message: StrictBool = False
+    #: vLLM's: further variables for the chat template, such as Qwen3's
+    #: ``{"enable_thinking": false}`` (`template_kwargs`).
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self, special_tokens: Iterable[str] = ()) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` as the template sees them (None when not given).
+
+        Raises:
+            APIError: a 400 naming ``chat_template_kwargs`` for a variable the server
+                sets itself (``messages``, ``tools``, ``add_generation_prompt``, the
+                tokenizer's ``special_tokens`` such as ``bos_token``, ...).
+        """
+        kwargs = self.chat_template_kwargs
+        if not kwargs:
+            return None
+        reserved = sorted(set(kwargs) & (RESERVED_VARIABLES | set(special_tokens)))
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {reserved}: the server gives the template "
+                "these itself (messages and tools are request fields)",
+                "chat_template_kwargs",
+            )
+        return dict(kwargs)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them."""

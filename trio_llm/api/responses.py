@@ -296,11 +296,20 @@ class ResponsesFormat(BlockFormat):
 
     def _item_id(self, block: Block) -> str:
         if block.index not in self._item_ids:
-            prefix = "msg" if block.kind == "text" else "fc"
+            prefix = {"text": "msg", "call": "fc", "thinking": "rs"}[block.kind]
             self._item_ids[block.index] = f"{prefix}_{uuid.uuid4().hex}"
         return self._item_ids[block.index]
 
     def _item(self, block: Block, status: str) -> dict[str, Any]:
+        if block.kind == "thinking":  # a reasoning item, its text whole (no summary)
+            content = [] if status == "in_progress" else [self._reasoning_part(block.text)]
+            return {
+                "type": "reasoning",
+                "id": self._item_id(block),
+                "summary": [],
+                "content": content,
+                "status": status,
+            }
         if block.kind == "call":
             return {
                 "type": "function_call",
@@ -322,6 +331,10 @@ class ResponsesFormat(BlockFormat):
     @staticmethod
     def _part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    @staticmethod
+    def _reasoning_part(text: str) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": text}
 
     def _response(
         self,
@@ -399,14 +412,15 @@ class ResponsesFormat(BlockFormat):
                 item=self._item(block, "in_progress"),
             )
         ]
-        if block.kind == "text":
+        if block.kind != "call":
+            part = self._part("") if block.kind == "text" else self._reasoning_part("")
             events.append(
                 self._event(
                     "response.content_part.added",
                     item_id=self._item_id(block),
                     output_index=block.index,
                     content_index=0,
-                    part=self._part(""),
+                    part=part,
                 )
             )
         return events
@@ -415,6 +429,10 @@ class ResponsesFormat(BlockFormat):
         where = {"item_id": self._item_id(block), "output_index": block.index}
         if block.kind == "call":
             return [self._event("response.function_call_arguments.delta", **where, delta=text)]
+        if block.kind == "thinking":
+            return [
+                self._event("response.reasoning_text.delta", **where, content_index=0, delta=text)
+            ]
         return [
             self._event(
                 "response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]
@@ -426,6 +444,18 @@ class ResponsesFormat(BlockFormat):
         if block.kind == "call":
             events = [
                 self._event("response.function_call_arguments.done", **where, arguments=block.text)
+            ]
+        elif block.kind == "thinking":
+            events = [
+                self._event(
+                    "response.reasoning_text.done", **where, content_index=0, text=block.text
+                ),
+                self._event(
+                    "response.content_part.done",
+                    **where,
+                    content_index=0,
+                    part=self._reasoning_part(block.text),
+                ),
             ]
         else:
             events = [

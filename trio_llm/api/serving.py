@@ -56,6 +56,7 @@ from trio_llm.frontend.engine_client import Admission
 from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
 from trio_llm.text.choice import Choice
+from trio_llm.text.reasoning import ReasoningFormat, reasoning_format
 from trio_llm.text.stop import compile_stops
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -99,6 +100,8 @@ class OpenAIServing:
             only this long).
         tool_call_parser: the parser that serves ``tool_choice: "auto"``
             (``--enable-auto-tool-choice --tool-call-parser``); None refuses "auto".
+        reasoning_parser: how the model marks its reasoning (``--reasoning-parser``,
+            `trio_llm.text.reasoning`); None leaves the text as generated.
     """
 
     def __init__(
@@ -112,9 +115,11 @@ class OpenAIServing:
         limits: RequestLimits | None = None,
         request_body_timeout: float = 30.0,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.limits = limits or RequestLimits()
         self.request_body_timeout = request_body_timeout
         self.tokenizer = tokenizer
@@ -460,6 +465,7 @@ class OpenAIServing:
             # The translation re-validates every message and checks echoed fields: work
             # that grows with the request, so it runs in a worker thread.
             chat = await trio.to_thread.run_sync(request.to_chat)
+            self._map_thinking_switch(request, chat)
             try:
                 plan = await self._plan_chat(chat, make_format, endpoint)
             except InvalidRequest as exc:
@@ -496,23 +502,61 @@ class OpenAIServing:
                 "continue_final_message needs a final assistant message to continue",
                 "continue_final_message",
             )
+        template_kwargs = request.template_kwargs(self.tokenizer.special_tokens)
         text = await self.inputs.render_chat_async(
             request.template_messages(),
             tools=request.template_tools(),
             continue_final_message=request.continue_final_message,
+            template_kwargs=template_kwargs,
         )
         prompt_ids = await self.inputs.encode_async(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         max_tokens = self.inputs.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = reasoning_format(self.reasoning_parser, text, template_kwargs)
         chat_format = make_format(
-            self.tokenizer, tool_parser, parallel_tool_calls=request.parallel_tool_calls
+            self.tokenizer,
+            tool_parser,
+            parallel_tool_calls=request.parallel_tool_calls,
+            reasoning_parser=reasoning.parser if reasoning is not None else None,
         )
         plan = Plan(chat_format, model, num_top_logprobs=logprobs)
         plan.structured_param = request.structured_param
-        plan.add_prompt(prompt_ids, self._params(request, max_tokens, logprobs=logprobs), None)
+        params = self._params(request, max_tokens, logprobs=logprobs)
+        if reasoning is not None:
+            params = [self._after_reasoning(p, reasoning) for p in params]
+        plan.add_prompt(prompt_ids, params, None)
         return plan
+
+    def _after_reasoning(
+        self, params: SamplingParams, reasoning: ReasoningFormat
+    ) -> SamplingParams:
+        """``params`` with its output constraint (if any) applied after the reasoning part
+        of the output, as vLLM applies ``structured_outputs`` with a reasoning parser."""
+        constraint = params.structured_output
+        if constraint is None:
+            return params
+        prefix = reasoning.grammar(self.tokenizer.added_token_id)
+        if prefix is None:
+            return params
+        constraint = msgspec.structs.replace(constraint, prefix=prefix)
+        return msgspec.structs.replace(params, structured_output=constraint)
+
+    def _map_thinking_switch(self, request: ChatTranslated, chat: ChatCompletionRequest) -> None:
+        """Set ``enable_thinking`` in ``chat``'s template variables from the translated
+        request's own reasoning switch (Anthropic's ``thinking``, the Responses API's
+        ``reasoning.effort``; `thinking_requested`), where the chat template has that
+        switch (Qwen3's) and ``chat_template_kwargs`` do not set it already."""
+        wanted = thinking_requested(request)
+        template = self.tokenizer.chat_template or ""
+        if wanted is None or "enable_thinking" not in template:
+            return
+        kwargs = dict(chat.chat_template_kwargs or {})
+        kwargs.setdefault("enable_thinking", wanted)
+        chat.chat_template_kwargs = kwargs
 
     def _tool_parser(self, request: ChatCompletionRequest) -> Callable[[], ToolCallParser] | None:
         """What reads tool calls out of each choice's text (None: plain text).
@@ -618,3 +662,29 @@ class OpenAIServing:
             raise engine_error(exc, structured_param) from exc
         finally:
             self.engine.release(admission)
+
+
+def thinking_requested(request: ChatTranslated) -> bool | None:
+    """Whether a translated request asks the model to reason, in its API's own terms;
+    None when it does not say.
+
+    Anthropic Messages: ``thinking`` of type ``disabled`` is False, ``enabled`` or
+    ``adaptive`` True (``output_config.effort`` says how much, not whether: it changes
+    nothing here). Responses: ``reasoning.effort`` ``"none"`` is False, any other effort
+    True.
+    """
+    if isinstance(request, MessagesRequest):
+        thinking = request.thinking
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind == "disabled":
+            return False
+        return True if kind in ("enabled", "adaptive") else None
+    reasoning = getattr(request, "reasoning", None)
+    if reasoning is None:
+        reasoning = (request.model_extra or {}).get("reasoning")
+    if isinstance(reasoning, BaseModel):
+        reasoning = reasoning.model_dump()
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is None:
+        return None
+    return effort != "none"

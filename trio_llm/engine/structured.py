@@ -35,6 +35,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from trio_llm.engine.spec_checks import (
     SpecLimitError,
     StructuredOutputError,
@@ -103,7 +105,7 @@ class GrammarCompile:
         waiters: requests waiting for it.
     """
 
-    def __init__(self, key: tuple[str, str]) -> None:
+    def __init__(self, key: tuple[str, str, str]) -> None:
         self.key = key
         self.future: Future[llguidance.LLMatcher] = Future()
         self.started: float | None = None
@@ -160,7 +162,7 @@ class GrammarCompiler:
         self._executor: ThreadPoolExecutor | None = None
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         #: Compiled (or compiling) grammars by kind and source, least recently used first.
-        self._compiled: OrderedDict[tuple[str, str], GrammarCompile] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str, str], GrammarCompile] = OrderedDict()
         self._timers: set[threading.Timer] = set()
         self._lock = threading.Lock()
 
@@ -192,7 +194,7 @@ class GrammarCompiler:
         what the library does not implement (an unknown JSON Schema keyword, for example),
         matches nothing, or the tokenizer could not be built; never ignored.
         """
-        key = (spec.kind, spec.spec)
+        key = (spec.kind, spec.spec, spec.prefix)
         job = self._compiled.get(key)
         if job is not None and not job.future.cancelled():
             self._compiled.move_to_end(key)
@@ -398,13 +400,16 @@ def checked_matcher(
 
 def grammar_source(spec: StructuredOutput) -> str:
     """llguidance's grammar text for ``spec`` (a JSON Schema also goes through
-    `unsatisfiable_reason`).
+    `unsatisfiable_reason`); with a ``prefix``, the constraint's grammar follows the
+    prefix's rule ``reasoning`` (`with_prefix`).
 
     Raises:
         StructuredOutputError: a malformed spec, or a schema that matches nothing.
     """
     from llguidance import LLMatcher
 
+    if spec.prefix:
+        return with_prefix(grammar_source(msgspec.structs.replace(spec, prefix="")), spec.prefix)
     try:
         if spec.kind == "json":
             schema = json.loads(spec.spec)
@@ -432,6 +437,27 @@ def grammar_source(spec: StructuredOutput) -> str:
     except (ValueError, TypeError, RecursionError) as exc:
         raise StructuredOutputError(_one_line(str(exc))) from exc
     raise StructuredOutputError(f"unknown structured output kind {spec.kind!r}")
+
+
+def with_prefix(grammar: str, prefix: str) -> str:
+    """llguidance's ``grammar`` (its JSON, or a Lark text) preceded by the Lark rule
+    ``reasoning`` that ``prefix`` defines: a top-level Lark grammar
+    ``start: reasoning @answer`` in front of the constraint's own grammars, the first of
+    them named ``answer`` (llguidance's grammar references)."""
+    try:
+        top = json.loads(grammar)
+    except ValueError:
+        top = None
+    if not isinstance(top, dict) or "grammars" not in top:  # a Lark grammar's text
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    first, *others = top["grammars"]
+    lark = f"start: reasoning @{_ANSWER}\n{prefix}"
+    top["grammars"] = [{"lark_grammar": lark}, {**first, "name": _ANSWER}, *others]
+    return json.dumps(top)
+
+
+#: The name of a prefixed constraint's own grammar (`with_prefix`).
+_ANSWER = "answer"
 
 
 # ---------------------------------------------------------------- llguidance's messages

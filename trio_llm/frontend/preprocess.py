@@ -118,11 +118,12 @@ class InputPreprocessor:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text of chat ``messages`` and ``tools`` (the model's chat template;
         with the assistant's prompt unless ``add_generation_prompt`` is False; with
-        ``continue_final_message``, the last assistant message left open, see
-        `Tokenizer.render_chat`).
+        ``continue_final_message``, the last assistant message left open; with
+        ``template_kwargs``, further template variables: see `Tokenizer.render_chat`).
 
         Raises:
             InvalidRequest: the template rejects the messages, or the model has none.
@@ -133,6 +134,7 @@ class InputPreprocessor:
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
             )
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param) from exc
@@ -145,6 +147,7 @@ class InputPreprocessor:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """`render_chat`, in a worker thread when the conversation is long (the template's
         cost grows with it). Raises as `render_chat`."""
@@ -155,8 +158,10 @@ class InputPreprocessor:
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
         )
         size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        size += len(json.dumps(template_kwargs)) if template_kwargs else 0
         if size < INLINE_ENCODE_CHARS:
             return render()
         return await trio.to_thread.run_sync(render)

@@ -85,6 +85,13 @@ def tool_template_for(source: str | None) -> str | None:
     return shipped_template(name) if name is not None else None
 
 
+#: Variables of a chat template that ``chat_template_kwargs`` may not set (the server
+#: gives them), besides the tokenizer's special tokens (``bos_token``, ...).
+RESERVED_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "raise_exception", "strftime_now"}
+)
+
+
 def render_chat(
     source: str,
     messages: list[dict[str, Any]],
@@ -92,10 +99,13 @@ def render_chat(
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """Render ``messages`` (dicts with ``role`` and ``content``; assistant messages may
     have ``tool_calls``, tool messages ``tool_call_id``) and the ``tools`` (OpenAI's
-    definitions) to the prompt text.
+    definitions) to the prompt text. ``template_kwargs`` are further variables the
+    template sees (vLLM's ``chat_template_kwargs``, such as Qwen3's ``enable_thinking``);
+    they cannot replace the variables above (`RESERVED_VARIABLES`: the caller checks).
 
     Raises:
         TemplateError: the template rejected the conversation or failed to render
@@ -104,6 +114,7 @@ def render_chat(
     template = compile_template(source)
     try:
         return template.render(
+            **(template_kwargs or {}),
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,

@@ -73,6 +73,7 @@ class Tokenizer:
         self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
+        self._added: dict[str, int] | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -111,6 +112,14 @@ class Tokenizer:
             if isinstance(value, str):
                 special[key] = value
         return cls(backend, chat_template if chat_template is not None else template, special)
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token (special or not) whose text is ``text``, such as a
+        reasoning model's ``</think>``; None if no added token has that text."""
+        if self._added is None:
+            added = self.backend.get_added_tokens_decoder()
+            self._added = {token.content: token_id for token_id, token in added.items()}
+        return self._added.get(text)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's own special tokens, e.g. BOS).
@@ -182,9 +191,12 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Chat messages (plus, by default, the assistant prompt), rendered with the
-        model's template; with ``tools``, with `tool_template` when there is one.
+        model's template; with ``tools``, with `tool_template` when there is one;
+        ``template_kwargs`` are further template variables (vLLM's
+        ``chat_template_kwargs``, see `trio_llm.text.chat_template.render_chat`).
 
         With ``continue_final_message`` (vLLM's field; Anthropic's assistant prefill) the
         last message, an assistant's, is left open: the text ends right after its content
@@ -219,6 +231,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 special_tokens=self.special_tokens,
                 tools=tools,
+                template_kwargs=template_kwargs,
             )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
