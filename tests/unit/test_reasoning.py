@@ -511,3 +511,57 @@ def test_deepseek_r1_reasons_first_and_a_spelled_out_end_tag_cannot_end_it(
     # The end tag's text, spelled out of other tokens, is refused: only its token ends
     # the reasoning (the parser reads the text, so the two would disagree).
     assert not matcher.consume_tokens(spelled)
+
+
+# ---------------------------------------------------------------- a tiny Qwen3, in the engine
+
+
+@pytest.mark.slow
+def test_the_engine_holds_a_tiny_qwen3_to_the_answer_only_after_the_reasoning(
+    tmp_path: Path, qwen3_dir: Path, qwen3_tokenizer
+) -> None:
+    """A random-weight Qwen3 made from a config, pushed to end its reasoning at once
+    (``logit_bias`` on ``</think>``): its answer is then one of the choices."""
+    from tests.support.architectures import save_for_serving
+    from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from trio_llm.engine.core import EngineCore
+    from trio_llm.messages import SamplingParams, StructuredOutput
+    from trio_llm.model_loader import load_model
+
+    model_dir = save_for_serving("qwen3", tmp_path / "qwen3", qwen3_dir, VOCAB_SIZE)
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), max_model_len=128),
+        cache=CacheConfig(block_size=16, num_kv_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128),
+    )
+    core = EngineCore(load_model(model_dir, "float32", "sdpa"), config, str(model_dir))
+    prompt = qwen3_tokenizer.encode("<|im_start|>user\nok?<|im_end|>\n<|im_start|>assistant\n")
+    reasoning = reasoning_format("deepseek_r1", "assistant\n")
+    choices = '["yes", "no"]'
+    specs = {
+        "after": StructuredOutput(
+            "choice", choices, reasoning.grammar(qwen3_tokenizer.added_token_id)
+        ),
+        "plain": StructuredOutput("choice", choices),
+    }
+    for name, spec in specs.items():
+        params = SamplingParams(
+            max_tokens=12, seed=0, logit_bias=((END_THINK, 100.0),), structured_output=spec
+        )
+        assert core.add_request(AddRequest(name, prompt, params)) is None
+    tokens: dict[str, list[int]] = {name: [] for name in specs}
+    finish: dict[str, str] = {}
+    while core.has_unfinished_requests():
+        for output in core.step().outputs:
+            assert output.error is None, output.error
+            tokens[output.request_id] += output.new_token_ids
+            if output.finish_reason is not None:
+                finish[output.request_id] = output.finish_reason
+    assert finish == {"after": "stop", "plain": "stop"}
+    after = qwen3_tokenizer.decode(tokens["after"])
+    assert tokens["after"][0] == END_THINK  # the bias ended the reasoning at once
+    split = reasoning.parser().parse(after)
+    assert (split.reasoning, split.content) in [("", "yes"), ("", "no")]
+    # Without the reasoning part the grammar refuses </think>: the answer comes first.
+    assert END_THINK not in tokens["plain"]
+    assert qwen3_tokenizer.decode(tokens["plain"]) in ("yes", "no")
