@@ -490,7 +490,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         },
         "tool_use",
     ),
-    ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ("thinking of no known type", {"thinking": {"type": "sometimes"}}, "thinking"),
     ("server tool", {"tools": [{"type": "web_search_20250305", "name": "web"}]}, "server tools"),
     (
         "tool blocks without tools",

@@ -9,13 +9,17 @@ a stream of named events (``message_start``, ``content_block_start``,
 Errors use Anthropic's body (``{"type": "error", "error": {"type", "message"}}``, see
 `trio_llm.api.errors.anthropic_error_body`).
 
-Supported: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use`` and
-``tool_result`` blocks, ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``,
-``top_k``, ``tools`` (client tools with an ``input_schema``), ``tool_choice`` (``auto``,
-``any``, ``tool``, ``none``, ``disable_parallel_tool_use``), ``output_config.format``
-(structured output: a JSON Schema), ``stream`` and ``metadata``.
-Images, documents, extended thinking and server tools are refused with a 400 naming the
-field. Field names and shapes follow Anthropic's API reference.
+Supported: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use``,
+``tool_result``, ``thinking`` and ``redacted_thinking`` blocks and ``role: "system"``
+turns, ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
+``tools`` (client tools with an ``input_schema``), ``tool_choice`` (``auto``, ``any``,
+``tool``, ``none``, ``disable_parallel_tool_use``), ``output_config`` (``format``:
+structured output, a JSON Schema; ``effort``), ``thinking``, ``context_management``
+(its edits that clear old thinking and old tool results are applied to the prompt,
+`apply_context_edits`), ``stream`` and ``metadata``. ``thinking`` and ``effort`` are kept
+for the reasoning support (`TranslatedAsks`); on a model without reasoning they change
+nothing. Images, documents and server tools are refused with a 400 naming the field.
+Field names and shapes follow Anthropic's API reference.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -79,18 +84,44 @@ class ToolResultBlock(BaseModel):
         return "".join(block.text for block in self.content)
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
-
-#: Content block types this server takes; any other is refused by name.
-_BLOCK_TYPES = ("text", "tool_use", "tool_result")
-
-
-class Message(BaseModel):
-    """One turn: ``role`` user or assistant, ``content`` a string or content blocks."""
+class ThinkingBlock(BaseModel):
+    """The reasoning of an earlier assistant turn (``signature`` is not checked)."""
 
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["user", "assistant"]
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+
+
+class RedactedThinkingBlock(BaseModel):
+    """Encrypted reasoning of an earlier assistant turn: never shown to the model here."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["redacted_thinking"]
+    data: Text = ""
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+#: Content block types this server takes; any other is refused by name.
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+#: What a cleared tool result says instead (Claude Code's own words for one it cleared).
+CLEARED_TOOL_RESULT = "[Old tool result content cleared]"
+
+
+class Message(BaseModel):
+    """One turn: ``role`` user, assistant or system (a system message at that place of
+    the conversation), ``content`` a string or content blocks."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["user", "assistant", "system"]
     content: Text | list[ContentBlock]
 
     @model_validator(mode="before")
@@ -129,9 +160,108 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: StrictBool = False
 
 
+class ThinkingConfig(BaseModel):
+    """``thinking``: ``{"type": "enabled", "budget_tokens": N}``, ``{"type": "adaptive"}``
+    or ``{"type": "disabled"}`` (other keys, such as ``display``, are ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+
+    @model_validator(mode="after")
+    def _budget(self) -> ThinkingConfig:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError('thinking of type "enabled" needs budget_tokens')
+        return self
+
+
+class OutputConfig(BaseModel):
+    """``output_config``: ``format`` (structured output) and ``effort``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    format: Any = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+Count = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+
+
+class InputTokens(BaseModel):
+    """``{"type": "input_tokens", "value": N}``: a number of prompt tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["input_tokens"]
+    value: Count
+
+
+class ToolUses(BaseModel):
+    """``{"type": "tool_uses", "value": N}``: a number of tool uses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["tool_uses"]
+    value: Count
+
+
+class ThinkingTurns(BaseModel):
+    """``{"type": "thinking_turns", "value": N}``: a number of assistant turns with
+    thinking."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["thinking_turns"]
+    value: Count
+
+
+class ClearToolUses(BaseModel):
+    """The ``clear_tool_uses_20250919`` edit (Anthropic's "context editing"): once the
+    prompt passes ``trigger``, the results of all tool uses but the last ``keep`` (those
+    of ``exclude_tools`` aside) are replaced by `CLEARED_TOOL_RESULT`, and with
+    ``clear_tool_inputs`` (all, or the tools named) the calls' inputs by ``{}``; unless
+    that clears fewer than ``clear_at_least`` tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: Annotated[InputTokens | ToolUses, Field(discriminator="type")] = InputTokens(
+        type="input_tokens", value=100_000
+    )
+    keep: ToolUses = ToolUses(type="tool_uses", value=3)
+    clear_at_least: InputTokens | None = None
+    exclude_tools: list[Text] | None = None
+    clear_tool_inputs: StrictBool | list[Text] = False
+
+
+class ClearThinking(BaseModel):
+    """The ``clear_thinking_20251015`` edit: the thinking of all assistant turns but the
+    last ``keep`` that have any is dropped (``"all"`` keeps every one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | ThinkingTurns = ThinkingTurns(type="thinking_turns", value=1)
+
+
+ContextEdit = Annotated[ClearToolUses | ClearThinking, Field(discriminator="type")]
+
+
+class ContextManagement(BaseModel):
+    """``context_management``: the ``edits`` applied to the prompt, in order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+
+#: Counts a chat request's prompt tokens (its template and tokenizer).
+TokenCounter = Callable[[ChatCompletionRequest], int]
+
 #: Request fields of the Messages API this server does not implement, refused unless
-#: absent or null (``thinking`` may also say ``{"type": "disabled"}``).
-_UNSUPPORTED = ("container", "mcp_servers", "context_management")
+#: absent or null.
+_UNSUPPORTED = ("container", "mcp_servers")
 
 
 class MessagesRequest(ChatTranslated):
@@ -157,24 +287,17 @@ class MessagesRequest(ChatTranslated):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
 
     def _check_supported(self) -> None:
         extra = self.model_extra or {}
         for name in _UNSUPPORTED:
             if extra.get(name) is not None:
                 raise bad_request(f"`{name}` is not supported by this server", name)
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise bad_request(
-                "extended thinking is not supported by the model served here", "thinking"
-            )
-        config = self.output_config or {}
-        if config.get("effort") is not None:
-            raise bad_request(
-                "output_config.effort is not supported by the model served here", "output_config"
-            )
-        unknown = sorted(set(config) - {"effort", "format"})
+        config = self.output_config
+        unknown = sorted(set(config.model_extra or {})) if config is not None else []
         if unknown:
             raise bad_request(f"output_config: {unknown} are not supported", "output_config")
         for i, tool in enumerate(self.tools or ()):
@@ -199,19 +322,35 @@ class MessagesRequest(ChatTranslated):
                 "tools",
             )
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat-completion request this Messages request asks for.
+    def to_chat(self, count_tokens: TokenCounter | None = None) -> ChatCompletionRequest:
+        """The chat-completion request this Messages request asks for, with the
+        ``context_management`` edits applied (`apply_context_edits`).
+
+        Args:
+            count_tokens: counts a chat request's prompt tokens; needed only when an edit
+                has a condition on input tokens (``trigger``, ``clear_at_least``).
 
         Raises:
             APIError: a 400 naming the Messages field at fault.
         """
         self._check_supported()
+        edits = self.context_management.edits if self.context_management else []
+
+        def count(turns: list[Message]) -> int:
+            if count_tokens is None:
+                raise TypeError("an edit on input tokens needs to_chat(count_tokens=...)")
+            return count_tokens(self._chat(turns))
+
+        return self._chat(apply_context_edits(self.messages, edits, count))
+
+    def _chat(self, turns: list[Message]) -> ChatCompletionRequest:
+        """The chat-completion request of this request with ``turns`` as its messages."""
         messages: list[dict[str, Any]] = []
         if self.system:
             system = self.system
             text = system if isinstance(system, str) else "".join(b.text for b in system)
             messages.append({"role": "system", "content": text})
-        for turn in self.messages:
+        for turn in turns:
             messages += _chat_messages(turn)
         last = messages[-1]
         # A final assistant turn is a prefill: the answer continues it (Anthropic's rule).
@@ -227,7 +366,7 @@ class MessagesRequest(ChatTranslated):
             "stream": self.stream,
             "continue_final_message": prefill,
         }
-        form = (self.output_config or {}).get("format")
+        form = self.output_config.format if self.output_config else None
         if form is not None:
             if not isinstance(form, dict) or form.get("type") != "json_schema":
                 raise bad_request(
@@ -259,7 +398,12 @@ class MessagesRequest(ChatTranslated):
                     choice.type
                 ]
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-        return self.validated_chat(body, "messages")
+        chat = self.validated_chat(body, "messages")
+        chat.translated.fold_late_system = True
+        if self.thinking is not None:
+            chat.translated.thinking = self.thinking.model_dump(exclude_none=True)
+        chat.translated.effort = self.output_config.effort if self.output_config else None
+        return chat
 
 
 class CountTokensRequest(MessagesRequest):
@@ -272,16 +416,29 @@ class CountTokensRequest(MessagesRequest):
 
 def _chat_messages(turn: Message) -> list[dict[str, Any]]:
     """One Messages turn as chat messages: tool results become ``tool`` messages (before
-    the turn's text), tool calls the assistant message's ``tool_calls``."""
+    the turn's text), tool calls the assistant message's ``tool_calls``, an assistant
+    turn's thinking its ``reasoning_content`` (for the reasoning support; chat templates
+    without it do not show it), redacted thinking nothing."""
     if isinstance(turn.content, str):
         return [{"role": turn.role, "content": turn.content}]
     text = "".join(block.text for block in turn.content if isinstance(block, TextBlock))
     calls = [block for block in turn.content if isinstance(block, ToolUseBlock)]
     results = [block for block in turn.content if isinstance(block, ToolResultBlock)]
+    thinking = [block.thinking for block in turn.content if isinstance(block, ThinkingBlock)]
+    if turn.role != "assistant" and any(
+        isinstance(block, ThinkingBlock | RedactedThinkingBlock) for block in turn.content
+    ):
+        raise bad_request("thinking blocks belong in assistant turns", "messages")
+    if turn.role == "system":
+        if calls or results:
+            raise bad_request("a system turn in `messages` takes text only", "messages")
+        return [{"role": "system", "content": text}]
     if turn.role == "assistant":
         if results:
             raise bad_request("tool_result blocks belong in user turns", "messages")
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["reasoning_content"] = "\n\n".join(thinking)
         if calls:
             message["tool_calls"] = [
                 {
@@ -310,6 +467,115 @@ def thinking_signature(thinking: str) -> str:
     return hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def apply_context_edits(
+    turns: list[Message], edits: list[ContextEdit], count_tokens: Callable[[list[Message]], int]
+) -> list[Message]:
+    """``turns`` with ``edits`` applied in order, as Anthropic's context editing applies
+    them before the prompt reaches the model (the client keeps the whole conversation).
+
+    Without a `ClearThinking` edit, the thinking of all assistant turns but the last one
+    with thinking is dropped (Anthropic's default, ``keep: {"type": "thinking_turns",
+    "value": 1}``). Redacted thinking is never shown to the model here either way.
+
+    Args:
+        turns: the request's messages (left unchanged; edited turns are copies).
+        edits: ``context_management.edits``.
+        count_tokens: the prompt tokens of a conversation (called only for conditions
+            on input tokens).
+    """
+    if not any(isinstance(edit, ClearThinking) for edit in edits):
+        turns = _clear_thinking(turns, 1)
+    for edit in edits:
+        if isinstance(edit, ClearThinking):
+            turns = _clear_thinking(turns, None if edit.keep == "all" else edit.keep.value)
+        else:
+            turns = _clear_tool_uses(turns, edit, count_tokens)
+    return turns
+
+
+def _has_thinking(turn: Message) -> bool:
+    return turn.role == "assistant" and any(
+        isinstance(block, ThinkingBlock | RedactedThinkingBlock)
+        for block in (() if isinstance(turn.content, str) else turn.content)
+    )
+
+
+def _clear_thinking(turns: list[Message], keep: int | None) -> list[Message]:
+    """The thinking blocks of all assistant turns but the last ``keep`` with thinking
+    dropped (None: all kept)."""
+    if keep is None:
+        return turns
+    with_thinking = [i for i, turn in enumerate(turns) if _has_thinking(turn)]
+    cleared = set(with_thinking[: max(len(with_thinking) - keep, 0)])
+    return [
+        turn.model_copy(
+            update={
+                "content": [
+                    block
+                    for block in turn.content
+                    if not isinstance(block, ThinkingBlock | RedactedThinkingBlock)
+                ]
+            }
+        )
+        if i in cleared
+        else turn
+        for i, turn in enumerate(turns)
+    ]
+
+
+def _clear_tool_uses(
+    turns: list[Message], edit: ClearToolUses, count_tokens: Callable[[list[Message]], int]
+) -> list[Message]:
+    """`ClearToolUses` applied to ``turns`` (unchanged when it does not trigger, has
+    nothing to clear, or would clear fewer than ``clear_at_least`` tokens)."""
+    uses = [
+        block
+        for turn in turns
+        if turn.role == "assistant" and not isinstance(turn.content, str)
+        for block in turn.content
+        if isinstance(block, ToolUseBlock)
+    ]
+    before: int | None = None
+    if isinstance(edit.trigger, ToolUses):
+        if len(uses) <= edit.trigger.value:
+            return turns
+    else:
+        before = count_tokens(turns)
+        if before <= edit.trigger.value:
+            return turns
+    excluded = set(edit.exclude_tools or ())
+    old = uses[: max(len(uses) - edit.keep.value, 0)]
+    cleared = {use.id: use.name for use in old if use.name not in excluded}
+    if not cleared:
+        return turns
+    inputs = edit.clear_tool_inputs
+    clear_input = {
+        call_id
+        for call_id, name in cleared.items()
+        if inputs is True or (isinstance(inputs, list) and name in inputs)
+    }
+
+    def edited(block: Any) -> Any:
+        if isinstance(block, ToolResultBlock) and block.tool_use_id in cleared:
+            return block.model_copy(update={"content": CLEARED_TOOL_RESULT})
+        if isinstance(block, ToolUseBlock) and block.id in clear_input:
+            return block.model_copy(update={"input": {}})
+        return block
+
+    after = [
+        turn
+        if isinstance(turn.content, str)
+        else turn.model_copy(update={"content": [edited(block) for block in turn.content]})
+        for turn in turns
+    ]
+    if edit.clear_at_least is not None:
+        if before is None:
+            before = count_tokens(turns)
+        if before - count_tokens(after) < edit.clear_at_least.value:
+            return turns
+    return after
+
+
 #: Chat finish reasons as Messages ``stop_reason``\ s ("stop" is end_turn or, when a stop
 #: sequence matched, stop_sequence).
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -325,11 +591,22 @@ class MessagesFormat(BlockFormat):
     def new_id(self) -> str:
         return f"msg_{uuid.uuid4().hex[:24]}"
 
-    def _usage(self, plan: Plan, choices: list[Choice]) -> dict[str, int]:
+    @staticmethod
+    def _input_usage(plan: Plan) -> dict[str, int]:
+        """The prompt's part of ``usage``, Anthropic's fields: ``input_tokens`` (the
+        prompt tokens not read from the cache), ``cache_creation_input_tokens`` (always 0:
+        the prefix cache fills itself, no write is billed) and ``cache_read_input_tokens``
+        (prompt tokens read from the prefix cache)."""
+        cache_read = 0  # per-request prefix-cache hits are not reported yet
         return {
-            "input_tokens": sum(plan.prompt_lengths),
-            "output_tokens": sum(choice.num_output_tokens for choice in choices),
+            "input_tokens": sum(plan.prompt_lengths) - cache_read,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cache_read,
         }
+
+    def _usage(self, plan: Plan, choices: list[Choice]) -> dict[str, int]:
+        output_tokens = sum(choice.num_output_tokens for choice in choices)
+        return {**self._input_usage(plan), "output_tokens": output_tokens}
 
     @staticmethod
     def _stop(choice: Choice, finish_reason: str | None) -> tuple[str | None, str | None]:
@@ -376,7 +653,7 @@ class MessagesFormat(BlockFormat):
 
     def stream_start(self, plan: Plan, choices: list[Choice]) -> list[Event]:
         message = self._message(plan, [])
-        message["usage"] = {"input_tokens": sum(plan.prompt_lengths), "output_tokens": 0}
+        message["usage"] = {**self._input_usage(plan), "output_tokens": 0}
         return [
             ("message_start", {"type": "message_start", "message": message}),
             ("ping", {"type": "ping"}),

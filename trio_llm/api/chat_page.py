@@ -42,7 +42,8 @@ def read_static_files() -> dict[str, bytes]:
 
 
 def install_chat_page(app: FastAPI) -> None:
-    """Serve the chat page at ``GET /`` and its files at ``GET /static/{name}``.
+    """Serve the chat page at ``GET /`` and its files at ``GET /static/{name}`` (``HEAD``
+    too: Claude Code checks the server is there with ``HEAD /``).
 
     An unknown name answers 404 (an OpenAI-style error body, like every other route).
     The routes are left out of the OpenAPI schema.
@@ -52,11 +53,11 @@ def install_chat_page(app: FastAPI) -> None:
     def file_response(name: str) -> Response:
         return Response(files[name], media_type=STATIC_FILES[name], headers=_HEADERS)
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def chat_page() -> Response:
         return file_response("index.html")
 
-    @app.get("/static/{name}", include_in_schema=False)
+    @app.api_route("/static/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     async def static_file(name: str) -> Response:
         if name not in files:
             raise APIError(404, f"no static file named {name!r}", type="not_found_error")

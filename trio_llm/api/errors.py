@@ -213,4 +213,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         message = f"internal error: {type(exc).__name__}: {exc}"
-        return APIError(500, message, type="server_error").response(request.url.path)
+        response = APIError(500, message, type="server_error").response(request.url.path)
+        # Answered outside the middleware: the Anthropic request id is added here.
+        request_id = getattr(request.state, "request_id", None)
+        if request_id is not None:
+            response.headers["request-id"] = request_id
+        return response

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import uuid
 from collections.abc import Iterable
 
 from fastapi import FastAPI
@@ -253,10 +254,46 @@ class RequestFramingMiddleware(_RequestCheck):
         return b"transfer-encoding" in names and b"content-length" in names
 
 
+def new_request_id() -> str:
+    """A request id in the form of Anthropic's: ``req_`` and 24 hex digits."""
+    return f"req_{uuid.uuid4().hex[:24]}"
+
+
+class RequestIdMiddleware:
+    """Give every response under ``/v1/messages`` (the Anthropic API) a ``request-id``
+    header, as Anthropic's API does: successes, streams and errors alike, the refusals of
+    the middleware inside this one (401, 413) included. The id is also left in the
+    scope's ``state`` (``request.state.request_id``), for the error handler of the
+    outermost layer (an unexpected 500).
+
+    Args:
+        app: the ASGI app.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on, adding the header to its response's start."""
+        if scope["type"] != "http" or not scope["path"].startswith(ANTHROPIC_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (b"request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def install_middleware(app: FastAPI, config: ServerConfig) -> None:
     """Add the body size limit, the API key check (if ``config.api_key``), CORS (if
-    ``config.allowed_origins``) and the framing check to ``app``, in that order from the
-    inside out.
+    ``config.allowed_origins``), the framing check and the Anthropic ``request-id``
+    header to ``app``, in that order from the inside out.
 
     Must be called before the app serves its first request.
     """
@@ -272,3 +309,4 @@ def install_middleware(app: FastAPI, config: ServerConfig) -> None:
             allow_credentials=config.allow_credentials,
         )
     app.add_middleware(RequestFramingMiddleware)
+    app.add_middleware(RequestIdMiddleware)

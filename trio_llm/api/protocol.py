@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -575,6 +576,26 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+@dataclass
+class TranslatedAsks:
+    """What a request of another API asks of the chat path beyond chat's own fields (set
+    by its `ChatTranslated.to_chat`; a plain chat completion asks none of it).
+
+    Attributes:
+        fold_late_system: system messages after the first message are folded into the
+            leading system prompt when the chat template cannot show a system message at
+            their place (Anthropic's ``role: "system"`` turns in ``messages``).
+        thinking: Anthropic's ``thinking`` as sent (``{"type": "enabled", "budget_tokens":
+            N}``, ``{"type": "adaptive"}``, ``{"type": "disabled"}``), for the reasoning
+            support; None when not given. Inert on a model without reasoning.
+        effort: Anthropic's ``output_config.effort`` (``low`` ... ``max``), likewise.
+    """
+
+    fold_late_system: bool = False
+    thinking: dict[str, Any] | None = None
+    effort: str | None = None
+
+
 class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``."""
 
@@ -611,6 +632,13 @@ class ChatCompletionRequest(GenerationRequest):
                 "chat_template_kwargs",
             )
         return dict(kwargs)
+
+    _translated: TranslatedAsks = PrivateAttr(default_factory=TranslatedAsks)
+
+    @property
+    def translated(self) -> TranslatedAsks:
+        """What the translated request this one came from asks beyond chat's fields."""
+        return self._translated
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them."""

@@ -439,14 +439,16 @@ class OpenAIServing:
         """Handle ``POST /v1/messages`` (Anthropic) and ``POST /v1/responses`` (OpenAI):
         the request is translated into a chat completion and runs that one path; only
         the output format differs."""
+        to_chat: Callable[[], ChatCompletionRequest] = request.to_chat
         if isinstance(request, MessagesRequest):
             make_format: Callable[..., ChatFormat] = MessagesFormat
             endpoint = "/v1/messages"
+            to_chat = partial(request.to_chat, count_tokens=self._count_prompt_tokens)
         else:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
         planned = await run_while_connected(
-            receive, partial(self._plan_translated, request, make_format, endpoint)
+            receive, partial(self._plan_translated, request, make_format, endpoint, to_chat)
         )
         if planned is None:  # the client left while the request was checked
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -454,20 +456,27 @@ class OpenAIServing:
         return await self._respond(plan, chat, receive)
 
     async def _plan_translated(
-        self, request: ChatTranslated, make_format: Callable[..., ChatFormat], endpoint: str
+        self,
+        request: ChatTranslated,
+        make_format: Callable[..., ChatFormat],
+        endpoint: str,
+        to_chat: Callable[[], ChatCompletionRequest] | None = None,
+        *,
+        count_only: bool = False,
     ) -> tuple[ChatCompletionRequest, Plan]:
-        """The chat request a translated request asks for, and its `Plan`.
+        """The chat request a translated request asks for (``to_chat``, by default
+        ``request.to_chat``), and its `Plan` (``count_only``: see `_plan_chat`).
 
         Raises:
             APIError: as `plan`, naming the translated request's own fields.
         """
         try:
-            # The translation re-validates every message and checks echoed fields: work
-            # that grows with the request, so it runs in a worker thread.
-            chat = await trio.to_thread.run_sync(request.to_chat)
-            self._map_thinking_switch(request, chat)
             try:
-                plan = await self._plan_chat(chat, make_format, endpoint)
+                # The translation re-validates every message and checks echoed fields:
+                # work that grows with the request, so it runs in a worker thread.
+                chat = await trio.to_thread.run_sync(to_chat or request.to_chat)
+                self._map_thinking_switch(request, chat)
+                plan = await self._plan_chat(chat, make_format, endpoint, count_only=count_only)
             except InvalidRequest as exc:
                 raise bad_request(exc.message, exc.param) from exc
             plan.structured_param = request.api_names(plan.structured_param, "")[0]
@@ -481,15 +490,46 @@ class OpenAIServing:
         """Handle ``POST /v1/messages/count_tokens`` (Anthropic): the prompt's token
         count, from the same validation, template and tokenizer as ``/v1/messages``."""
         endpoint = "/v1/messages/count_tokens"
-        _, plan = await self._plan_translated(request, MessagesFormat, endpoint)
+        to_chat = partial(request.to_chat, count_tokens=self._count_prompt_tokens)
+        _, plan = await self._plan_translated(
+            request, MessagesFormat, endpoint, to_chat, count_only=True
+        )
         return JSONResponse({"input_tokens": sum(plan.prompt_lengths)})
+
+    def _count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
+        """The prompt tokens of a chat request, rendered as `_plan_chat` renders it
+        (whatever its length: no context check). Runs in a worker thread (`to_chat`).
+
+        Raises:
+            InvalidRequest: the chat template rejects the messages.
+        """
+        text = self.inputs.render_chat(
+            request.template_messages(),
+            tools=request.template_tools(),
+            continue_final_message=request.continue_final_message,
+            template_kwargs=request.template_kwargs(self.tokenizer.special_tokens),
+            fold_late_system=request.translated.fold_late_system,
+        )
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def _plan_chat(
         self,
         request: ChatCompletionRequest,
         make_format: Callable[..., ChatFormat] = ChatFormat,
         endpoint: str = "/v1/chat/completions",
+        *,
+        count_only: bool = False,
     ) -> Plan:
+        """Validate, render and tokenize a chat request into a `Plan`.
+
+        Args:
+            count_only: only its prompt is wanted (``/v1/messages/count_tokens``): a
+                prompt of any length, over the context too, is counted, not refused.
+
+        Raises:
+            APIError: as `plan`.
+            InvalidRequest: a message or tool the template or tokenizer refuses.
+        """
         model = self.resolve_model(request.model)
         self._check_task("generate", endpoint)
         await self._check_common(request)
@@ -508,11 +548,18 @@ class OpenAIServing:
             tools=request.template_tools(),
             continue_final_message=request.continue_final_message,
             template_kwargs=template_kwargs,
+            fold_late_system=request.translated.fold_late_system,
         )
-        prompt_ids = await self.inputs.encode_async(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens
-        param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        max_tokens = self.inputs.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
+        if count_only:  # counted as it is: no check against the context
+            prompt_ids = await self.inputs.tokenize_async(text, "messages", special_tokens=False)
+            max_tokens = 1
+        else:
+            prompt_ids = await self.inputs.encode_async(text, "messages", special_tokens=False)
+            param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+            max_tokens = self.inputs.resolve_max_tokens(
+                requested, len(prompt_ids), param, "messages"
+            )
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         reasoning = None
         if self.reasoning_parser is not None:
@@ -674,8 +721,7 @@ def thinking_requested(request: ChatTranslated) -> bool | None:
     True.
     """
     if isinstance(request, MessagesRequest):
-        thinking = request.thinking
-        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        kind = request.thinking.type if request.thinking is not None else None
         if kind == "disabled":
             return False
         return True if kind in ("enabled", "adaptive") else None

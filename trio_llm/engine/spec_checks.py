@@ -316,3 +316,43 @@ def _array_productive(node: dict[str, Any], root: Any, productive: Callable[[int
         if isinstance(schema, dict | bool) and not _productive(schema, root, productive):
             return False
     return True
+
+
+# ---------------------------------------------------------------- keywords that say nothing
+
+#: ``propertyNames`` values every object key satisfies (JSON keys are strings): they
+#: constrain nothing, so they are dropped before llguidance (which does not implement
+#: ``propertyNames`` and refuses a schema with it). Zod-generated schemas (Claude Code's
+#: tools) write ``"propertyNames": {"type": "string"}`` for every record.
+_VACUOUS_PROPERTY_NAMES: tuple[Any, ...] = ({}, {"type": "string"})
+
+
+def without_vacuous_keywords(schema: Any) -> Any:
+    """``schema`` with every ``propertyNames`` that no key can fail removed, in the
+    schema and all its subschemas (``$defs`` and ``definitions`` included); ``schema``
+    itself (not a copy) when it has none. Other values are kept as they are: the result
+    matches exactly the values ``schema`` matches."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    changed = False
+    for key, value in schema.items():
+        if key == "propertyNames" and (
+            value is True or (isinstance(value, dict) and value in _VACUOUS_PROPERTY_NAMES)
+        ):
+            changed = True
+            continue
+        new = value
+        if key in _ONE_SCHEMA:
+            new = without_vacuous_keywords(value)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            items = [without_vacuous_keywords(item) for item in value]
+            if any(a is not b for a, b in zip(items, value, strict=True)):
+                new = items
+        elif key in (*_SCHEMA_MAPS, "$defs", "definitions") and isinstance(value, dict):
+            named = {name: without_vacuous_keywords(item) for name, item in value.items()}
+            if any(named[name] is not item for name, item in value.items()):
+                new = named
+        changed = changed or new is not value
+        out[key] = new
+    return out if changed else schema

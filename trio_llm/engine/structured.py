@@ -42,6 +42,7 @@ from trio_llm.engine.spec_checks import (
     StructuredOutputError,
     check_spec_limits,
     unsatisfiable_reason,
+    without_vacuous_keywords,
 )
 from trio_llm.messages import StructuredOutput
 
@@ -418,7 +419,10 @@ def grammar_source(spec: StructuredOutput) -> str:
             reason = unsatisfiable_reason(schema)
             if reason is not None:
                 raise ValueError(reason)
-            return LLMatcher.grammar_from_json_schema(spec.spec, defaults=JSON_DEFAULTS)
+            text = spec.spec
+            if "propertyNames" in text:
+                text = json.dumps(without_vacuous_keywords(schema))
+            return LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
         if spec.kind == "json_object":
             return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}), JSON_DEFAULTS)
         if spec.kind == "regex":

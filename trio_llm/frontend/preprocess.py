@@ -119,15 +119,22 @@ class InputPreprocessor:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        fold_late_system: bool = False,
     ) -> str:
         """The prompt text of chat ``messages`` and ``tools`` (the model's chat template;
         with the assistant's prompt unless ``add_generation_prompt`` is False; with
         ``continue_final_message``, the last assistant message left open; with
         ``template_kwargs``, further template variables: see `Tokenizer.render_chat`).
+        With ``fold_late_system``, system messages after the
+        first message are folded into the leading system prompt (`fold_system_messages`)
+        when the template cannot show them at their place
+        (`Tokenizer.renders_late_system`).
 
         Raises:
             InvalidRequest: the template rejects the messages, or the model has none.
         """
+        if fold_late_system and not self.tokenizer.renders_late_system(bool(tools)):
+            messages = fold_system_messages(messages)
         try:
             return self.tokenizer.render_chat(
                 messages,
@@ -148,6 +155,7 @@ class InputPreprocessor:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        fold_late_system: bool = False,
     ) -> str:
         """`render_chat`, in a worker thread when the conversation is long (the template's
         cost grows with it). Raises as `render_chat`."""
@@ -159,6 +167,7 @@ class InputPreprocessor:
             tools=tools,
             continue_final_message=continue_final_message,
             template_kwargs=template_kwargs,
+            fold_late_system=fold_late_system,
         )
         size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
         size += len(json.dumps(template_kwargs)) if template_kwargs else 0
@@ -229,6 +238,23 @@ class InputPreprocessor:
                 param,
             )
         return requested
+
+
+def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every system message after the first message moved into the
+    leading system prompt (one is added when the conversation has none): their texts
+    appended to it in order, each after a blank line. The other messages keep their order.
+    """
+    late = [m for m in messages[1:] if m.get("role") == "system"]
+    if not late:
+        return messages
+    rest = [m for m in messages[1:] if m.get("role") != "system"]
+    texts = [m.get("content") or "" for m in late]
+    if messages[0].get("role") == "system":
+        texts.insert(0, messages[0].get("content") or "")
+    else:
+        rest.insert(0, messages[0])
+    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *rest]
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

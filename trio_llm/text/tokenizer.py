@@ -74,6 +74,7 @@ class Tokenizer:
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
         self._added: dict[str, int] | None = None
+        self._late_system: dict[bool, bool] = {}
 
     @classmethod
     def load(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -183,6 +184,34 @@ class Tokenizer:
             result = list(self.token_text(token_id).encode("utf-8", "surrogatepass"))
         self._token_bytes[token_id] = result
         return result
+
+    def renders_late_system(self, tools: bool = False) -> bool:
+        """Whether the chat template shows a system message that comes after the first
+        message at its place (between the turns around it), rather than refusing it or
+        leaving it out; with ``tools``, the template that renders tools (`tool_template`).
+
+        Found once per template by rendering a probe conversation.
+        """
+        if tools not in self._late_system:
+            marks = ["trio-probe-u1", "trio-probe-late-system", "trio-probe-a1"]
+            probe = [
+                {"role": "system", "content": "trio-probe-s0"},
+                {"role": "user", "content": marks[0]},
+                {"role": "system", "content": marks[1]},
+                {"role": "assistant", "content": marks[2]},
+                {"role": "user", "content": "trio-probe-u2"},
+            ]
+            function = {"name": "probe", "description": "", "parameters": {"type": "object"}}
+            try:
+                text = self.render_chat(
+                    probe, tools=[{"type": "function", "function": function}] if tools else None
+                )
+                places = [text.index(mark) for mark in marks]
+            except Exception:  # refused (raise_exception), left out, or failed: no
+                self._late_system[tools] = False
+            else:
+                self._late_system[tools] = places == sorted(places)
+        return self._late_system[tools]
 
     def render_chat(
         self,
