@@ -120,6 +120,7 @@ async def serve(
                 tool_call_parser=config.tool_call_parser
                 if config.enable_auto_tool_choice
                 else None,
+                disable_additional_properties=config.disable_additional_properties,
             )
             app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
             connection_guard.install()  # one connection's protocol error ends only it
