@@ -71,6 +71,10 @@ def tool_call_grammar(
     return StructuredOutput("grammar", "\n".join([f'start: "[" {calls} "]"', *rules]))
 
 
+#: A JSON lexeme of a call object's head: a string, a run of blanks, or one character.
+_JSON_LEXEME = re.compile(r'"(?:[^"\\]|\\.)*"|\s+|.')
+
+
 def _call_rules(functions: dict[str, dict[str, Any]], head: str) -> list[str]:
     """Lark rules of one call object, ``call``: one alternative per function, its
     ``head`` (a format string of ``name``, the function's name as JSON), then its
@@ -78,7 +82,11 @@ def _call_rules(functions: dict[str, dict[str, Any]], head: str) -> list[str]:
     alternatives = []
     rules = []
     for i, (name, schema) in enumerate(functions.items()):
-        text = json.dumps(head.format(name=json.dumps(name)))
+        # One literal per JSON lexeme (brace, string, colon, comma, blank): beside an
+        # answer that is a JSON object, a literal spanning lexemes would be taken
+        # greedily by llguidance's lexer and leave no way to the answer's own keys.
+        pieces = _JSON_LEXEME.findall(head.format(name=json.dumps(name)))
+        text = " ".join(map(json.dumps, pieces))
         rules.append(f'call_{i}: {text} args_{i} "}}"')
         rules.append(f"args_{i}: %json {json.dumps(compact_schema(schema))}")
         alternatives.append(f"call_{i}")
