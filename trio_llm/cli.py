@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -99,6 +100,33 @@ def parse_seconds(text: str) -> float:
         value = -1.0
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}")
+    return value
+
+
+#: The keys of ``--structured-outputs-config`` this server takes (vLLM's names).
+STRUCTURED_OUTPUTS_KEYS = ("disable_additional_properties",)
+
+
+def parse_structured_outputs_config(text: str) -> dict[str, bool]:
+    """vLLM's ``--structured-outputs-config``: a JSON object of `STRUCTURED_OUTPUTS_KEYS`
+    (true or false each).
+
+    Raises:
+        argparse.ArgumentTypeError: not such an object (says which key or value).
+    """
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    for key, setting in value.items():
+        if key not in STRUCTURED_OUTPUTS_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"{key!r} is not supported here; supported: {list(STRUCTURED_OUTPUTS_KEYS)}"
+            )
+        if not isinstance(setting, bool):
+            raise argparse.ArgumentTypeError(f"{key} must be true or false, got {setting!r}")
     return value
 
 
@@ -299,6 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
         "thinking blocks (Messages)",
     )
     serve.add_argument(
+        "--structured-outputs-config",
+        type=parse_structured_outputs_config,
+        default={},
+        metavar="JSON",
+        help='output constraints, as vLLM\'s flag: {"disable_additional_properties": false} '
+        "reads JSON Schemas as the standard does (an object schema without "
+        "additionalProperties allows unlisted properties, except strict ones); the default "
+        "(true) generates only listed properties, as vLLM's default backend does",
+    )
+    serve.add_argument(
         "--allowed-origins",
         nargs="+",
         default=[],
@@ -453,6 +491,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        disable_additional_properties=args.structured_outputs_config.get(
+            "disable_additional_properties", True
+        ),
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),

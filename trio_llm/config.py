@@ -428,6 +428,10 @@ class ServerConfig:
         reasoning_parser: how the model marks its reasoning (`REASONING_PARSERS`,
             ``--reasoning-parser``): responses carry it apart from the answer; None
             leaves the text as generated.
+        disable_additional_properties: an object schema of a request's output constraint
+            or tool generates only the properties it lists unless it allows others itself
+            (vLLM's ``--structured-outputs-config`` key; its default backend's reading);
+            False reads schemas as JSON Schema does, except ``strict`` ones.
         vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
             prefix (for routers and autoscalers that read vLLM's names).
         stream_interval: output tokens a stream gathers before it sends them, after its
@@ -462,6 +466,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    disable_additional_properties: bool = True
     vllm_metric_names: bool = False
     data_parallel_size: int = 1
 

@@ -121,6 +121,7 @@ async def serve(
                 if config.enable_auto_tool_choice
                 else None,
                 reasoning_parser=config.reasoning_parser,
+                disable_additional_properties=config.disable_additional_properties,
             )
             app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
             connection_guard.install()  # one connection's protocol error ends only it

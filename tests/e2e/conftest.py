@@ -40,6 +40,7 @@ INLINE_ONLY_MODULES = {
     "test_responses_api",
     "test_sampling_params",
     "test_structured_output_api",
+    "test_tools_with_format",
     "test_tokenize",
     "test_tool_calls_api",
 }

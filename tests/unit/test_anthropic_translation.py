@@ -80,7 +80,7 @@ def test_claude_codes_title_request_has_effort_and_a_format() -> None:
     schema = body["output_config"]["format"]["schema"]
     assert chat.response_format == {
         "type": "json_schema",
-        "json_schema": {"name": "output", "schema": schema},
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
     }
     assert chat.translated.effort == "high" and chat.translated.thinking is None
 

@@ -436,7 +436,7 @@ BAD_REQUESTS = [
         'type "object"',
     ),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools", None),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
+    ({"tools": TOOLS, "guided_regex": "a+"}, "guided_regex", "only a JSON format"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", None),
     (
         {"messages": [{"role": "tool", "content": "3 C"}]},  # no tool_call_id

@@ -373,7 +373,8 @@ class MessagesRequest(ChatTranslated):
                     'output_config.format must be {"type": "json_schema", "schema": {...}}',
                     "output_config",
                 )
-            schema = {"name": "output", "schema": form.get("schema", {})}
+            # Anthropic's structured outputs are always held to the schema: strict.
+            schema = {"name": "output", "schema": form.get("schema", {}), "strict": True}
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         if self.tools:
             body["tools"] = [
@@ -383,6 +384,7 @@ class MessagesRequest(ChatTranslated):
                         "name": tool.name,
                         "description": tool.description,
                         "parameters": tool.input_schema,
+                        "strict": (tool.model_extra or {}).get("strict") is True,
                     },
                 }
                 for tool in self.tools

@@ -32,8 +32,8 @@ from pydantic import (
 
 from trio_llm.api.errors import bad_request, validation_message
 from trio_llm.api.parsing import check_json_text_depth, json_text_too_deep, nested_too_deep
-from trio_llm.api.tools import EMPTY_PARAMETERS, tool_call_grammar
-from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, check_spec_limits
+from trio_llm.api.tools import EMPTY_PARAMETERS, calls_or_answer_grammar, tool_call_grammar
+from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, check_spec_limits, close_object_schemas
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
 from trio_llm.text.chat_template import RESERVED_VARIABLES
@@ -229,6 +229,28 @@ class GenerationRequest(RequestBody):
     #: Grammars still to build for `structured_output`: (spec, message prefix, param).
     _grammar_checks: list[tuple[StructuredOutput, str, str]] = PrivateAttr(default_factory=list)
     _structured_param: str | None = PrivateAttr(default=None)
+    #: Close every object schema (`close_object_schemas`); False: only ``strict`` ones.
+    _close_schemas: bool = PrivateAttr(default=True)
+    #: The server's ``--tool-call-parser`` serving ``tool_choice: "auto"`` (None: none).
+    _tool_call_parser: str | None = PrivateAttr(default=None)
+
+    def set_server_options(
+        self, *, tool_call_parser: str | None = None, disable_additional_properties: bool = True
+    ) -> None:
+        """How this server reads the request's output constraints; call it before
+        `structured_output_chars` (the defaults otherwise).
+
+        Args:
+            tool_call_parser: the format ``tool_choice: "auto"`` calls are written in
+                (``--tool-call-parser``), or None when the server serves no "auto".
+            disable_additional_properties: vLLM's name (``--structured-outputs-config``):
+                an object schema generates only the properties it lists, unless it says
+                otherwise (`close_object_schemas`; xgrammar's reading, vLLM's default).
+                False reads schemas as JSON Schema does (unlisted properties allowed),
+                except ``strict`` ones (a ``strict: true`` format or function).
+        """
+        self._tool_call_parser = tool_call_parser
+        self._close_schemas = disable_additional_properties
 
     def check_supported(self) -> None:
         """Raise a 400 for a field this server does not implement (given a non-neutral value).
@@ -362,12 +384,13 @@ class GenerationRequest(RequestBody):
         self._grammar_checks.append((spec, name, param or name))
 
     def _check_structured_output(self) -> StructuredOutput | None:
+        close = self._close_schemas
         found = [
             (name, spec)
             for name, spec in (
-                ("response_format", _from_response_format(self.response_format)),
-                ("structured_outputs", _from_structured_outputs(self.structured_outputs)),
-                ("guided_json", _json_spec(self.guided_json, "guided_json")),
+                ("response_format", _from_response_format(self.response_format, close)),
+                ("structured_outputs", _from_structured_outputs(self.structured_outputs, close)),
+                ("guided_json", _json_spec(self.guided_json, "guided_json", close)),
                 ("guided_regex", _plain("regex", self.guided_regex)),
                 ("guided_choice", _choice_spec(self.guided_choice, "guided_choice")),
                 ("guided_grammar", _plain("grammar", self.guided_grammar)),
@@ -678,21 +701,45 @@ class ChatCompletionRequest(GenerationRequest):
         schemas are checked)."""
         return bool(self.tools) or super().asks_for_structured_output
 
+    @property
+    def held_calls_or_answer(self) -> bool:
+        """Whether the output is held to `calls_or_answer_grammar` (tools with
+        ``tool_choice: "auto"`` and a response format, on a server that serves "auto"),
+        once `structured_output` ran."""
+        return bool(
+            self._structured_output is not None
+            and self.tools
+            and self.effective_tool_choice == "auto"
+            and self._tool_call_parser is not None
+        )
+
     def _check_structured_output(self) -> StructuredOutput | None:
         spec = super()._check_structured_output()
         functions = self._check_tools()
-        if self.tools and self.effective_tool_choice != "none" and spec is not None:
-            raise bad_request(
-                "response_format and the other output constraints cannot be combined with "
-                'tools (unless tool_choice is "none")',
-                "response_format",
-            )
-        if not self.forces_tool_call:
+        choice = self.effective_tool_choice
+        if self.forces_tool_call:
+            # The call's schema applies; a response format is for answers, and a forced
+            # call is no answer (OpenAI's and vLLM's reading).
+            self._structured_param = "tools"
+            grammar = tool_call_grammar(functions, self.forced_function, self.parallel_tool_calls)
+            if self.forced_function is None:  # (a named one is the function's own schema)
+                self._grammar_checks.append((grammar, "tools", "tools"))
+            return grammar
+        if spec is None or choice == "none":
             return spec
-        self._structured_param = "tools"
-        grammar = tool_call_grammar(functions, self.forced_function, self.parallel_tool_calls)
-        if self.forced_function is None:  # (a named one is the function's own schema)
-            self._grammar_checks.append((grammar, "tools", "tools"))
+        param = self._structured_param or "response_format"
+        if spec.kind not in ("json", "json_object"):
+            raise bad_request(
+                f"{param}: only a JSON format (a JSON Schema or a JSON object) can be combined "
+                'with tools (unless tool_choice is "none")',
+                param,
+            )
+        if self._tool_call_parser is None:
+            return None  # "auto" is refused by the server (no --tool-call-parser)
+        grammar = calls_or_answer_grammar(
+            functions, spec, self._tool_call_parser, self.parallel_tool_calls
+        )
+        self._grammar_checks.append((grammar, param, param))
         return grammar
 
     def _check_tools(self) -> dict[str, dict[str, Any]]:
@@ -725,6 +772,8 @@ class ChatCompletionRequest(GenerationRequest):
                     f"object), got {schema['type']!r}",
                     "tools",
                 )
+            if self._close_schemas or function.strict:
+                schema = close_object_schemas(schema)
             spec = StructuredOutput("json", json.dumps(schema))
             total += len(spec.spec)
             self._check_spec(spec, where, "tools")
@@ -747,8 +796,9 @@ class ChatCompletionRequest(GenerationRequest):
         return functions
 
 
-def _json_spec(value: Any, name: str) -> StructuredOutput | None:
-    """A JSON Schema given as an object or as JSON text."""
+def _json_spec(value: Any, name: str, close: bool = False) -> StructuredOutput | None:
+    """A JSON Schema given as an object or as JSON text; with ``close``, its object
+    schemas closed (`close_object_schemas`)."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -760,6 +810,8 @@ def _json_spec(value: Any, name: str) -> StructuredOutput | None:
             raise bad_request(f"{name}: the schema is not valid JSON ({exc})", name) from exc
     if not isinstance(value, dict | bool):
         raise bad_request(f"{name}: a JSON Schema must be an object", name)
+    if close:
+        value = close_object_schemas(value)
     return StructuredOutput("json", json.dumps(value))
 
 
@@ -775,8 +827,9 @@ def _choice_spec(value: list[str] | None, name: str) -> StructuredOutput | None:
     return StructuredOutput("choice", json.dumps(value))
 
 
-def _from_response_format(value: dict[str, Any] | None) -> StructuredOutput | None:
-    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+def _from_response_format(value: dict[str, Any] | None, close: bool) -> StructuredOutput | None:
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (its
+    object schemas closed with ``close`` or ``strict: true``)."""
     if value is None:
         return None
     kind = value.get("type")
@@ -791,7 +844,8 @@ def _from_response_format(value: dict[str, Any] | None) -> StructuredOutput | No
                 "response_format.json_schema must be an object with a name and a schema",
                 "response_format",
             )
-        return _json_spec(schema.get("schema", {}), "response_format")
+        close = close or schema.get("strict") is True
+        return _json_spec(schema.get("schema", {}), "response_format", close)
     raise bad_request(
         "response_format must be {type: text}, {type: json_object} or {type: json_schema, "
         "json_schema: {name, schema, strict}}",
@@ -803,9 +857,9 @@ def _from_response_format(value: dict[str, Any] | None) -> StructuredOutput | No
 _STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _from_structured_outputs(value: dict[str, Any] | None) -> StructuredOutput | None:
+def _from_structured_outputs(value: dict[str, Any] | None, close: bool) -> StructuredOutput | None:
     """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar,
-    json_object (other keys: a 400)."""
+    json_object (other keys: a 400); a JSON Schema's objects closed with ``close``."""
     if value is None:
         return None
     name = "structured_outputs"
@@ -817,7 +871,7 @@ def _from_structured_outputs(value: dict[str, Any] | None) -> StructuredOutput |
         raise bad_request(f"{name} must give one of {list(_STRUCTURED_OUTPUTS_KEYS)}", name)
     ((key, spec),) = given.items()
     if key == "json":
-        return _json_spec(spec, name)
+        return _json_spec(spec, name, close)
     if key == "json_object":
         return StructuredOutput("json_object")
     if key == "choice":

@@ -189,6 +189,7 @@ class ResponsesRequest(ChatTranslated):
             return {"type": "json_object"}
         if form.get("type") == "json_schema" and isinstance(form.get("name"), str):
             schema = {"name": form["name"], "schema": form.get("schema", {})}
+            schema["strict"] = form.get("strict") is True
             return {"type": "json_schema", "json_schema": schema}
         raise bad_request(
             "text.format must be {type: text}, {type: json_object} or {type: json_schema, "
@@ -268,6 +269,7 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
             "name": function.name,
             "description": function.description,
             "parameters": function.parameters,
+            "strict": function.strict,
         },
     }
 

@@ -102,6 +102,8 @@ class OpenAIServing:
             (``--enable-auto-tool-choice --tool-call-parser``); None refuses "auto".
         reasoning_parser: how the model marks its reasoning (``--reasoning-parser``,
             `trio_llm.text.reasoning`); None leaves the text as generated.
+        disable_additional_properties: how object schemas are read
+            (`GenerationRequest.set_server_options`; ``--structured-outputs-config``).
     """
 
     def __init__(
@@ -116,10 +118,12 @@ class OpenAIServing:
         request_body_timeout: float = 30.0,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        disable_additional_properties: bool = True,
     ) -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self.disable_additional_properties = disable_additional_properties
         self.limits = limits or RequestLimits()
         self.request_body_timeout = request_body_timeout
         self.tokenizer = tokenizer
@@ -193,6 +197,10 @@ class OpenAIServing:
             )
 
     async def _check_common(self, request: GenerationRequest) -> None:
+        request.set_server_options(
+            tool_call_parser=self.tool_call_parser,
+            disable_additional_properties=self.disable_additional_properties,
+        )
         request.check_supported()
         if request.stop_token_ids:
             self.inputs.check_token_ids(request.stop_token_ids, "stop_token_ids")
@@ -632,6 +640,9 @@ class OpenAIServing:
                 "server with a tool-aware --chat-template",
                 "tools",
             )
+        if request.held_calls_or_answer:  # calls, or an answer held to the format
+            names = frozenset(tool.function.name for tool in request.tools or ())
+            return partial(make_parser, self.tool_call_parser, names=names, held=True)
         return partial(make_parser, self.tool_call_parser)
 
     # ------------------------------------------------------------ generation

@@ -66,15 +66,89 @@ def tool_call_grammar(
     """
     if name is not None:
         return StructuredOutput("json", json.dumps(functions[name]))
+    calls = 'call ("," call)*' if parallel_tool_calls else "call"
+    rules = _call_rules(functions, '{{"name":{name},"arguments":')
+    return StructuredOutput("grammar", "\n".join([f'start: "[" {calls} "]"', *rules]))
+
+
+#: A JSON lexeme of a call object's head: a string, a run of blanks, or one character.
+_JSON_LEXEME = re.compile(r'"(?:[^"\\]|\\.)*"|\s+|.')
+
+
+def _call_rules(functions: dict[str, dict[str, Any]], head: str) -> list[str]:
+    """Lark rules of one call object, ``call``: one alternative per function, its
+    ``head`` (a format string of ``name``, the function's name as JSON), then its
+    arguments held to its schema (compact JSON), then ``}``."""
     alternatives = []
     rules = []
     for i, (name, schema) in enumerate(functions.items()):
-        head = json.dumps(f'{{"name":{json.dumps(name)},"arguments":')
-        rules.append(f'call_{i}: {head} args_{i} "}}"')
+        # One literal per JSON lexeme (brace, string, colon, comma, blank): beside an
+        # answer that is a JSON object, a literal spanning lexemes would be taken
+        # greedily by llguidance's lexer and leave no way to the answer's own keys.
+        pieces = _JSON_LEXEME.findall(head.format(name=json.dumps(name)))
+        text = " ".join(map(json.dumps, pieces))
+        rules.append(f'call_{i}: {text} args_{i} "}}"')
         rules.append(f"args_{i}: %json {json.dumps(compact_schema(schema))}")
         alternatives.append(f"call_{i}")
-    calls = 'call ("," call)*' if parallel_tool_calls else "call"
-    lines = [f'start: "[" {calls} "]"', "call: " + " | ".join(alternatives), *rules]
+    return ["call: " + " | ".join(alternatives), *rules]
+
+
+#: How each ``--tool-call-parser`` format writes calls in `calls_or_answer_grammar`:
+#: (what opens a call, the call object's head, what closes it, between two calls).
+_CALL_SYNTAX = {
+    "hermes": ("<tool_call>\n", '{{"name": {name}, "arguments": ', "\n</tool_call>", "\n"),
+    "llama3_json": ("", '{{"name": {name}, "parameters": ', "", "; "),
+}
+
+
+def calls_or_answer_grammar(
+    functions: dict[str, dict[str, Any]],
+    answer: StructuredOutput,
+    parser: str,
+    parallel_tool_calls: bool,
+) -> StructuredOutput:
+    """The output constraint of ``tool_choice: "auto"`` with a response format: either
+    tool calls, written as the server's tool-call ``parser`` reads them (hermes:
+    ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, one per
+    line; llama3_json: ``{"name": ..., "parameters": {...}}`` objects separated by
+    ``; ``), each call's arguments held to its function's schema; or an answer held to
+    the format. One Lark grammar of two alternatives (``start: calls | answer``).
+
+    Args:
+        functions: each tool's name and its ``parameters`` JSON Schema.
+        answer: the format: a ``json`` (JSON Schema) or ``json_object`` constraint.
+        parser: a name of `TOOL_CALL_PARSERS`.
+        parallel_tool_calls: whether the output may hold more than one call.
+
+    Raises:
+        ValueError: ``answer`` is of another kind, or ``parser`` is unknown.
+    """
+    if parser not in _CALL_SYNTAX:
+        raise ValueError(f"unknown tool call parser {parser!r}; known: {list(_CALL_SYNTAX)}")
+    if answer.kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif answer.kind == "json":
+        schema = json.loads(answer.spec)
+    else:
+        raise ValueError(f"a {answer.kind!r} constraint cannot be combined with tools")
+    opener, head, closer, between = _CALL_SYNTAX[parser]
+    block = " ".join(
+        [
+            *([json.dumps(opener)] if opener else []),
+            "call",
+            *([json.dumps(closer)] if closer else []),
+        ]
+    )
+    calls = f"block ({json.dumps(between)} block)*" if parallel_tool_calls else "block"
+    lines = [
+        "start: calls | answer" if schema is not False else "start: calls",
+        f"calls: {calls}",
+        f"block: {block}",
+        *_call_rules(functions, head),
+    ]
+    if schema is not False:
+        schema = {} if schema is True else schema
+        lines.append(f"answer: %json {json.dumps(compact_schema(schema))}")
     return StructuredOutput("grammar", "\n".join(lines))
 
 
@@ -146,10 +220,34 @@ class ToolCallParser:
 
     `feed` takes each new piece of text, `finish` ends the text; both return what can be
     released. ``num_calls`` counts the calls begun so far.
+
+    Args:
+        names: the function names a call may have; an object naming another is no call
+            (it is text). None: any name.
+        held: the output was held to a grammar of calls (a forced tool_choice, or tools
+            with a response format): a call the text began is a call, even when the text
+            ends inside it (``max_tokens``). At the end, one cut off after its name is
+            reported with the arguments it has (possibly none), one cut off before is
+            dropped; neither is ever given back as content.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, names: frozenset[str] | None = None, held: bool = False) -> None:
         self.num_calls = 0
+        self.names = names
+        self.held = held
+
+    def accepts(self, name: str) -> bool:
+        """Whether a call may name the function ``name``."""
+        return self.names is None or name in self.names
+
+    def _truncated(self, raw: str, out: ParsedDelta) -> None:
+        """A held call cut off before its arguments began (``raw``, its text so far):
+        report it with no arguments if its name is whole, else drop it."""
+        match = _NAME.match(raw)
+        if match is not None:
+            name = json.loads(f'"{match.group(1)}"')
+            if self.accepts(name):
+                out.calls.append(self._start(name))
 
     def feed(self, text: str) -> ParsedDelta:
         """Take the next piece of output text."""
@@ -192,6 +290,8 @@ class NamedCallParser(ToolCallParser):
 _HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
 )
+#: A call object's beginning up to its whole name.
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
 class _CallObject:
@@ -272,6 +372,8 @@ class _CallObject:
             if len(self._head) < 4096:  # past that, the object is decoded whole at its end
                 self._head += char
                 match = _HEAD.match(self._head)
+            if match is not None and not self.parser.accepts(json.loads(f'"{match.group(1)}"')):
+                self._head, match = "x" * 4096, None  # no call's: decoded whole at its end
             if match is not None:
                 self._begin(json.loads(f'"{match.group(1)}"'), out)
                 self._phase = "value"
@@ -308,7 +410,11 @@ class _CallObject:
             call = json.loads(self.raw)
         except ValueError:
             call = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        if (
+            not isinstance(call, dict)
+            or not isinstance(call.get("name"), str)
+            or not self.parser.accepts(call["name"])
+        ):
             self.failed = True
             return
         arguments = call.get("arguments", call.get("parameters", {}))
@@ -371,14 +477,15 @@ class HermesParser(ToolCallParser, _ContentMixin):
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, names: frozenset[str] | None = None, held: bool = False) -> None:
+        super().__init__(names=names, held=held)
         self._init_content()
+        self._released = False  # whether any content went out
         self._state = "text"  # text, call, close
         self._pending = ""  # text: what may begin the open tag; close: what came so far
         self._call: _CallObject | None = None
 
-    def feed(self, text: str) -> ParsedDelta:
+    def _feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
         while text:
             if self._state == "call":
@@ -416,12 +523,23 @@ class HermesParser(ToolCallParser, _ContentMixin):
                 text = text[start + len(self.OPEN) :]
         return out
 
+    def feed(self, text: str) -> ParsedDelta:
+        out = self._feed(text)
+        self._released = self._released or bool(out.content)
+        return out
+
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._state == "call" and self._call is not None and not self._call.started:
-            self._content(self.OPEN + self._call.raw, out)
+            if self.held:
+                self._truncated(self._call.raw, out)
+            else:
+                self._content(self.OPEN + self._call.raw, out)
         elif self._state != "call":
-            self._content(self._pending, out)
+            # Held: a close tag's beginning, or an open tag's where no answer began, is
+            # what a cut-off call left.
+            if not (self.held and (self._state == "close" or not self._released)):
+                self._content(self._pending, out)
         self._state, self._pending, self._call = "text", "", None
         self._finish_content(out, self.num_calls > 0)
         return out
@@ -436,8 +554,15 @@ class JsonCallsParser(ToolCallParser, _ContentMixin):
     first object is no call, and whatever follows the calls.
     """
 
-    def __init__(self, *, prefix: str = "", separators: str = ";") -> None:
-        super().__init__()
+    def __init__(
+        self,
+        *,
+        prefix: str = "",
+        separators: str = ";",
+        names: frozenset[str] | None = None,
+        held: bool = False,
+    ) -> None:
+        super().__init__(names=names, held=held)
         self._init_content()
         self.prefix = prefix
         self.separators = separators
@@ -488,7 +613,10 @@ class JsonCallsParser(ToolCallParser, _ContentMixin):
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         unstarted = self._call is not None and not self._call.started
-        if self._state == "start" or (unstarted and self.num_calls == 0):
+        if self.held and (unstarted or self._state == "start"):
+            if self._call is not None:
+                self._truncated(self._call.raw, out)
+        elif self._state == "start" or (unstarted and self.num_calls == 0):
             self._content(self._seen, out)
         elif unstarted:
             assert self._call is not None
@@ -499,18 +627,23 @@ class JsonCallsParser(ToolCallParser, _ContentMixin):
 
 
 def required_parser() -> ToolCallParser:
-    """The parser of a ``required`` tool_choice's output (`tool_call_grammar`)."""
-    return JsonCallsParser(separators=",[]")
+    """The parser of a ``required`` tool_choice's output (`tool_call_grammar`): the
+    output is known to be calls, so a call cut off by ``max_tokens`` is no content."""
+    return JsonCallsParser(separators=",[]", held=True)
 
 
-def make_parser(name: str) -> ToolCallParser:
-    """A fresh parser of the ``--tool-call-parser`` called ``name``.
+def make_parser(
+    name: str, *, names: frozenset[str] | None = None, held: bool = False
+) -> ToolCallParser:
+    """A fresh parser of the ``--tool-call-parser`` called ``name``; ``names`` and
+    ``held`` as `ToolCallParser`'s (``tool_choice: "auto"`` with a response format:
+    `calls_or_answer_grammar` held the output).
 
     Raises:
         ValueError: an unknown name.
     """
     if name == "hermes":
-        return HermesParser()
+        return HermesParser(names=names, held=held)
     if name == "llama3_json":
-        return JsonCallsParser(prefix="<|python_tag|>", separators=";")
+        return JsonCallsParser(prefix="<|python_tag|>", separators=";", names=names, held=held)
     raise ValueError(f"unknown tool call parser {name!r}; known: {list(TOOL_CALL_PARSERS)}")

@@ -356,3 +356,76 @@ def without_vacuous_keywords(schema: Any) -> Any:
         changed = changed or new is not value
         out[key] = new
     return out if changed else schema
+
+
+# ---------------------------------------------------------------- closed object schemas
+
+#: Keywords that let an object have properties its ``properties`` do not list.
+_OPENING = ("additionalProperties", "unevaluatedProperties")
+#: Keywords that compose a schema with others (its properties may come from them).
+_COMPOSING = ("allOf", "anyOf", "oneOf", "$ref")
+#: Keywords whose value is a map of names to subschemas that are closed in turn.
+_CLOSED_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: Keywords whose value is one subschema (or, for ``items``, a list) closed in turn.
+_CLOSED_ONE = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "items",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+)
+
+
+def close_object_schemas(schema: Any) -> Any:
+    """``schema`` read as agents mean it (and as vLLM's default grammar backend,
+    xgrammar, enforces it): an object schema generates only the properties it lists.
+
+    A copy of ``schema`` in which every object schema with ``properties`` or
+    ``patternProperties`` and neither ``additionalProperties`` nor
+    ``unevaluatedProperties`` gets ``"additionalProperties": false``, all the way down
+    (through ``properties``, ``patternProperties``, ``items``, ``prefixItems``,
+    ``anyOf`` / ``oneOf``, ``$defs`` / ``definitions`` and the other subschema keywords).
+    Left open, as JSON Schema reads them: an object schema without ``properties``
+    (``{"type": "object"}`` is any object), one that says ``additionalProperties`` or
+    ``unevaluatedProperties`` itself, one composed with ``allOf``, ``anyOf``, ``oneOf``
+    or ``$ref`` beside its own properties, the parts of an ``allOf`` (closing each part
+    would refuse the properties of the others), and whatever is under ``not``.
+
+    Args:
+        schema: a JSON Schema (a dict or a boolean; anything else is returned as is).
+
+    Returns:
+        The closed copy; ``schema`` itself is not changed.
+    """
+    root = json.loads(json.dumps(schema))  # a deep copy of plain JSON values
+    stack: list[tuple[Any, bool]] = [(root, True)]
+    while stack:  # an explicit stack: no recursion, whatever the depth
+        node, closable = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        lists = any(isinstance(node.get(key), dict) for key in ("properties", "patternProperties"))
+        composed = any(key in node for key in _COMPOSING)
+        if closable and lists and not composed and not any(key in node for key in _OPENING):
+            node["additionalProperties"] = False
+        for key in _CLOSED_MAPS:
+            value = node.get(key)
+            if isinstance(value, dict):
+                stack.extend((sub, True) for sub in value.values())
+        for key in _CLOSED_ONE:
+            value = node.get(key)
+            if isinstance(value, dict):
+                stack.append((value, True))
+            elif key == "items" and isinstance(value, list):
+                stack.extend((sub, True) for sub in value)
+        prefix = node.get("prefixItems")
+        if isinstance(prefix, list):
+            stack.extend((sub, True) for sub in prefix)
+        for key in ("anyOf", "oneOf"):  # alternatives: each one is the whole value
+            value = node.get(key)
+            if isinstance(value, list):
+                stack.extend((sub, not lists) for sub in value)
+        parts = node.get("allOf")
+        if isinstance(parts, list):  # each part is one side of the value: left open
+            stack.extend((part, False) for part in parts)
+    return root
