@@ -34,7 +34,7 @@ from trio_llm.api.embeddings import (
     shorten,
 )
 from trio_llm.api.embeddings import response as embeddings_response
-from trio_llm.api.errors import APIError, bad_request, engine_error
+from trio_llm.api.errors import APIError, bad_request, engine_error, invalid_request
 from trio_llm.api.formats import ChatFormat, CompletionFormat
 from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
@@ -50,9 +50,10 @@ from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
 from trio_llm.engine.structured import default_compile_workers
-from trio_llm.errors import EngineError, InvalidRequest
+from trio_llm.errors import ContextLengthError, EngineError, InvalidRequest
 from trio_llm.frontend.data_parallel import EngineHandle
 from trio_llm.frontend.engine_client import Admission
+from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
 from trio_llm.text.choice import Choice
@@ -99,6 +100,11 @@ class OpenAIServing:
             only this long).
         tool_call_parser: the parser that serves ``tool_choice: "auto"``
             (``--enable-auto-tool-choice --tool-call-parser``); None refuses "auto".
+        max_tokens_policy: ``"clamp"`` lowers a ``max_tokens`` past the room the prompt
+            leaves to that room; ``"strict"`` refuses it, as vLLM does
+            (``--max-tokens-policy``).
+        generation_defaults: the server's sampling defaults and output cap
+            (``--generation-config``, ``--override-generation-config``).
     """
 
     def __init__(
@@ -112,8 +118,11 @@ class OpenAIServing:
         limits: RequestLimits | None = None,
         request_body_timeout: float = 30.0,
         tool_call_parser: str | None = None,
+        max_tokens_policy: str = "clamp",
+        generation_defaults: GenerationDefaults | None = None,
     ) -> None:
         self.engine = engine
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.tool_call_parser = tool_call_parser
         self.limits = limits or RequestLimits()
         self.request_body_timeout = request_body_timeout
@@ -124,7 +133,9 @@ class OpenAIServing:
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
         self.eos_token_ids = frozenset(engine.info.eos_token_ids)
-        self.inputs = InputPreprocessor(tokenizer, self.max_model_len, self.vocab_size)
+        self.inputs = InputPreprocessor(
+            tokenizer, self.max_model_len, self.vocab_size, max_tokens_policy=max_tokens_policy
+        )
         #: Large structured-output specs checked at once in worker threads (each builds
         #: a grammar): as many as the engine compiles at once.
         self.grammar_checks = trio.CapacityLimiter(default_compile_workers())
@@ -209,6 +220,27 @@ class OpenAIServing:
                 request.structured_output, limiter=limiter, abandon_on_cancel=True
             )
 
+    def _max_tokens(
+        self, requested: int | None, num_prompt: int, param: str, prompt_param: str
+    ) -> int:
+        """The output budget of one prompt (`InputPreprocessor.resolve_max_tokens`, with
+        the server's generation defaults).
+
+        Raises:
+            ContextLengthError: the prompt (or, strict, the output asked for) does not fit.
+        """
+        defaults = self.generation_defaults
+        if requested == 0:  # echo only: no output, whatever the server's defaults
+            return self.inputs.resolve_max_tokens(0, num_prompt, param, prompt_param)
+        return self.inputs.resolve_max_tokens(
+            requested,
+            num_prompt,
+            param,
+            prompt_param,
+            default=defaults.max_tokens,
+            cap=defaults.max_tokens_cap,
+        )
+
     def _params(
         self,
         request: GenerationRequest,
@@ -225,7 +257,11 @@ class OpenAIServing:
                 "min_tokens",
             )
         base = request.sampling_params(
-            max_tokens, self.vocab_size, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            max_tokens,
+            self.vocab_size,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            defaults=self.generation_defaults.sampling,
         )
         try:
             base.validate(self.vocab_size)
@@ -256,7 +292,7 @@ class OpenAIServing:
             assert isinstance(request, CompletionRequest)
             return await self._plan_completion(request)
         except InvalidRequest as exc:
-            raise bad_request(exc.message, exc.param) from exc
+            raise invalid_request(exc) from exc
 
     async def _plan_completion(self, request: CompletionRequest) -> Plan:
         model = self.resolve_model(request.model)
@@ -293,8 +329,8 @@ class OpenAIServing:
             structured_param=request.structured_param,
         )
         for prompt in prompts:
-            max_tokens = self.inputs.resolve_max_tokens(
-                request.max_tokens, len(prompt.token_ids), "max_tokens"
+            max_tokens = self._max_tokens(
+                request.max_tokens, len(prompt.token_ids), "max_tokens", "prompt"
             )
             params = self._params(
                 request, max_tokens, logprobs=request.logprobs, prompt_logprobs=prompt_logprobs
@@ -376,10 +412,8 @@ class OpenAIServing:
                 else:
                     ids = self.inputs.check_token_ids(item, "input")
                 if len(ids) > self.max_model_len:
-                    raise bad_request(
-                        f"an input has {len(ids)} tokens, more than this model's context of "
-                        f"{self.max_model_len} tokens",
-                        "input",
+                    raise ContextLengthError(
+                        self.max_model_len, len(ids), "input", prompt_name="input"
                     )
                 prompts.append(ids)
             return prompts
@@ -392,7 +426,7 @@ class OpenAIServing:
             else:
                 prompts = await trio.to_thread.run_sync(tokenize)
         except InvalidRequest as exc:
-            raise bad_request(exc.message, exc.param) from exc
+            raise invalid_request(exc) from exc
         params = SamplingParams(max_tokens=0)
         plan = Plan(ChatFormat(self.tokenizer), model)  # only for admission's bookkeeping
         for ids in prompts:
@@ -463,7 +497,7 @@ class OpenAIServing:
             try:
                 plan = await self._plan_chat(chat, make_format, endpoint)
             except InvalidRequest as exc:
-                raise bad_request(exc.message, exc.param) from exc
+                raise invalid_request(exc) from exc
             plan.structured_param = request.api_names(plan.structured_param, "")[0]
             return chat, plan
         except APIError as exc:
@@ -504,7 +538,7 @@ class OpenAIServing:
         prompt_ids = await self.inputs.encode_async(text, "messages", special_tokens=False)
         requested = request.max_completion_tokens or request.max_tokens
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-        max_tokens = self.inputs.resolve_max_tokens(requested, len(prompt_ids), param, "messages")
+        max_tokens = self._max_tokens(requested, len(prompt_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         chat_format = make_format(
             self.tokenizer, tool_parser, parallel_tool_calls=request.parallel_tool_calls
