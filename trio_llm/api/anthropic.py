@@ -313,13 +313,19 @@ class MessagesFormat(BlockFormat):
     id_prefix = "msg"
     object = "message"
     done_marker = None
+    #: message_start reports the prompt-cache hits, which the engine's first output has.
+    start_after_first_output = True
 
     def new_id(self) -> str:
         return f"msg_{uuid.uuid4().hex[:24]}"
 
     def _usage(self, plan: Plan, choices: list[Choice]) -> dict[str, int]:
+        # Anthropic counts cache reads apart from input_tokens (their sum is the prompt).
+        cached = sum(choice.num_cached_tokens for choice in choices)
         return {
-            "input_tokens": sum(plan.prompt_lengths),
+            "input_tokens": sum(plan.prompt_lengths) - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
             "output_tokens": sum(choice.num_output_tokens for choice in choices),
         }
 
@@ -363,7 +369,7 @@ class MessagesFormat(BlockFormat):
 
     def stream_start(self, plan: Plan, choices: list[Choice]) -> list[Event]:
         message = self._message(plan, [])
-        message["usage"] = {"input_tokens": sum(plan.prompt_lengths), "output_tokens": 0}
+        message["usage"] = {**self._usage(plan, choices), "output_tokens": 0}
         return [
             ("message_start", {"type": "message_start", "message": message}),
             ("ping", {"type": "ping"}),

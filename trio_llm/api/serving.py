@@ -10,6 +10,7 @@ shapes follow the OpenAI API reference (``text_completion``, ``chat.completion``
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from trio_llm.api.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest
-from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
+from trio_llm.api.disconnect import Emit, EventStreamResponse, run_while_connected
 from trio_llm.api.embeddings import (
     EmbeddingRequest,
     check_dimensions,
@@ -50,7 +51,12 @@ from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
 from trio_llm.engine.structured import default_compile_workers
-from trio_llm.errors import ContextLengthError, EngineError, InvalidRequest
+from trio_llm.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ContextLengthError,
+    EngineError,
+    InvalidRequest,
+)
 from trio_llm.frontend.data_parallel import EngineHandle
 from trio_llm.frontend.engine_client import Admission
 from trio_llm.frontend.generation_defaults import GenerationDefaults
@@ -474,13 +480,37 @@ class OpenAIServing:
         else:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
-        planned = await run_while_connected(
-            receive, partial(self._plan_translated, request, make_format, endpoint)
-        )
+        try:
+            planned = await run_while_connected(
+                receive, partial(self._plan_translated, request, make_format, endpoint)
+            )
+        except APIError as exc:
+            if (
+                isinstance(request, ResponsesRequest)
+                and request.stream
+                and exc.code == (CONTEXT_LENGTH_EXCEEDED)
+            ):
+                return self._failed_response_stream(request, exc)
+            raise
         if planned is None:  # the client left while the request was checked
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         chat, plan = planned
         return await self._respond(plan, chat, receive)
+
+    def _failed_response_stream(self, request: ResponsesRequest, error: APIError) -> Response:
+        """A streamed Responses request whose prompt does not fit: OpenAI's stream of a
+        failed response (``response.failed`` carrying ``context_length_exceeded``), which
+        Codex reads as a full context window; other clients see the same error there."""
+        response_format = ResponsesFormat(self.tokenizer, request=request)
+        plan = Plan(response_format, self.resolve_model(request.model))
+        plan.response_id = response_format.new_id()
+        plan.created = int(time.time())
+
+        async def produce(emit: Emit) -> None:
+            for name, data in response_format.stream_failed(plan, error):
+                await emit(json.dumps(data, ensure_ascii=False), name)
+
+        return EventStreamResponse(produce)
 
     async def _plan_translated(
         self, request: ChatTranslated, make_format: Callable[..., ChatFormat], endpoint: str
