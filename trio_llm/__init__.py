@@ -20,6 +20,7 @@ from trio_llm.config import (
 )
 from trio_llm.errors import (
     ChatTemplateError,
+    ContextLengthError,
     EngineConfigError,
     EngineDeadError,
     EngineError,
@@ -53,6 +54,7 @@ __all__ = [
     "CacheConfig",
     "ChatTemplateError",
     "CompletionResult",
+    "ContextLengthError",
     "EngineConfig",
     "EngineConfigError",
     "EngineDeadError",

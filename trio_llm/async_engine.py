@@ -306,8 +306,10 @@ class AsyncEngine:
         self._client = client
         self._tokenizer = tokenizer
         self._eos_token_ids = frozenset(client.info.eos_token_ids)
+        # The embedded API refuses a max_tokens past the room left (documented below)
+        # rather than lowering it as the HTTP server does by default.
         self._inputs = InputPreprocessor(
-            tokenizer, client.info.max_model_len, client.info.vocab_size
+            tokenizer, client.info.max_model_len, client.info.vocab_size, max_tokens_policy="strict"
         )
         self._ids = itertools.count()
 

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+from typing import Any
 
 from trio_llm.config import (
     API_KEY_ENV,
@@ -19,6 +20,7 @@ from trio_llm.config import (
     DTYPES,
     GEMMA3_270M_MODEL,
     MAX_STREAM_INTERVAL,
+    MAX_TOKENS_POLICIES,
     MODEL_IMPLS,
     QUANTIZATION_METHODS,
     REASONING_PARSERS,
@@ -127,6 +129,23 @@ def parse_structured_outputs_config(text: str) -> dict[str, bool]:
             )
         if not isinstance(setting, bool):
             raise argparse.ArgumentTypeError(f"{key} must be true or false, got {setting!r}")
+    return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object (``--override-generation-config``), its values checked."""
+    from trio_llm.frontend.generation_defaults import check_overrides
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    try:
+        check_overrides(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
@@ -388,6 +407,32 @@ def build_parser() -> argparse.ArgumentParser:
         "endpoint pickers that read vllm:num_requests_waiting, vllm:kv_cache_usage_perc)",
     )
     serve.add_argument(
+        "--max-tokens-policy",
+        choices=MAX_TOKENS_POLICIES,
+        default=ServerConfig.max_tokens_policy,
+        help="a max_tokens past the room the prompt leaves in the context: clamp lowers it "
+        "to that room (llama.cpp's and Ollama's behaviour; the output then ends with "
+        "finish_reason length), strict refuses the request with a 400 as vLLM does "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--generation-config",
+        default=ServerConfig.generation_config,
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults for requests that leave fields unset: auto reads the model "
+        "folder's generation_config.json, vllm ignores it, a FOLDER reads its own (its "
+        "max_new_tokens then caps every request) (vLLM's flag; default %(default)s)",
+    )
+    serve.add_argument(
+        "--override-generation-config",
+        type=parse_json_object,
+        default={},
+        metavar="JSON",
+        help="generation-config keys laid over --generation-config, e.g. "
+        '\'{"temperature": 0.7, "max_new_tokens": 512}\' (max_new_tokens here caps every '
+        "request's output) (vLLM's flag)",
+    )
+    serve.add_argument(
         "--max-logprobs",
         type=parse_non_negative_int,
         default=ServerConfig.max_logprobs,
@@ -503,6 +548,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         stream_interval=args.stream_interval,
         max_logprobs=args.max_logprobs,
         vllm_metric_names=args.vllm_metric_names,
+        max_tokens_policy=args.max_tokens_policy,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         request_body_timeout=args.request_body_timeout,
         limits=RequestLimits(
             max_choices=args.max_choices,

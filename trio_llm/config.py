@@ -57,6 +57,10 @@ MODEL_IMPLS = ("auto", "trio_llm", "transformers")
 #: is ``pooling`` for a sentence-transformers folder (one with ``modules.json``).
 RUNNERS = ("auto", "generate", "pooling")
 
+#: ``--max-tokens-policy`` values: what a ``max_tokens`` past the room the prompt leaves
+#: in the context gets (lowered to that room, or vLLM's 400).
+MAX_TOKENS_POLICIES = ("clamp", "strict")
+
 #: Where output tokens become text: in the API server, or in a third process.
 DETOKENIZER_MODES = ("inline", "process")
 
@@ -437,6 +441,16 @@ class ServerConfig:
         stream_interval: output tokens a stream gathers before it sends them, after its
             first token (vLLM's ``--stream-interval``): larger values send fewer, bigger
             events and cost the API server less per token; 1 sends every token at once.
+        max_tokens_policy: a ``max_tokens`` larger than the room the prompt leaves in the
+            context is lowered to that room (``"clamp"``, as llama.cpp and Ollama do) or
+            refused with a 400 (``"strict"``, vLLM's behaviour); `MAX_TOKENS_POLICIES`.
+        generation_config: ``"auto"`` takes sampling defaults from the model folder's
+            ``generation_config.json``, ``"vllm"`` ignores it, any other value is a folder
+            holding one (vLLM's ``--generation-config``;
+            `trio_llm.frontend.generation_defaults`).
+        override_generation_config: generation-config keys laid over it
+            (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+            ``max_new_tokens``; vLLM's ``--override-generation-config``).
         data_parallel_size: engine-core children, each with its own model copy and KV
             cache (`trio_llm.frontend.data_parallel`): on CUDA one GPU each, on the CPU
             an equal share of the cores each unless ``engine.num_threads`` says otherwise.
@@ -468,6 +482,9 @@ class ServerConfig:
     reasoning_parser: str | None = None
     disable_additional_properties: bool = True
     vllm_metric_names: bool = False
+    max_tokens_policy: str = "clamp"
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
     data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -530,6 +547,13 @@ class ServerConfig:
                 "--enable-auto-tool-choice needs --tool-call-parser (one of "
                 f"{', '.join(TOOL_CALL_PARSERS)})"
             )
+        if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(
+                f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, "
+                f"got {self.max_tokens_policy!r}"
+            )
+        if not isinstance(self.override_generation_config, dict):
+            raise ValueError("override_generation_config must be a JSON object (a dict)")
         if self.detokenizer_mode not in DETOKENIZER_MODES:
             raise ValueError(
                 f"detokenizer_mode must be one of {DETOKENIZER_MODES}, "

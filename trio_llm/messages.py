@@ -304,6 +304,10 @@ class RequestOutput(msgspec.Struct, array_like=True):
             position 0 has no logprob) when ``SamplingParams.prompt_logprobs`` is set.
         queue_seconds: on the request's first output only: seconds from its arrival in
             the engine to its first scheduling (monotonic clock of the engine process).
+        num_cached_tokens: on the request's first output only: prompt tokens whose KV
+            came from the prefix cache when it was first scheduled (vLLM's
+            ``RequestOutput.num_cached_tokens``; a request preempted and scheduled again
+            keeps its first count).
         text: None from the engine core. From the detokenizer child: the text released
             by these tokens (held-back text comes later), and ``logprobs`` then holds the
             entries of exactly the tokens behind that text.
@@ -323,6 +327,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     text: str | None = None
     stop_reason: str | int | None = None
     embedding: list[float] | None = None
+    num_cached_tokens: int | None = None
 
 
 class StepStats(msgspec.Struct, array_like=True):

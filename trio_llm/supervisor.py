@@ -41,6 +41,7 @@ from trio_llm.errors import EngineDeadError, EngineStartupError
 from trio_llm.frontend.data_parallel import DataParallelClient, EngineHandle
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
+from trio_llm.frontend.generation_defaults import load_generation_defaults
 from trio_llm.model_loader import dtype_is_timed
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -109,10 +110,18 @@ async def serve(
             tokenizer = await trio.to_thread.run_sync(
                 Tokenizer.load, engine.info.model_dir, config.chat_template
             )
+            generation_defaults = await trio.to_thread.run_sync(
+                load_generation_defaults,
+                config.generation_config,
+                engine.info.model_dir,
+                config.override_generation_config,
+            )
             serving = OpenAIServing(
                 engine,
                 tokenizer,
                 config.model_names(),
+                max_tokens_policy=config.max_tokens_policy,
+                generation_defaults=generation_defaults,
                 max_logprobs=config.max_logprobs,
                 max_num_waiting_requests=config.max_num_waiting_requests,
                 limits=config.limits,

@@ -30,6 +30,7 @@ INLINE_ONLY_MODULES = {
     "test_chaos_client",
     "test_chat_page",
     "test_concurrency",
+    "test_context_limits",
     "test_examples",
     "test_hostile_clients",
     "test_hostile_grammars",

@@ -61,6 +61,13 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}
 #: Chat finish reasons as the Messages API's stop reasons (no stop sequence given).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
+
+def _prompt_tokens(usage: Any) -> int:
+    """The prompt's tokens: Anthropic counts those read from the prompt cache apart from
+    ``input_tokens``."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 #: The event types of a Messages stream (the SDK adds its own, e.g. "text").
 WIRE_EVENTS = {
     "message_start",
@@ -133,7 +140,7 @@ def test_a_greedy_message_says_what_chat_says(
     assert _blocks(message.content) == [("text", choice.message.content)]
     assert message.stop_reason == STOP_REASONS[finish]
     assert message.stop_sequence is None
-    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    assert _prompt_tokens(message.usage) == chat.usage.prompt_tokens
     assert message.usage.output_tokens == chat.usage.completion_tokens
 
 
@@ -157,8 +164,8 @@ def test_a_system_prompt_as_a_string_or_as_text_blocks(
     )
     expected = _chat_blocks(chat.choices[0].message)
     assert _blocks(as_string.content) == _blocks(in_blocks.content) == expected
-    assert as_string.usage.input_tokens == in_blocks.usage.input_tokens
-    assert as_string.usage.input_tokens == chat.usage.prompt_tokens
+    assert _prompt_tokens(as_string.usage) == _prompt_tokens(in_blocks.usage)
+    assert _prompt_tokens(as_string.usage) == chat.usage.prompt_tokens
 
 
 def test_a_stop_sequence_ends_the_message_before_it(anthropic: Anthropic) -> None:
@@ -210,7 +217,7 @@ def test_a_stream_carries_the_message_in_protocol_order(anthropic: Anthropic) ->
     assert EVENT_ORDER.fullmatch(_event_types(seen)), _event_types(seen)
     start = seen[0]
     assert start.message.content == [] and start.message.stop_reason is None
-    assert start.message.usage.input_tokens == whole.usage.input_tokens
+    assert _prompt_tokens(start.message.usage) == _prompt_tokens(whole.usage)
     deltas = [event for event in seen if event.type == "content_block_delta"]
     assert {event.index for event in deltas} == {0}
     assert all(event.delta.type == "text_delta" for event in deltas)
@@ -221,7 +228,7 @@ def test_a_stream_carries_the_message_in_protocol_order(anthropic: Anthropic) ->
     assert text == whole_text
     assert _blocks(final.content) == _blocks(whole.content)
     assert (final.stop_reason, final.stop_sequence) == (whole.stop_reason, whole.stop_sequence)
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert _prompt_tokens(final.usage) == _prompt_tokens(whole.usage)
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
@@ -296,7 +303,7 @@ def test_a_forced_tool_use_is_valid_and_streams_as_it_is_returned(
     # The same calls as chat's, for the same prompt.
     assert chat.choices[0].finish_reason == "tool_calls"
     assert blocks == _chat_blocks(chat.choices[0].message)
-    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    assert _prompt_tokens(message.usage) == chat.usage.prompt_tokens
     assert message.usage.output_tokens == chat.usage.completion_tokens
     # The stream: each tool_use block opens with an empty input and carries its JSON in
     # input_json_delta pieces.
@@ -375,8 +382,8 @@ def test_a_tool_result_round_trip_is_answered(anthropic: Anthropic, client: Open
     assert kind == "text" and text
     assert _blocks(final.content) == _chat_blocks(chat.choices[0].message)
     assert final.stop_reason == STOP_REASONS[chat.choices[0].finish_reason]
-    assert final.usage.input_tokens == chat.usage.prompt_tokens
-    assert final.usage.input_tokens > first.usage.input_tokens + 20  # the call and result
+    assert _prompt_tokens(final.usage) == chat.usage.prompt_tokens
+    assert _prompt_tokens(final.usage) > _prompt_tokens(first.usage) + 20  # the call and result
 
 
 class City(BaseModel):
@@ -459,7 +466,7 @@ def test_a_prefilled_assistant_turn_is_continued(base_url: str, anthropic: Anthr
     ).json()
     message = anthropic.messages.create(model=MODEL, max_tokens=8, messages=messages, **GREEDY)
     assert _blocks(message.content) == [("text", completion["choices"][0]["text"])]
-    assert message.usage.input_tokens == len(prompt)
+    assert _prompt_tokens(message.usage) == len(prompt)
 
 
 IMAGE = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
@@ -593,9 +600,9 @@ def test_count_tokens_counts_what_a_message_would_use(anthropic: Anthropic) -> N
         ),
     )
     counted = anthropic.messages.count_tokens(model=MODEL, system=system, messages=QUESTION)
-    assert counted.input_tokens == plain.usage.input_tokens
+    assert counted.input_tokens == _prompt_tokens(plain.usage)
     counted = anthropic.messages.count_tokens(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS)
-    assert counted.input_tokens == with_tools.usage.input_tokens
+    assert counted.input_tokens == _prompt_tokens(with_tools.usage)
     # Bad input is refused as /v1/messages refuses it, in Anthropic's shape.
     with pytest.raises(BadRequestError) as raised:
         anthropic.messages.count_tokens(model=MODEL, messages=[])

@@ -589,26 +589,24 @@ class MessagesFormat(BlockFormat):
     id_prefix = "msg"
     object = "message"
     done_marker = None
+    #: message_start reports the prompt-cache hits, which the engine's first output has.
+    start_after_first_output = True
 
     def new_id(self) -> str:
         return f"msg_{uuid.uuid4().hex[:24]}"
 
-    @staticmethod
-    def _input_usage(plan: Plan) -> dict[str, int]:
-        """The prompt's part of ``usage``, Anthropic's fields: ``input_tokens`` (the
-        prompt tokens not read from the cache), ``cache_creation_input_tokens`` (always 0:
-        the prefix cache fills itself, no write is billed) and ``cache_read_input_tokens``
-        (prompt tokens read from the prefix cache)."""
-        cache_read = 0  # per-request prefix-cache hits are not reported yet
-        return {
-            "input_tokens": sum(plan.prompt_lengths) - cache_read,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cache_read,
-        }
-
     def _usage(self, plan: Plan, choices: list[Choice]) -> dict[str, int]:
-        output_tokens = sum(choice.num_output_tokens for choice in choices)
-        return {**self._input_usage(plan), "output_tokens": output_tokens}
+        """Anthropic's ``usage``: ``input_tokens`` (the prompt tokens not read from the
+        cache), ``cache_creation_input_tokens`` (always 0: the prefix cache fills itself,
+        no write is billed), ``cache_read_input_tokens`` (prompt tokens read from the
+        prefix cache) and ``output_tokens``; the first three add up to the prompt."""
+        cached = sum(choice.num_cached_tokens for choice in choices)
+        return {
+            "input_tokens": sum(plan.prompt_lengths) - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": sum(choice.num_output_tokens for choice in choices),
+        }
 
     @staticmethod
     def _stop(choice: Choice, finish_reason: str | None) -> tuple[str | None, str | None]:
@@ -655,7 +653,7 @@ class MessagesFormat(BlockFormat):
 
     def stream_start(self, plan: Plan, choices: list[Choice]) -> list[Event]:
         message = self._message(plan, [])
-        message["usage"] = {**self._input_usage(plan), "output_tokens": 0}
+        message["usage"] = {**self._usage(plan, choices), "output_tokens": 0}
         return [
             ("message_start", {"type": "message_start", "message": message}),
             ("ping", {"type": "ping"}),

@@ -14,11 +14,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trio_llm.errors import (
+    ContextLengthError,
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
     EngineRestartingError,
     EngineShutdownError,
+    InvalidRequest,
     RequestRejectedError,
 )
 
@@ -47,6 +49,8 @@ class APIError(Exception):
         param: the request field at fault, if one is.
         code: a short machine-readable code (e.g. ``model_not_found``), if any.
         headers: extra response headers (e.g. ``Retry-After`` on a 503).
+        anthropic_message: the message in Anthropic's words where they differ (a
+            context overflow, `trio_llm.errors.ContextLengthError`); None: ``message``.
     """
 
     def __init__(
@@ -58,9 +62,11 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        anthropic_message: str | None = None,
     ) -> None:
         super().__init__(message)
         self.headers = headers
+        self.anthropic_message = anthropic_message
         self.status = status
         self.message = message
         self.type = type
@@ -73,7 +79,7 @@ class APIError(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         """The JSON body in Anthropic's shape (`anthropic_error_body`)."""
-        return anthropic_error_body(self.status, self.message)
+        return anthropic_error_body(self.status, self.anthropic_message or self.message)
 
     def response(self, path: str = "") -> JSONResponse:
         """The JSON response; in Anthropic's shape for a request to ``path`` under
@@ -122,6 +128,14 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 def bad_request(message: str, param: str | None = None) -> APIError:
     """A 400 ``invalid_request_error``."""
     return APIError(400, message, param=param)
+
+
+def invalid_request(exc: InvalidRequest) -> APIError:
+    """The 400 for a refusal of the request layer: its message, ``param`` and ``code``
+    (``context_length_exceeded`` for a `ContextLengthError`, with Anthropic's words for
+    the Messages API)."""
+    anthropic = exc.anthropic_message if isinstance(exc, ContextLengthError) else None
+    return APIError(400, exc.message, param=exc.param, code=exc.code, anthropic_message=anthropic)
 
 
 #: How the engine's refusals of a request's output constraint begin (its compile failed

@@ -39,14 +39,26 @@ if TYPE_CHECKING:
 Event = tuple[str | None, Any]
 
 
-def usage(plan: Plan, choices: list[Choice]) -> dict[str, int]:
-    """OpenAI's ``usage``: each prompt counted once, every choice's output tokens."""
+def num_cached_tokens(plan: Plan, choices: list[Choice]) -> int:
+    """Prompt tokens that came from the prefix cache, each prompt counted once (by its
+    first choice, as its tokens are counted once in ``prompt_tokens``)."""
+    if not plan.prompt_lengths:
+        return 0
+    n = max(1, len(plan.requests) // len(plan.prompt_lengths))
+    return sum(choice.num_cached_tokens for choice in choices if choice.index % n == 0)
+
+
+def usage(plan: Plan, choices: list[Choice]) -> dict[str, Any]:
+    """OpenAI's ``usage``: each prompt counted once, every choice's output tokens, and
+    ``prompt_tokens_details.cached_tokens`` (prompt tokens from the prefix cache; OpenAI
+    always sends it, vLLM with ``--enable-prompt-tokens-details``)."""
     prompt = sum(plan.prompt_lengths)
     completion = sum(choice.num_output_tokens for choice in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens(plan, choices)},
     }
 
 
@@ -105,6 +117,10 @@ class ResponseFormat:
 
     #: The data of the stream's last event (None: the stream just ends).
     done_marker: str | None = "[DONE]"
+
+    #: True: `stream_start`'s events wait for the engine's first output (they report
+    #: what only it knows, such as the prefix-cache hits); False: they go out at once.
+    start_after_first_output = False
 
     def stream_start(self, plan: Plan, choices: list[Choice]) -> list[Event]:
         """The events a stream opens with, before any output (none here)."""

@@ -34,8 +34,9 @@ import trio
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from trio_llm.api.errors import APIError, bad_request, validation_message
+from trio_llm.api.errors import APIError, bad_request, invalid_request, validation_message
 from trio_llm.config import RequestLimits
+from trio_llm.errors import ContextLengthError
 
 #: Bodies up to this size (bytes) are parsed and validated on the event loop (well under
 #: a millisecond); larger ones in a worker thread.
@@ -192,11 +193,8 @@ def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_
 
 def _check_token_prompt(item: Any, max_model_len: int) -> None:
     if isinstance(item, list) and len(item) >= max_model_len:
-        raise bad_request(
-            f"the prompt has {len(item)} tokens, but this model's context is {max_model_len} "
-            "tokens and at least one must remain for the output",
-            "prompt",
-        )
+        error = ContextLengthError(max_model_len, len(item), "prompt", prompt_name="prompt")
+        raise invalid_request(error)
 
 
 def validate(

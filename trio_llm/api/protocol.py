@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -300,22 +300,36 @@ class GenerationRequest(RequestBody):
         *,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        defaults: Mapping[str, float] | None = None,
     ) -> SamplingParams:
         """The engine's `SamplingParams` for this request with ``max_tokens`` resolved.
+
+        Args:
+            defaults: the server's defaults (``--generation-config``) of ``temperature``,
+                ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty``, each used
+                only when the request leaves that field unset.
 
         Raises:
             APIError: a bad ``logit_bias`` key.
         """
+        server = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+        server["repetition_penalty"] = 1.0
+        server.update(defaults or {})
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return server[name] if value is None else value
+
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=int(pick("top_k")),
+            min_p=pick("min_p"),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty"),
             logit_bias=self.parsed_logit_bias(vocab_size),
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),

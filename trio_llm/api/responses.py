@@ -355,7 +355,7 @@ class ResponsesFormat(BlockFormat):
             prompt = sum(plan.prompt_lengths)
             usage = {
                 "input_tokens": prompt,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
                 "output_tokens": choice.num_output_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt + choice.num_output_tokens,
@@ -487,6 +487,16 @@ class ResponsesFormat(BlockFormat):
 
     def stream_end(self, plan: Plan, choices: list[Choice], *, include_usage: bool) -> list[Event]:
         return []
+
+    def stream_failed(self, plan: Plan, error: APIError) -> list[Event]:
+        """The whole stream of a response that failed before any output: created,
+        in progress, then ``response.failed`` with ``error`` (its ``code`` and
+        ``message``): how OpenAI streams a context overflow, and where Codex looks for
+        ``context_length_exceeded``."""
+        events = self.stream_start(plan, [])
+        response = self._response(plan, "failed", [])
+        response["error"] = {"code": error.code, "message": error.message}
+        return [*events, self._event("response.failed", response=response)]
 
     def stream_error(self, error: APIError) -> Event:
         return self._event("error", code=error.code, message=error.message, param=error.param)

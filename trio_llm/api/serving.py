@@ -10,6 +10,7 @@ shapes follow the OpenAI API reference (``text_completion``, ``chat.completion``
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from trio_llm.api.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest
-from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
+from trio_llm.api.disconnect import Emit, EventStreamResponse, run_while_connected
 from trio_llm.api.embeddings import (
     EmbeddingRequest,
     check_dimensions,
@@ -34,7 +35,7 @@ from trio_llm.api.embeddings import (
     shorten,
 )
 from trio_llm.api.embeddings import response as embeddings_response
-from trio_llm.api.errors import APIError, bad_request, engine_error
+from trio_llm.api.errors import APIError, bad_request, engine_error, invalid_request
 from trio_llm.api.formats import ChatFormat, CompletionFormat
 from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
@@ -50,9 +51,15 @@ from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
 from trio_llm.engine.structured import default_compile_workers
-from trio_llm.errors import EngineError, InvalidRequest
+from trio_llm.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ContextLengthError,
+    EngineError,
+    InvalidRequest,
+)
 from trio_llm.frontend.data_parallel import EngineHandle
 from trio_llm.frontend.engine_client import Admission
+from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
 from trio_llm.text.choice import Choice
@@ -104,6 +111,11 @@ class OpenAIServing:
             `trio_llm.text.reasoning`); None leaves the text as generated.
         disable_additional_properties: how object schemas are read
             (`GenerationRequest.set_server_options`; ``--structured-outputs-config``).
+        max_tokens_policy: ``"clamp"`` lowers a ``max_tokens`` past the room the prompt
+            leaves to that room; ``"strict"`` refuses it, as vLLM does
+            (``--max-tokens-policy``).
+        generation_defaults: the server's sampling defaults and output cap
+            (``--generation-config``, ``--override-generation-config``).
     """
 
     def __init__(
@@ -119,8 +131,11 @@ class OpenAIServing:
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         disable_additional_properties: bool = True,
+        max_tokens_policy: str = "clamp",
+        generation_defaults: GenerationDefaults | None = None,
     ) -> None:
         self.engine = engine
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.disable_additional_properties = disable_additional_properties
@@ -133,7 +148,9 @@ class OpenAIServing:
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
         self.eos_token_ids = frozenset(engine.info.eos_token_ids)
-        self.inputs = InputPreprocessor(tokenizer, self.max_model_len, self.vocab_size)
+        self.inputs = InputPreprocessor(
+            tokenizer, self.max_model_len, self.vocab_size, max_tokens_policy=max_tokens_policy
+        )
         #: Large structured-output specs checked at once in worker threads (each builds
         #: a grammar): as many as the engine compiles at once.
         self.grammar_checks = trio.CapacityLimiter(default_compile_workers())
@@ -222,6 +239,27 @@ class OpenAIServing:
                 request.structured_output, limiter=limiter, abandon_on_cancel=True
             )
 
+    def _max_tokens(
+        self, requested: int | None, num_prompt: int, param: str, prompt_param: str
+    ) -> int:
+        """The output budget of one prompt (`InputPreprocessor.resolve_max_tokens`, with
+        the server's generation defaults).
+
+        Raises:
+            ContextLengthError: the prompt (or, strict, the output asked for) does not fit.
+        """
+        defaults = self.generation_defaults
+        if requested == 0:  # echo only: no output, whatever the server's defaults
+            return self.inputs.resolve_max_tokens(0, num_prompt, param, prompt_param)
+        return self.inputs.resolve_max_tokens(
+            requested,
+            num_prompt,
+            param,
+            prompt_param,
+            default=defaults.max_tokens,
+            cap=defaults.max_tokens_cap,
+        )
+
     def _params(
         self,
         request: GenerationRequest,
@@ -238,7 +276,11 @@ class OpenAIServing:
                 "min_tokens",
             )
         base = request.sampling_params(
-            max_tokens, self.vocab_size, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            max_tokens,
+            self.vocab_size,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            defaults=self.generation_defaults.sampling,
         )
         try:
             base.validate(self.vocab_size)
@@ -269,7 +311,7 @@ class OpenAIServing:
             assert isinstance(request, CompletionRequest)
             return await self._plan_completion(request)
         except InvalidRequest as exc:
-            raise bad_request(exc.message, exc.param) from exc
+            raise invalid_request(exc) from exc
 
     async def _plan_completion(self, request: CompletionRequest) -> Plan:
         model = self.resolve_model(request.model)
@@ -306,8 +348,8 @@ class OpenAIServing:
             structured_param=request.structured_param,
         )
         for prompt in prompts:
-            max_tokens = self.inputs.resolve_max_tokens(
-                request.max_tokens, len(prompt.token_ids), "max_tokens"
+            max_tokens = self._max_tokens(
+                request.max_tokens, len(prompt.token_ids), "max_tokens", "prompt"
             )
             params = self._params(
                 request, max_tokens, logprobs=request.logprobs, prompt_logprobs=prompt_logprobs
@@ -389,10 +431,8 @@ class OpenAIServing:
                 else:
                     ids = self.inputs.check_token_ids(item, "input")
                 if len(ids) > self.max_model_len:
-                    raise bad_request(
-                        f"an input has {len(ids)} tokens, more than this model's context of "
-                        f"{self.max_model_len} tokens",
-                        "input",
+                    raise ContextLengthError(
+                        self.max_model_len, len(ids), "input", prompt_name="input"
                     )
                 prompts.append(ids)
             return prompts
@@ -405,7 +445,7 @@ class OpenAIServing:
             else:
                 prompts = await trio.to_thread.run_sync(tokenize)
         except InvalidRequest as exc:
-            raise bad_request(exc.message, exc.param) from exc
+            raise invalid_request(exc) from exc
         params = SamplingParams(max_tokens=0)
         plan = Plan(ChatFormat(self.tokenizer), model)  # only for admission's bookkeeping
         for ids in prompts:
@@ -455,13 +495,38 @@ class OpenAIServing:
         else:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
-        planned = await run_while_connected(
-            receive, partial(self._plan_translated, request, make_format, endpoint, to_chat)
-        )
+        try:
+            planned = await run_while_connected(
+                receive,
+                partial(self._plan_translated, request, make_format, endpoint, to_chat),
+            )
+        except APIError as exc:
+            if (
+                isinstance(request, ResponsesRequest)
+                and request.stream
+                and exc.code == (CONTEXT_LENGTH_EXCEEDED)
+            ):
+                return self._failed_response_stream(request, exc)
+            raise
         if planned is None:  # the client left while the request was checked
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         chat, plan = planned
         return await self._respond(plan, chat, receive)
+
+    def _failed_response_stream(self, request: ResponsesRequest, error: APIError) -> Response:
+        """A streamed Responses request whose prompt does not fit: OpenAI's stream of a
+        failed response (``response.failed`` carrying ``context_length_exceeded``), which
+        Codex reads as a full context window; other clients see the same error there."""
+        response_format = ResponsesFormat(self.tokenizer, request=request)
+        plan = Plan(response_format, self.resolve_model(request.model))
+        plan.response_id = response_format.new_id()
+        plan.created = int(time.time())
+
+        async def produce(emit: Emit) -> None:
+            for name, data in response_format.stream_failed(plan, error):
+                await emit(json.dumps(data, ensure_ascii=False), name)
+
+        return EventStreamResponse(produce)
 
     async def _plan_translated(
         self,
@@ -486,7 +551,7 @@ class OpenAIServing:
                 self._map_thinking_switch(request, chat)
                 plan = await self._plan_chat(chat, make_format, endpoint, count_only=count_only)
             except InvalidRequest as exc:
-                raise bad_request(exc.message, exc.param) from exc
+                raise invalid_request(exc) from exc
             plan.structured_param = request.api_names(plan.structured_param, "")[0]
             return chat, plan
         except APIError as exc:
@@ -565,9 +630,7 @@ class OpenAIServing:
         else:
             prompt_ids = await self.inputs.encode_async(text, "messages", special_tokens=False)
             param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-            max_tokens = self.inputs.resolve_max_tokens(
-                requested, len(prompt_ids), param, "messages"
-            )
+            max_tokens = self._max_tokens(requested, len(prompt_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         reasoning = None
         if self.reasoning_parser is not None:

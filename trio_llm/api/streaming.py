@@ -54,6 +54,13 @@ class Stream:
         self.admission = admission
         self._lock = trio.Lock()
         self._emit: Emit | None = None
+        self._started = False
+
+    async def _start(self) -> None:
+        """Send the format's opening events, once."""
+        if not self._started:
+            self._started = True
+            await self._send(self.plan.format.stream_start(self.plan, self.choices))
 
     async def _send(self, events: list[Event]) -> None:
         assert self._emit is not None
@@ -63,6 +70,7 @@ class Stream:
                 await self._emit(text, name)
 
     async def _on_delta(self, choice: Choice, piece: ChoiceDelta) -> None:
+        await self._start()
         await self._send(self.plan.format.stream_piece(self.plan, choice, piece))
 
     async def run(self, emit: Emit, *, include_usage: bool) -> None:
@@ -72,15 +80,19 @@ class Stream:
         plan = self.plan
         form = plan.format
         try:
-            await self._send(form.stream_start(plan, self.choices))
+            if not form.start_after_first_output:
+                await self._start()
             await run_choices(self.engine, plan, self.choices, self.admission, self._on_delta)
+            await self._start()
             await self._send(form.stream_end(plan, self.choices, include_usage=include_usage))
         except EngineError as exc:
+            await self._start()
             await self._send([form.stream_error(engine_error(exc, plan.structured_param))])
         except Exception as exc:  # a bug: still end the stream properly, and say so
             logger.exception("internal error in a streamed response")
             leaf = first_leaf(exc)
             message = f"internal error: {type(leaf).__name__}: {leaf}"
+            await self._start()
             await self._send([form.stream_error(APIError(500, message, type="server_error"))])
         finally:
             self.engine.release(self.admission)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 import trio_llm
-from trio_llm.api.errors import bad_request
+from trio_llm.api.errors import bad_request, invalid_request
 from trio_llm.api.protocol import ChatMessage, Text, TokenId, is_neutral
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
@@ -126,7 +126,7 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
                 special = bool(request.add_special_tokens)
                 tokens = await inputs.tokenize_async(text, "messages", special_tokens=special)
         except InvalidRequest as exc:
-            raise bad_request(exc.message, exc.param) from exc
+            raise invalid_request(exc) from exc
 
         def answer() -> bytes:
             token_strs = None

@@ -395,6 +395,7 @@ class EngineCore:
                 if not request.queue_time_reported:
                     request.queue_time_reported = True
                     output.queue_seconds = request.queue_seconds
+                    output.num_cached_tokens = request.num_cached_tokens or 0
                 outputs.append(output)
         stats = self.stats(batch, time.perf_counter() - start)
         return StepOutputs(outputs, stats)

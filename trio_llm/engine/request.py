@@ -44,6 +44,8 @@ class Request:
         arrival_time: ``time.monotonic()`` when the engine received the request (seconds).
         queue_seconds: seconds from arrival to the first scheduling; None until then.
         queue_time_reported: whether an output already carried ``queue_seconds``.
+        num_cached_tokens: prompt tokens found in the prefix cache at the first
+            scheduling (None until then; not changed by later ones, as in vLLM).
         next_prompt_logprob: the next prompt position whose logprob is to be reported
             (positions ``1 .. num_prompt_tokens - 1``; kept across preemptions so no
             position is reported twice).
@@ -60,6 +62,7 @@ class Request:
         "group",
         "matcher",
         "next_prompt_logprob",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
         "num_registered",
@@ -93,6 +96,7 @@ class Request:
         self.arrival_time = time.monotonic()
         self.queue_seconds: float | None = None
         self.queue_time_reported = False
+        self.num_cached_tokens: int | None = None
         self.next_prompt_logprob = 1
         #: The llguidance matcher of a constrained output (`trio_llm.engine.structured`).
         self.matcher: Any = None

@@ -255,6 +255,8 @@ class Scheduler:
             self.waiting.remove(request)
             if request.queue_seconds is None:
                 request.queue_seconds = time.monotonic() - request.arrival_time
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             manager.take(request, hit)
             manager.allocate(request, num_cached + num_new)
             self._start_running(request)

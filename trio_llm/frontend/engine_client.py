@@ -100,6 +100,8 @@ class TokenDelta:
             those of the tokens behind that text, and ``stop_reason`` is set.
         stop_reason: with ``text``: the matched stop string or stop token id.
         embedding: an embedding model's vector, on the finishing delta.
+        num_cached_tokens: on the request's first delta: prompt tokens that came from
+            the prefix cache (`trio_llm.messages.RequestOutput.num_cached_tokens`).
     """
 
     token_ids: list[int]
@@ -109,6 +111,7 @@ class TokenDelta:
     text: str | None = None
     stop_reason: str | int | None = None
     embedding: list[float] | None = None
+    num_cached_tokens: int | None = None
 
 
 class _Mailbox:
@@ -117,6 +120,7 @@ class _Mailbox:
         "error",
         "finish_reason",
         "logprobs",
+        "num_cached_tokens",
         "paused",
         "prompt_logprobs",
         "record",
@@ -135,6 +139,7 @@ class _Mailbox:
         self.text: str | None = None
         self.stop_reason: str | int | None = None
         self.embedding: list[float] | None = None
+        self.num_cached_tokens: int | None = None
         self.error: EngineError | None = None
         self.wakeup = trio.Event()
         self.started = False
@@ -290,7 +295,9 @@ class RequestStream:
             box.text,
             box.stop_reason,
             box.embedding,
+            box.num_cached_tokens,
         )
+        box.num_cached_tokens = None
         box.token_ids = []
         box.logprobs = box.prompt_logprobs = None
         if box.text is not None:
@@ -673,6 +680,8 @@ class EngineClient(AdmissionControl):
             record = box.record
             if output.queue_seconds is not None:
                 record.queue_seconds = output.queue_seconds
+            if output.num_cached_tokens is not None:
+                box.num_cached_tokens = output.num_cached_tokens
             if output.error is not None:
                 box.error = RequestRejectedError(output.error)
             if output.new_token_ids:

@@ -28,7 +28,14 @@ from typing import Any
 
 import trio
 
-from trio_llm.errors import ChatTemplateError, EngineError, InvalidRequest, InvalidTextError
+from trio_llm.config import MAX_TOKENS_POLICIES
+from trio_llm.errors import (
+    ChatTemplateError,
+    ContextLengthError,
+    EngineError,
+    InvalidRequest,
+    InvalidTextError,
+)
 from trio_llm.messages import SamplingParams
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -44,12 +51,25 @@ class InputPreprocessor:
         tokenizer: the model's tokenizer (with chat template).
         max_model_len: context length in tokens (prompt + output).
         vocab_size: number of token ids (valid ids are ``0 .. vocab_size - 1``).
+        max_tokens_policy: what `resolve_max_tokens` does with a ``max_tokens`` past the
+            room the prompt leaves: ``"clamp"`` it to that room, or refuse it
+            (``"strict"``, vLLM's 400); `MAX_TOKENS_POLICIES`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        *,
+        max_tokens_policy: str = "clamp",
+    ) -> None:
+        if max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_tokens_policy = max_tokens_policy
 
     # ------------------------------------------------------------ text
 
@@ -98,10 +118,14 @@ class InputPreprocessor:
 
     def _check_chars(self, text: str, param: str, what: str | None) -> None:
         if self.tokenizer.surely_longer_than(text, self.max_model_len):
-            raise InvalidRequest(
-                f"the {what or param} has {len(text)} characters, far more than this model's "
-                f"context of {self.max_model_len} tokens",
+            # No token has more characters than this: the text has at least so many.
+            least = -(-len(text) // self.tokenizer.max_token_chars)
+            raise ContextLengthError(
+                self.max_model_len,
+                least,
                 param,
+                num_chars=len(text),
+                prompt_name=what or param,
             )
 
     @staticmethod
@@ -210,34 +234,49 @@ class InputPreprocessor:
         num_prompt: int,
         param: str = "max_tokens",
         prompt_param: str = "prompt",
+        *,
+        default: int | None = None,
+        cap: int | None = None,
     ) -> int:
         """The output budget (tokens) within the context.
 
         Args:
-            requested: the request's ``max_tokens``; None means the rest of the context.
+            requested: the request's ``max_tokens``; None means ``default``, or else the
+                rest of the context.
             num_prompt: the prompt's length in tokens.
             param, prompt_param: the fields errors name.
+            default: the server's ``max_tokens`` for requests that give none
+                (``max_new_tokens`` of the generation config), or None.
+            cap: a server-side limit on every request's output (``max_new_tokens`` of
+                ``--override-generation-config``), or None.
+
+        Returns:
+            ``requested`` (else ``default``, else the room left), lowered to the room
+            the context leaves after the prompt and to ``cap``. With the policy
+            ``"clamp"`` a larger ``requested`` is thus lowered to the room left
+            (llama.cpp's and Ollama's behaviour): the output then ends with
+            finish_reason "length" when it fills the context.
 
         Raises:
-            InvalidRequest: the prompt leaves no room for output, or ``requested`` is
-                more than the room left.
+            ContextLengthError: the prompt leaves no room for output; with the policy
+                ``"strict"`` (vLLM's), also a ``requested`` above the room left.
         """
         if num_prompt >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {num_prompt} tokens, but this model's context is "
-                f"{self.max_model_len} tokens and at least one must remain for the output",
-                prompt_param,
+            raise ContextLengthError(
+                self.max_model_len, num_prompt, prompt_param, prompt_name=prompt_param
             )
         room = self.max_model_len - num_prompt
-        if requested is None:
-            return room
-        if requested > room:
-            raise InvalidRequest(
-                f"{param}={requested} plus the prompt's {num_prompt} tokens exceeds this "
-                f"model's context of {self.max_model_len} tokens (at most {room} output tokens)",
+        if requested is not None and requested > room and self.max_tokens_policy == "strict":
+            raise ContextLengthError(
+                self.max_model_len,
+                num_prompt,
                 param,
+                max_tokens=requested,
+                prompt_name=prompt_param,
             )
-        return requested
+        wanted = requested if requested is not None else default
+        limits = [room, *(v for v in (wanted, cap) if v is not None)]
+        return min(limits)
 
 
 def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -54,6 +54,8 @@ class Choice:
         self.all_logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        #: Prompt tokens that came from the prefix cache (the engine's first output).
+        self.num_cached_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -64,6 +66,8 @@ class Choice:
         """Take the engine's next delta; return what to emit now, or None if nothing."""
         if self.finished:
             return None
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs:
             self.prompt_logprobs += delta.prompt_logprobs
         piece: ChoiceDelta | None = None
