@@ -116,7 +116,7 @@ def test_codex_request_fields_are_accepted_and_echoed():
     assert response["store"] is False
     assert response["tools"] == body["tools"]  # hosted and namespace tools as sent
     assert response["tool_choice"] == "auto"
-    Response.model_validate(response)
+    Response.model_validate(response, strict=True)
 
 
 def test_codex_developer_messages_reach_the_prompt():
@@ -141,7 +141,7 @@ def test_a_namespaced_call_comes_back_with_its_namespace():
     assert call["name"] == "close_agent"
     assert call["namespace"] == "multi_agent_v1"
     assert json.loads(call["arguments"]) == {"target": "a1"}
-    Response.model_validate(response)
+    Response.model_validate(response, strict=True)
 
 
 def test_a_plain_function_call_has_no_namespace():
@@ -166,7 +166,7 @@ def test_a_namespaced_call_streams_with_its_namespace():
     (completed,) = [e for e in events if e["type"] == "response.completed"]
     assert completed["response"]["output"][0]["namespace"] == "multi_agent_v1"
     assert completed["response"]["completed_at"] is not None
-    Response.model_validate(completed["response"])
+    Response.model_validate(completed["response"], strict=True)
 
 
 def test_functions_of_one_name_in_two_namespaces_are_told_apart():
@@ -342,7 +342,7 @@ def test_agent_fields_are_accepted_and_echoed():
     assert response["max_tool_calls"] == 3
     assert response["text"] == {"format": {"type": "text"}, "verbosity": "low"}
     assert response["truncation"] == "disabled"  # nothing is truncated here
-    Response.model_validate(response)
+    Response.model_validate(response, strict=True)
 
 
 def test_an_unknown_reasoning_effort_is_refused():
@@ -358,4 +358,4 @@ def test_tool_choice_echo_is_openais_default_auto():
     assert response["tools"] == []
     assert response["completed_at"] is not None and response["completed_at"] >= 1
     assert response["background"] is False
-    Response.model_validate(response)
+    Response.model_validate(response, strict=True)
