@@ -38,6 +38,7 @@ INLINE_ONLY_MODULES = {
     "test_langchain",
     "test_litellm",
     "test_prefix_caching",
+    "test_responses_agents",
     "test_responses_api",
     "test_sampling_params",
     "test_structured_output_api",

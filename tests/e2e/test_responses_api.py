@@ -2,8 +2,8 @@
 through the official openai SDK: a greedy response says what the greedy chat completion of
 the same conversation says, with the same token counts; a stream carries the same response
 in the protocol's order, numbered from 0; function calls are valid against their schemas;
-what this server does not keep (stored responses) or take (images, built-in tools) is a
-400 naming the field."""
+what this server does not keep (stored responses) or take (images, unknown tool types) is
+a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -415,7 +415,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         },
         "input",
     ),
-    ("web_search tool", {"tools": [{"type": "web_search"}]}, "tools"),
+    ("unknown tool type", {"tools": [{"type": "teleport"}]}, "tools"),
     ("text.format xml", {"text": {"format": {"type": "xml"}}}, "text"),
     (
         "json_schema without a name",

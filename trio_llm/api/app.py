@@ -161,6 +161,8 @@ def _endpoint(
 
     async def endpoint(request: Request) -> Response:
         body = await serving.parse(body_model, request)
+        if isinstance(body, ResponsesRequest):
+            body.bind_connection(tuple(request.client) if request.client else None)
         return await handler(body, request.receive)
 
     return endpoint

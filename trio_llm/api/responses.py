@@ -14,20 +14,41 @@ with a ``sequence_number``.
 Supported: ``input`` (a string, or message items with ``input_text`` / ``output_text``
 parts, ``function_call`` and ``function_call_output`` items), ``instructions``,
 ``max_output_tokens``, ``temperature``, ``top_p`` (and vLLM's ``top_k``), ``text.format``
-(``text``, ``json_object``, ``json_schema``), function ``tools``, ``tool_choice``,
-``parallel_tool_calls``, ``stream``, ``metadata``, ``user``. Nothing is stored:
+(``text``, ``json_object``, ``json_schema``), function ``tools`` and ``namespace`` tools
+(their functions are offered to the model; a call of one comes back as a
+``function_call`` item with the ``namespace`` and the function's own ``name``, as OpenAI
+writes it), ``tool_choice``, ``parallel_tool_calls``, ``stream``, ``metadata``, ``user``.
+Built-in tools that OpenAI runs itself (`HOSTED_TOOL_TYPES`: ``web_search``,
+``file_search``, ``mcp``, ...) are accepted, echoed and not offered to the model (a
+warning names them once per client connection). Fields that change nothing here
+(``reasoning`` on a model without reasoning, ``include``, ``prompt_cache_key``,
+``client_metadata``, ``service_tier``, ``safety_identifier``, ``truncation``,
+``text.verbosity``, ``max_tool_calls``) are accepted and echoed. Nothing is stored:
 ``store: true``, ``previous_response_id``, ``conversation`` and ``background`` are
-refused with a 400 naming the field, as are built-in tools and non-text inputs.
+refused with a 400 naming the field, as are non-text inputs.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+)
 
 from trio_llm.api.errors import APIError, bad_request, validation_message
 from trio_llm.api.formats import Block, BlockFormat, Event
@@ -44,6 +65,34 @@ from trio_llm.text.choice import Choice
 if TYPE_CHECKING:
     from trio_llm.api.plan import Plan
 
+logger = logging.getLogger(__name__)
+
+#: Tool types OpenAI runs on its side (or that the model emits as their own output items):
+#: accepted, echoed in the response's ``tools``, and not offered to the model here.
+#: ``custom`` (free-form text input, maybe held to a grammar) is among them: its calls
+#: are ``custom_tool_call`` items, which this server does not write.
+HOSTED_TOOL_TYPES = frozenset(
+    {
+        "web_search",
+        "web_search_2025_08_26",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer",
+        "computer_use",
+        "computer_use_preview",
+        "mcp",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "tool_search",
+        "programmatic_tool_calling",
+        "custom",
+    }
+)
+
 
 class FunctionTool(BaseModel):
     """``{"type": "function", "name", "description", "parameters", "strict"}``."""
@@ -58,15 +107,92 @@ class FunctionTool(BaseModel):
 
 
 class TextConfig(BaseModel):
-    """``text``: ``{"format": {"type": "text" | "json_object" | "json_schema", ...}}``."""
+    """``text``: ``{"format": {"type": "text" | "json_object" | "json_schema", ...},
+    "verbosity": "low" | "medium" | "high"}`` (``verbosity`` is echoed and changes
+    nothing here)."""
 
     model_config = ConfigDict(extra="allow")
 
     format: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(BaseModel):
+    """``reasoning``: ``{"effort", "summary"}`` (OpenAI's values). Echoed in the
+    response; on a model without reasoning it changes nothing."""
+
+    model_config = ConfigDict(extra="allow")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+@dataclass
+class OfferedTools:
+    """What a request's ``tools`` offer the model, and how its calls map back.
+
+    Attributes:
+        chat_tools: the chat-completion ``tools`` (function tools; a namespace's
+            functions flattened among them).
+        client_names: each offered function's name as the model sees it -> the
+            ``(namespace, name)`` the client knows it by (namespace None for a plain
+            function tool).
+        model_names: the reverse of ``client_names``.
+        chat_where: the Responses place (``tools[4].tools[0]``) of each chat tool.
+        not_offered: the types of the tools not offered (hosted ones), in order, once.
+    """
+
+    chat_tools: list[dict[str, Any]] = field(default_factory=list)
+    client_names: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    model_names: dict[tuple[str | None, str], str] = field(default_factory=dict)
+    chat_where: list[str] = field(default_factory=list)
+    not_offered: list[str] = field(default_factory=list)
+
+    def model_name(self, namespace: str | None, name: str) -> str:
+        """The name the model knows the client's function ``(namespace, name)`` by: a
+        function without a namespace may also be named by its own name when one
+        namespace's function has it; else ``name`` as is."""
+        if (namespace, name) in self.model_names:
+            return self.model_names[namespace, name]
+        if namespace is None:
+            matches = [flat for (_, own), flat in self.model_names.items() if own == name]
+            if len(matches) == 1:
+                return matches[0]
+        return name
+
+
+class _ConnectionWarnings:
+    """Remembers which (client connection, tool types) pairs were warned about, so that
+    a client sending the same hosted tools on every request of a connection gets one
+    warning line; at most `limit` pairs (the oldest are forgotten first)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._seen: OrderedDict[tuple[Any, tuple[str, ...]], None] = OrderedDict()
+        self._lock = threading.Lock()  # `to_chat` runs in worker threads
+
+    def first(self, connection: Any, types: tuple[str, ...]) -> bool:
+        """True the first time ``(connection, types)`` is seen."""
+        key = (connection, types)
+        with self._lock:
+            if key in self._seen:
+                self._seen.move_to_end(key)
+                return False
+            self._seen[key] = None
+            if len(self._seen) > self.limit:
+                self._seen.popitem(last=False)
+            return True
+
+
+_warnings = _ConnectionWarnings()
 
 
 #: Fields of a stateful or background response; refused unless absent, null or false.
 _STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
+
+#: A chat tool's place in an error (``tools[2].function.``).
+_CHAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\.")
 
 #: Input item types this server takes (messages, and the two halves of a tool call).
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -97,6 +223,35 @@ class ResponsesRequest(ChatTranslated):
     store: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     user: Text | None = None
+    # Accepted; what each does here is in docs/api.md (mostly: echoed, nothing else).
+    reasoning: ReasoningConfig | None = None
+    include: list[Text] | None = None
+    prompt_cache_key: Text | None = None
+    prompt_cache_retention: Text | None = None
+    client_metadata: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: Text | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+
+    _connection: Any = PrivateAttr(default=None)
+    _offered: OfferedTools | None = PrivateAttr(default=None)
+
+    def bind_connection(self, client: Any) -> None:
+        """Name the client connection the request came on (the ASGI ``client``,
+        ``(host, port)``), for the once-per-connection warning about tools not offered."""
+        self._connection = client
+
+    @property
+    def offered_tools(self) -> OfferedTools:
+        """The tools offered to the model (see `OfferedTools`).
+
+        Raises:
+            APIError: 400 naming ``tools`` for a tool this server cannot read.
+        """
+        if self._offered is None:
+            self._offered = _offer(self.tools or [])
+        return self._offered
 
     def _check_supported(self) -> None:
         if self.store:
@@ -113,14 +268,10 @@ class ResponsesRequest(ChatTranslated):
                     "conversations (send the whole conversation as input)",
                     name,
                 )
-        reasoning = extra.get("reasoning")
-        if reasoning is not None and (
-            not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, "none")
-        ):
-            raise bad_request("reasoning is not supported by the model served here", "reasoning")
         # Echoed in the response as given: they must be valid Unicode to the last key.
         echoed = {"metadata": self.metadata, "tools": self.tools, "text": self.text}
         echoed["tool_choice"] = self.tool_choice
+        echoed["reasoning"] = self.reasoning
         for name, value in echoed.items():
             if value is not None:
                 dumped = value.model_dump() if isinstance(value, BaseModel) else value
@@ -136,6 +287,21 @@ class ResponsesRequest(ChatTranslated):
                 "tools",
             )
 
+    def api_names(self, param: str | None, message: str) -> tuple[str | None, str]:
+        """As `ChatTranslated.api_names`; a chat tool's place is the Responses tool's
+        (a namespace's function is ``tools[i].tools[j]``)."""
+        if self._offered is not None:
+            places = self._offered.chat_where
+
+            def place(match: re.Match[str]) -> str:
+                k = int(match.group(1))
+                return (places[k] if k < len(places) else f"tools[{k}]") + "."
+
+            message = _CHAT_TOOL.sub(place, message)
+            if param is not None:
+                param = _CHAT_TOOL.sub(place, param)
+        return super().api_names(param, message)
+
     def to_chat(self) -> ChatCompletionRequest:
         """The chat-completion request this Responses request asks for.
 
@@ -143,6 +309,16 @@ class ResponsesRequest(ChatTranslated):
             APIError: a 400 naming the Responses field at fault.
         """
         self._check_supported()
+        offered = self.offered_tools
+        if offered.not_offered:
+            types = tuple(offered.not_offered)
+            if _warnings.first(self._connection, types):
+                logger.warning(
+                    "/v1/responses: tools of type %s are not offered to the model (this "
+                    "server cannot run them); client %s",
+                    ", ".join(types),
+                    _client_text(self._connection),
+                )
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -150,7 +326,7 @@ class ResponsesRequest(ChatTranslated):
             messages.append({"role": "user", "content": self.input})
         else:
             for i, item in enumerate(self.input):
-                _add_item(messages, item, i)
+                _add_item(messages, item, i, offered)
         if not messages:
             raise bad_request("input must hold at least one message", "input")
         body: dict[str, Any] = {
@@ -166,18 +342,29 @@ class ResponsesRequest(ChatTranslated):
         response_format = self._response_format()
         if response_format is not None:
             body["response_format"] = response_format
-        if self.tools:
-            body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(self.tools)]
+        if offered.chat_tools:
+            body["tools"] = offered.chat_tools
         if isinstance(self.tool_choice, dict):
-            if self.tool_choice.get("type") != "function" or "name" not in self.tool_choice:
+            choice = self.tool_choice
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
                 raise bad_request(
                     'tool_choice must be "none", "auto", "required" or {"type": "function", '
                     '"name": ...}',
                     "tool_choice",
                 )
-            name = self.tool_choice["name"]
+            namespace = choice.get("namespace")
+            if not isinstance(namespace, str):
+                namespace = None
+            name = offered.model_name(namespace, choice["name"])
             body["tool_choice"] = {"type": "function", "function": {"name": name}}
-        elif self.tool_choice is not None:
+        elif self.tool_choice == "required" and self.tools and not offered.chat_tools:
+            raise bad_request(
+                'tool_choice "required" needs a function tool: tools of type '
+                f"{', '.join(offered.not_offered)} are not offered to the model here",
+                "tool_choice",
+            )
+        elif self.tool_choice is not None and (offered.chat_tools or not self.tools):
+            # "auto" or "none" with only hosted tools: no tools, plain text.
             body["tool_choice"] = self.tool_choice
         return self.validated_chat(body, "input")
 
@@ -219,9 +406,12 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> None:
+def _add_item(
+    messages: list[dict[str, Any]], item: dict[str, Any], i: int, offered: OfferedTools
+) -> None:
     """Append one input item to the chat ``messages`` (a function call joins the
-    assistant message before it, as a chat turn holds all its calls)."""
+    assistant message before it, as a chat turn holds all its calls; a call of a
+    namespace's function gets the name the model knows it by)."""
     where = f"input[{i}]"
     kind = item.get("type", "message")
     if kind not in _ITEM_TYPES:
@@ -243,6 +433,10 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> N
     name, arguments = item.get("name"), item.get("arguments")
     if not isinstance(name, str) or not isinstance(arguments, str):
         raise bad_request(f"{where}: a function_call needs a name and arguments", "input")
+    namespace = item.get("namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise bad_request(f"{where}.namespace must be a string", "input")
+    name = offered.model_name(namespace, name)
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -253,20 +447,94 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], i: int) -> N
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
-def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
-    if tool.get("type") != "function":
-        raise bad_request(
-            f"tools[{i}]: only function tools are supported, not {tool.get('type')!r}", "tools"
-        )
+def _client_text(client: Any) -> str:
+    """A client address for a log line: ``host:port``, or ``unknown``."""
+    if isinstance(client, tuple) and len(client) == 2:
+        return f"{client[0]}:{client[1]}"
+    return "unknown"
+
+
+def _offer(tools: list[dict[str, Any]]) -> OfferedTools:
+    """The `OfferedTools` of a request's ``tools``.
+
+    A namespace's function is offered under its own name when no other offered function
+    has that name, else as ``<namespace>__<name>`` (the namespace's trailing
+    underscores dropped first: ``mcp__fs__`` + ``read`` is ``mcp__fs__read``).
+
+    Raises:
+        APIError: 400 naming ``tools`` (the message says which) for a tool that is not a
+            dict, a type this server does not know, an invalid function or namespace, or
+            two functions the model would know by one name.
+    """
+    offered = OfferedTools()
+    functions: list[tuple[str, str | None, FunctionTool]] = []  # (where, namespace, tool)
+
+    def not_offered(kind: str) -> None:
+        if kind not in offered.not_offered:
+            offered.not_offered.append(kind)
+
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            functions.append((where, None, _function(tool, where)))
+        elif kind == "namespace":
+            namespace, inner = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not namespace or not isinstance(inner, list):
+                raise bad_request(
+                    f"{where}: a namespace tool needs a name and a list of tools", "tools"
+                )
+            for j, member in enumerate(inner):
+                member_where = f"{where}.tools[{j}]"
+                member_kind = member.get("type") if isinstance(member, dict) else None
+                if member_kind == "function":
+                    functions.append((member_where, namespace, _function(member, member_where)))
+                elif member_kind == "custom":
+                    not_offered("custom")
+                else:
+                    raise bad_request(
+                        f"{member_where}: a namespace holds function and custom tools, not "
+                        f"{member_kind!r}",
+                        "tools",
+                    )
+        elif kind in HOSTED_TOOL_TYPES:
+            not_offered(kind)
+        else:
+            raise bad_request(
+                f"{where}: unknown tool type {kind!r} (function and namespace tools are "
+                f"offered to the model; {', '.join(sorted(HOSTED_TOOL_TYPES))} are accepted "
+                "and not offered)",
+                "tools",
+            )
+    own_names: dict[str, int] = {}
+    for _, _, function in functions:
+        own_names[function.name] = own_names.get(function.name, 0) + 1
+    for where, namespace, function in functions:
+        model_name = function.name
+        if namespace is not None and own_names[function.name] > 1:
+            model_name = f"{namespace.rstrip('_')}__{function.name}"
+        if model_name in offered.client_names:
+            raise bad_request(f"{where}: two tools have the function name {model_name!r}", "tools")
+        offered.client_names[model_name] = (namespace, function.name)
+        offered.model_names[namespace, function.name] = model_name
+        offered.chat_tools.append(_chat_tool(function, model_name))
+        offered.chat_where.append(where)
+    return offered
+
+
+def _function(tool: dict[str, Any], where: str) -> FunctionTool:
     try:
-        function = FunctionTool.model_validate(tool)
+        return FunctionTool.model_validate(tool)
     except ValidationError as exc:
         message, _ = validation_message(RequestValidationError(exc.errors()))
-        raise bad_request(f"tools[{i}]: {message}", "tools") from exc
+        raise bad_request(f"{where}: {message}", "tools") from exc
+
+
+def _chat_tool(function: FunctionTool, name: str) -> dict[str, Any]:
     return {
         "type": "function",
         "function": {
-            "name": function.name,
+            "name": name,
             "description": function.description,
             "parameters": function.parameters,
             "strict": function.strict,
@@ -313,7 +581,7 @@ class ResponsesFormat(BlockFormat):
                 "status": status,
             }
         if block.kind == "call":
-            return {
+            item = {
                 "type": "function_call",
                 "id": self._item_id(block),
                 "call_id": block.call_id,
@@ -321,6 +589,13 @@ class ResponsesFormat(BlockFormat):
                 "arguments": "" if status == "in_progress" else block.text,
                 "status": status,
             }
+            # A namespace's function: its namespace and own name, as the client knows it.
+            namespace, name = self.request.offered_tools.client_names.get(
+                block.name or "", (None, block.name)
+            )
+            if namespace is not None:
+                item["name"], item["namespace"] = name, namespace
+            return item
         parts = [] if status == "in_progress" else [self._part(block.text)]
         return {
             "type": "message",
@@ -355,30 +630,51 @@ class ResponsesFormat(BlockFormat):
             prompt = sum(plan.prompt_lengths)
             usage = {
                 "input_tokens": prompt,
-                "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
+                "input_tokens_details": {
+                    "cached_tokens": choice.num_cached_tokens,
+                    "cache_write_tokens": 0,
+                },
                 "output_tokens": choice.num_output_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt + choice.num_output_tokens,
             }
+        reasoning = request.reasoning or ReasoningConfig()
+        text: dict[str, Any] = {
+            "format": (request.text.format if request.text else None) or {"type": "text"},
+            "verbosity": (request.text.verbosity if request.text else None) or "medium",
+        }
+        # Fields in the order of OpenAI's Response object.
         return {
             "id": plan.response_id,
             "object": "response",
             "created_at": plan.created or int(time.time()),
             "status": status,
+            "background": False,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "error": None,
             "incomplete_details": incomplete,
             "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens,
+            "max_tool_calls": request.max_tool_calls,
             "model": plan.model,
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "prompt_cache_key": request.prompt_cache_key,
+            "prompt_cache_retention": request.prompt_cache_retention,
+            "reasoning": {
+                "effort": reasoning.effort,
+                "summary": reasoning.summary or reasoning.generate_summary,
+            },
+            "safety_identifier": request.safety_identifier,
+            "service_tier": "default",
             "store": False,
             "temperature": 1.0 if request.temperature is None else request.temperature,
-            "text": {"format": (request.text.format if request.text else None) or {"type": "text"}},
-            "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
+            "text": text,
+            # OpenAI's default, echoed with or without tools.
+            "tool_choice": request.tool_choice or "auto",
             "tools": request.tools or [],
+            "top_logprobs": 0,
             "top_p": 1.0 if request.top_p is None else request.top_p,
             "truncation": "disabled",
             "usage": usage,
