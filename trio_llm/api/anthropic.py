@@ -384,7 +384,8 @@ class MessagesRequest(ChatTranslated):
                         "name": tool.name,
                         "description": tool.description,
                         "parameters": tool.input_schema,
-                        "strict": (tool.model_extra or {}).get("strict") is True,
+                        # As given (left out when not): the template shows it.
+                        "strict": (tool.model_extra or {}).get("strict"),
                     },
                 }
                 for tool in self.tools
