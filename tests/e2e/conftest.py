@@ -24,6 +24,7 @@ DETOKENIZER_MODES = ["inline", "process"]
 #: browser page); they run against the 2-process server only, which keeps ``make test``
 #: within its time budget. test_detokenizer_modes compares the two layouts directly.
 INLINE_ONLY_MODULES = {
+    "test_agent_frameworks",
     "test_anthropic_api",
     "test_bad_input",
     "test_chaos_client",
