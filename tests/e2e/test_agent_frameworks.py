@@ -11,17 +11,23 @@ output against the shared server (SmolLM2, hermes tool parser): the request carr
   (what aider and the LiteLLM proxy act on), through the ``openai/``, ``hosted_vllm/`` and
   ``anthropic/`` providers.
 
-A 135M model does not reason well, so an agent's run is held to what a server owes it:
-every request answered without an error, and a final output that the framework itself
-validates into ``Weather`` (a tool call or two on the way is the model's choice).
-Greedy sampling and small ``max_tokens`` keep each run to seconds. Each framework is
+A 135M model does not reason well (left to itself it calls the tool again after every
+result), so an agent's run is held to what a server owes it: every request answered
+without an error, and a final output that the framework itself validates into
+``Weather``. The first request offers the tool and the answer format together
+(``tool_choice`` auto: a call or the answer); once called, the tool is withdrawn through
+each framework's own hook (the Agents SDK: ``tool_choice`` none), so the next request asks
+for the answer alone and the run ends in one or two model turns. Greedy sampling, one
+call per turn and small ``max_tokens`` keep each run to seconds. Each framework is
 skipped where it is not installed (they are in the dev extras).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+from collections.abc import Callable
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,13 +37,14 @@ from tests.e2e.conftest import MODEL
 QUESTION = "What is the weather in Paris?"
 INSTRUCTIONS = "Use the get_weather tool, then answer with the city and a short summary."
 MAX_TOKENS = 100
-#: Model turns an agent may take (a tool call, its result, the answer; one spare).
-MAX_TURNS = 4
+#: Model turns an agent may take (a tool call, then the answer; one spare).
+MAX_TURNS = 3
 
 
+# Closed (additionalProperties false) and short, so that an answer held to it ends well
+# inside MAX_TOKENS.
 class Weather(BaseModel):
-    """The typed answer. Closed (``additionalProperties: false``) and short, so the
-    answer held to it ends well inside ``MAX_TOKENS``."""
+    """The weather in a city."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -45,9 +52,16 @@ class Weather(BaseModel):
     summary: str = Field(max_length=40)
 
 
-def get_weather(city: str) -> str:
-    """The current weather in a city."""
-    return f"18 C and light rain in {city}"
+def weather_tool() -> tuple[Callable[[str], str], list[str]]:
+    """``get_weather`` and the list of the cities it was called with."""
+    calls: list[str] = []
+
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"18 C and light rain in {city}"
+
+    return get_weather, calls
 
 
 @pytest.fixture
@@ -63,6 +77,15 @@ def test_openai_agents_sdk_tool_and_output_type(base_url: str, no_tracing: None,
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
 
+    get_weather, _ = weather_tool()
+
+    class AnswerAfterTheCall(agents.AgentHooks):
+        """``tool_choice: "none"`` from the call's result on (the tool stays listed:
+        the Responses input's function_call items need it)."""
+
+        async def on_tool_end(self, context, agent, tool, result) -> None:
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
     async def run() -> object:
         async with AsyncOpenAI(
             base_url=f"{base_url}/v1", api_key="unused", max_retries=0
@@ -77,7 +100,11 @@ def test_openai_agents_sdk_tool_and_output_type(base_url: str, no_tracing: None,
                 model=model,
                 tools=[agents.function_tool(get_weather)],
                 output_type=Weather,
-                model_settings=agents.ModelSettings(temperature=0, max_tokens=MAX_TOKENS),
+                hooks=AnswerAfterTheCall(),
+                reset_tool_choice=False,
+                model_settings=agents.ModelSettings(
+                    temperature=0, max_tokens=MAX_TOKENS, parallel_tool_calls=False
+                ),
             )
             config = agents.RunConfig(tracing_disabled=True)
             result = await agents.Runner.run(
@@ -90,17 +117,22 @@ def test_openai_agents_sdk_tool_and_output_type(base_url: str, no_tracing: None,
 
 def test_pydantic_ai_native_output_with_a_tool(base_url: str) -> None:
     pytest.importorskip("pydantic_ai")
-    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai import Agent, NativeOutput, Tool
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
+
+    get_weather, calls = weather_tool()
+
+    async def until_called(context, definition):
+        return None if calls else definition
 
     provider = OpenAIProvider(base_url=f"{base_url}/v1", api_key="unused")
     agent = Agent(
         OpenAIChatModel(MODEL, provider=provider),
         instructions=INSTRUCTIONS,
         output_type=NativeOutput(Weather),
-        tools=[get_weather],
-        model_settings={"temperature": 0, "max_tokens": MAX_TOKENS},
+        tools=[Tool(get_weather, prepare=until_called)],
+        model_settings={"temperature": 0, "max_tokens": MAX_TOKENS, "parallel_tool_calls": False},
     )
     result = agent.run_sync(QUESTION)
     assert isinstance(result.output, Weather)
@@ -110,7 +142,14 @@ def test_langchain_create_agent_with_a_provider_strategy(base_url: str, no_traci
     pytest.importorskip("langchain.agents")
     langchain_openai = pytest.importorskip("langchain_openai")
     from langchain.agents import create_agent
+    from langchain.agents.middleware import wrap_model_call
     from langchain.agents.structured_output import ProviderStrategy
+
+    get_weather, calls = weather_tool()
+
+    @wrap_model_call
+    def until_called(request, handler):
+        return handler(request.override(tools=[]) if calls else request)
 
     chat = langchain_openai.ChatOpenAI(
         base_url=f"{base_url}/v1",
@@ -125,6 +164,7 @@ def test_langchain_create_agent_with_a_provider_strategy(base_url: str, no_traci
         tools=[get_weather],
         system_prompt=INSTRUCTIONS,
         response_format=ProviderStrategy(Weather),
+        middleware=[until_called],
     )
     state = agent.invoke(
         {"messages": [{"role": "user", "content": QUESTION}]},
