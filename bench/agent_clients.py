@@ -105,7 +105,9 @@ class Exchange:
     status: int = 0
     seconds: float = 0.0
     first_byte_s: float | None = None
+    first_delta_s: float | None = None
     events: list[str] = field(default_factory=list)
+    usage: dict | None = None
     error: str = ""
     response_head: bytes = b""
 
@@ -118,6 +120,31 @@ class Exchange:
     def context_error(self) -> bool:
         """The failure is the server saying the prompt does not fit its context."""
         return self.failed and bool(CONTEXT_ERROR.search(self.error))
+
+    def record(self, client_version: str) -> dict:
+        """The request as a fixture: method, path, headers (the API key a dummy) and the
+        JSON body, with Claude Code's per-install and per-session ids zeroed."""
+        headers = {k: v for k, v in self.request_headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers.pop("Host", None)
+        headers.pop("host", None)
+        text = self.request_body.decode("utf-8", "replace")
+        text = re.sub(r'(device_id\\?":\\?")[0-9a-f]{64}', lambda m: m.group(1) + "0" * 64, text)
+        uuid = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+        text = re.sub(uuid, "00000000-0000-4000-8000-000000000000", text)
+        for key in headers:
+            headers[key] = re.sub(uuid, "00000000-0000-4000-8000-000000000000", headers[key])
+        try:
+            body: object = json.loads(text)
+        except ValueError:
+            body = text
+        note = f"{client_version}: {self.method} {self.path} as bench/agent_clients.py captured it"
+        return {
+            "note": note,
+            "method": self.method,
+            "path": self.path,
+            "headers": headers,
+            "body": body,
+        }
 
     def request_summary(self) -> str:
         """Model, streaming, max_tokens, tool count and the request size of a JSON body."""
@@ -167,6 +194,21 @@ def _event_names(data: bytes) -> list[str]:
     return types
 
 
+#: A chunk of generated output in any API's stream (or a whole non-streamed answer).
+_DELTA = re.compile(rb'"(content_block_delta|response\.output_text\.delta|delta|content)"')
+
+
+def _last_usage(data: bytes) -> dict | None:
+    """The last ``usage`` object of a JSON body or SSE stream (Messages: message_start's
+    input counts merged with message_delta's output count)."""
+    text = data.decode("utf-8", "replace")
+    found: dict = {}
+    for match in re.finditer(r'"usage":\s*(\{[^{}]*\})', text):
+        with contextlib.suppress(ValueError):
+            found.update({k: v for k, v in json.loads(match.group(1)).items() if v is not None})
+    return found or None
+
+
 def _error_text(data: bytes, events: list[str]) -> str:
     """The error body of a failed exchange (for a stream: the error event's data)."""
     text = data.decode("utf-8", "replace")
@@ -211,6 +253,8 @@ def make_proxy(upstream: str, recorder: Recorder) -> ThreadingHTTPServer:
                 while chunk := response.read1(65536):
                     if exchange.first_byte_s is None:
                         exchange.first_byte_s = time.monotonic() - started
+                    if exchange.first_delta_s is None and _DELTA.search(chunk):
+                        exchange.first_delta_s = time.monotonic() - started
                     if len(collected) < 4 * 1024 * 1024:
                         collected += chunk
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -226,6 +270,7 @@ def make_proxy(upstream: str, recorder: Recorder) -> ThreadingHTTPServer:
                 exchange.response_head = bytes(collected[:4096])
                 is_stream = b"\nevent:" in collected or collected.startswith((b"event:", b"data:"))
                 exchange.events = _event_names(bytes(collected)) if is_stream else []
+                exchange.usage = _last_usage(bytes(collected))
                 if exchange.failed and not exchange.error:
                     exchange.error = _error_text(bytes(collected), exchange.events)
                 recorder.add(exchange)
@@ -287,6 +332,7 @@ class ClientRun:
     returncode: int | None
     output: str
     seconds: float
+    version: str = ""
 
 
 def run_claude(
@@ -347,7 +393,9 @@ def _run(
     except subprocess.TimeoutExpired as exc:
         returncode = None
         output = (_text(exc.stdout) + _text(exc.stderr)) + f"\n[timed out after {timeout:.0f} s]"
-    return ClientRun(name, returncode, output, time.monotonic() - started)
+    seconds = time.monotonic() - started
+    version = subprocess.run([command[0], "--version"], capture_output=True, text=True, env=env)
+    return ClientRun(name, returncode, output, seconds, version.stdout.strip())
 
 
 def _text(data: bytes | str | None) -> str:
@@ -379,12 +427,16 @@ def print_report(
     """The client's exchanges as a table, then what it printed."""
     state = "OK" if ok else "FAIL"
     print(f"\n=== {run.name}: exit {run.returncode}, {run.seconds:.1f} s: {state}: {why}")
-    head = ("#", "method", "path", "status", "ttfb_s", "total_s")
-    print("{:>2}  {:6} {:34} {:>6} {:>7} {:>7}  request".format(*head))
+    head = ("#", "method", "path", "status", "ttfb_s", "ttft_s", "total_s")
+    print("{:>2}  {:6} {:34} {:>6} {:>7} {:>7} {:>7}  request".format(*head))
     for i, e in enumerate(exchanges, 1):
         ttfb = f"{e.first_byte_s:.2f}" if e.first_byte_s is not None else "-"
-        row = (i, e.method, e.path[:34], e.status, ttfb, f"{e.seconds:.2f}", e.request_summary())
-        print("{:>2}  {:6} {:34} {:>6} {:>7} {:>7}  {}".format(*row))
+        ttft = f"{e.first_delta_s:.2f}" if e.first_delta_s is not None else "-"
+        total = f"{e.seconds:.2f}"
+        row = (i, e.method, e.path[:34], e.status, ttfb, ttft, total, e.request_summary())
+        print("{:>2}  {:6} {:34} {:>6} {:>7} {:>7} {:>7}  {}".format(*row))
+        if e.usage:
+            print(f"{'':>4}usage: {json.dumps(e.usage)}")
         if e.events:
             print(f"{'':>4}events: {_squeeze(e.events)}")
         if e.failed:
@@ -461,7 +513,9 @@ def main() -> int:
                 args.save_requests.mkdir(parents=True, exist_ok=True)
                 for i, e in enumerate(exchanges, 1):
                     if e.request_body:
-                        (args.save_requests / f"{name}-{i}.json").write_bytes(e.request_body)
+                        record = e.record(run.version)
+                        path = args.save_requests / f"{name}-{i}.json"
+                        path.write_text(json.dumps(record, indent=1, ensure_ascii=False))
     return 0 if all(results) else 1
 
 
