@@ -25,6 +25,7 @@ DETOKENIZER_MODES = ["inline", "process"]
 #: within its time budget. test_detokenizer_modes compares the two layouts directly.
 INLINE_ONLY_MODULES = {
     "test_anthropic_agents",
+    "test_agent_frameworks",
     "test_anthropic_api",
     "test_bad_input",
     "test_chaos_client",
