@@ -287,6 +287,15 @@ def test_only_hosted_tools_with_required_is_a_400_naming_tool_choice():
     assert "web_search" in raised.value.message
 
 
+def test_only_empty_namespaces_with_required_is_a_400_saying_so():
+    tools = [{"type": "namespace", "name": "a", "description": "", "tools": []}]
+    body = {"input": "x", "tools": tools, "tool_choice": "required"}
+    with pytest.raises(APIError) as raised:
+        ResponsesRequest.model_validate(body).to_chat()
+    assert raised.value.param == "tool_choice"
+    assert "namespaces given hold no functions" in raised.value.message
+
+
 def test_an_unknown_tool_type_is_a_400_naming_what_is_accepted():
     body = {"input": "x", "tools": [{"type": "teleport"}]}
     with pytest.raises(APIError) as raised:

@@ -358,11 +358,12 @@ class ResponsesRequest(ChatTranslated):
             name = offered.model_name(namespace, choice["name"])
             body["tool_choice"] = {"type": "function", "function": {"name": name}}
         elif self.tool_choice == "required" and self.tools and not offered.chat_tools:
-            raise bad_request(
-                'tool_choice "required" needs a function tool: tools of type '
-                f"{', '.join(offered.not_offered)} are not offered to the model here",
-                "tool_choice",
+            why = (
+                f"tools of type {', '.join(offered.not_offered)} are not offered to the model here"
+                if offered.not_offered
+                else "the namespaces given hold no functions"
             )
+            raise bad_request(f'tool_choice "required" needs a function tool: {why}', "tool_choice")
         elif self.tool_choice is not None and (offered.chat_tools or not self.tools):
             # "auto" or "none" with only hosted tools: no tools, plain text.
             body["tool_choice"] = self.tool_choice
