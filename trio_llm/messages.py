@@ -295,7 +295,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     Attributes:
         request_id: the id given in `AddRequest`.
         new_token_ids: tokens sampled this step (usually one; empty on an error, in the
-            middle of a prefill, or for ``max_tokens=0``).
+            middle of a prefill (the request's first scheduling is told at once, and
+            prompt logprobs as they are computed), or for ``max_tokens=0``).
         finish_reason: None while running; "stop" (EOS or a stop token), "length"
             (max_tokens or the context is full) or "abort" (error or abort).
         error: why the engine rejected the request (only with finish_reason "abort").

@@ -15,6 +15,7 @@ engine played by the test (a 256-token context):
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -409,3 +410,87 @@ async def test_an_override_max_new_tokens_caps_every_request(smol_tokenizer) -> 
     )
     assert [p.max_tokens for p in fake.params] == [8, 8, 5]
     assert responses[1].json()["choices"][0]["finish_reason"] == "length"
+
+
+class SlowPrefillEngine(FakeEngine):
+    """Tells each request's first scheduling at once (no tokens yet, ``num_cached``
+    prompt tokens from the cache), as the engine core does, then takes ``prefill_seconds``
+    (the test's clock) before its tokens."""
+
+    def __init__(self, stream: trio.abc.Stream, num_cached: int, prefill_seconds: float) -> None:
+        super().__init__(stream)
+        self.num_cached = num_cached
+        self.prefill_seconds = prefill_seconds
+        self.done_at = 0.0  # when the prefill ended (the test's clock)
+
+    async def on_message(self, message: object) -> None:
+        if isinstance(message, AddRequest):
+            started = RequestOutput(message.request_id, [], num_cached_tokens=self.num_cached)
+            await self.server_side.send(StepOutputs([started], STATS))
+            await trio.sleep(self.prefill_seconds)
+            self.done_at = trio.current_time()
+            done = RequestOutput(message.request_id, [28] * message.params.max_tokens, "length")
+            await self.server_side.send(StepOutputs([done], STATS))
+
+
+async def test_a_long_prefill_opens_the_messages_stream_at_once_and_pings(
+    smol_tokenizer, autojump_clock: trio.abc.Clock
+) -> None:
+    """message_start (with the cache hits) goes out when the engine first schedules the
+    request, and pings keep the stream alive while the prefill takes minutes (Claude
+    Code gives up on a stream silent for 300 s). The ASGI app is called directly: each
+    body piece is timed as it is sent."""
+    from trio_llm.api.streaming import KEEPALIVE_SECONDS
+
+    prefill = 10 * KEEPALIVE_SECONDS
+    body = json.dumps(_message(max_tokens=3, stream=True)).encode()
+    arrivals: list[tuple[float, str, Any]] = []
+    sent_body = trio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if not sent_body.is_set():
+            sent_body.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+        await trio.sleep_forever()  # the client stays
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body" or not message.get("body"):
+            return
+        text = message["body"].decode()
+        for event in text.strip().split("\n\n"):
+            name, data = event.split("\n", 1)
+            arrivals.append((trio.current_time(), name[7:], json.loads(data[6:])))
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/messages",
+        "raw_path": b"/v1/messages",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    async with trio.open_nursery() as nursery:
+        engine, stream = engine_client_pair()
+        fake = SlowPrefillEngine(stream, num_cached=4, prefill_seconds=prefill)
+        nursery.start_soon(engine.route_outputs)
+        nursery.start_soon(fake.run)
+        app = build_app(OpenAIServing(engine, smol_tokenizer, ("m",)), lambda: True)
+        await app(scope, receive, send)
+        nursery.cancel_scope.cancel()
+    names = [name for _, name, _ in arrivals]
+    # (Times are the test's clock, which jumps while worker threads render the prompt:
+    # compared with the engine's own, not with the start.)
+    assert names[0] == "message_start"
+    assert arrivals[0][0] <= fake.done_at - prefill + 1  # as soon as the engine started
+    assert arrivals[0][2]["message"]["usage"]["cache_read_input_tokens"] == 4
+    times = [at for at, _, _ in arrivals]
+    assert max(b - a for a, b in itertools.pairwise(times)) <= KEEPALIVE_SECONDS + 1
+    assert names.count("ping") >= prefill // KEEPALIVE_SECONDS - 1
+    assert names[-2:] == ["message_delta", "message_stop"]

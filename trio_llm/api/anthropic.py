@@ -590,8 +590,13 @@ class MessagesFormat(BlockFormat):
     id_prefix = "msg"
     object = "message"
     done_marker = None
-    #: message_start reports the prompt-cache hits, which the engine's first output has.
+    #: message_start reports the prompt-cache hits, which the engine's first output
+    #: has (it comes when the engine first schedules the request, before the prefill
+    #: ends); then a ``ping`` whenever the stream is silent for a while, as Anthropic's
+    #: API sends them, so a client's idle timeout (Claude Code's: 300 s) does not end a
+    #: stream whose prompt takes minutes to prefill.
     start_after_first_output = True
+    keepalive_event: Event | None = ("ping", {"type": "ping"})
 
     def new_id(self) -> str:
         return f"msg_{uuid.uuid4().hex[:24]}"

@@ -122,6 +122,10 @@ class ResponseFormat:
     #: what only it knows, such as the prefix-cache hits); False: they go out at once.
     start_after_first_output = False
 
+    #: An event sent when the stream has been silent for `KEEPALIVE_SECONDS` after its
+    #: opening events (a long prefill, a long wait in the queue), or None for none.
+    keepalive_event: Event | None = None
+
     def stream_start(self, plan: Plan, choices: list[Choice]) -> list[Event]:
         """The events a stream opens with, before any output (none here)."""
         return []

@@ -68,8 +68,12 @@ async def run_choices(
     choices: list[Choice],
     admission: Admission,
     on_delta: OnDelta | None,
+    on_output: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Generate every choice to its end, calling ``on_delta`` for each piece of output.
+    """Generate every choice to its end, calling ``on_output`` (if given) for every
+    output of the engine once the choice took it, also one that carries no text yet (the
+    first, when the engine scheduled the request), then ``on_delta`` for each piece of
+    output.
 
     Raises:
         EngineError: the first engine error of any choice (the others are then aborted).
@@ -78,6 +82,8 @@ async def run_choices(
     async def drive(choice: Choice, stream: RequestStream) -> None:
         async for delta in stream:
             piece = choice.process(delta)
+            if on_output is not None:
+                await on_output()
             if piece is not None and on_delta is not None:
                 await on_delta(choice, piece)
             if choice.finished:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 
 import trio
 
@@ -32,6 +33,9 @@ from trio_llm.frontend.engine_client import Admission
 from trio_llm.text.choice import Choice, ChoiceDelta
 
 logger = logging.getLogger(__name__)
+
+#: Seconds of silence after which a stream sends its format's keep-alive event.
+KEEPALIVE_SECONDS = 15.0
 
 
 class Stream:
@@ -55,6 +59,7 @@ class Stream:
         self._lock = trio.Lock()
         self._emit: Emit | None = None
         self._started = False
+        self._last_sent = 0.0
 
     async def _start(self) -> None:
         """Send the format's opening events, once."""
@@ -68,6 +73,48 @@ class Stream:
             for name, data in events:
                 text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
                 await self._emit(text, name)
+                self._last_sent = trio.current_time()
+
+    async def _keep_alive(self, event: Event) -> None:
+        """Send ``event`` whenever the stream has been silent for `KEEPALIVE_SECONDS`
+        since its opening events (until cancelled)."""
+        while True:
+            if self._started:
+                silent = trio.current_time() - self._last_sent
+                if silent >= KEEPALIVE_SECONDS:
+                    try:
+                        await self._send([event])
+                    except Exception:  # the client is gone: the main task finds out
+                        return
+                    continue
+                await trio.sleep(KEEPALIVE_SECONDS - silent)
+            else:
+                await trio.sleep(KEEPALIVE_SECONDS)
+
+    async def _generate(self) -> None:
+        """Run every choice; with a keep-alive event, send it while the stream is silent.
+
+        Raises:
+            as `run_choices` (never an exception group).
+        """
+        plan = self.plan
+        on_output = self._start if plan.format.start_after_first_output else None
+        run = partial(run_choices, self.engine, plan, self.choices, self.admission)
+        event = plan.format.keepalive_event
+        if event is None:
+            await run(self._on_delta, on_output)
+            return
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keep_alive, event)
+            try:
+                await run(self._on_delta, on_output)
+            except Exception as exc:  # raised after the nursery: not in a group
+                error = exc
+            finally:
+                nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
 
     async def _on_delta(self, choice: Choice, piece: ChoiceDelta) -> None:
         await self._start()
@@ -82,7 +129,7 @@ class Stream:
         try:
             if not form.start_after_first_output:
                 await self._start()
-            await run_choices(self.engine, plan, self.choices, self.admission, self._on_delta)
+            await self._generate()
             await self._start()
             await self._send(form.stream_end(plan, self.choices, include_usage=include_usage))
         except EngineError as exc:

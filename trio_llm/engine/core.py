@@ -380,8 +380,11 @@ class EngineCore:
             for request, _ in batch.requests:
                 token = tokens.get(request)
                 entries = prompt_logprobs.get(id(request))
-                if token is None and entries is None:
-                    continue
+                if token is None and entries is None and request.queue_time_reported:
+                    continue  # in the middle of a prefill: nothing to tell
+                # (A request's first scheduling is told at once, even in the middle of its
+                # prefill: its queue time and prefix-cache hits, which a stream's opening
+                # event reports, are known now.)
                 new_tokens = [token] if token is not None and request.params.max_tokens else []
                 entry = logprobs.get(request)
                 output = RequestOutput(

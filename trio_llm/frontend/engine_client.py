@@ -274,16 +274,20 @@ class RequestStream:
             raise StopAsyncIteration
         # The first delta as soon as there is one; later ones gather `stream_interval`
         # tokens (fewer at the end), as vLLM's --stream-interval.
+        # The engine's first output for a request may come before its first token (the
+        # request was scheduled: its prefix-cache hits are known); it is yielded at once
+        # as a delta without tokens, and the first token still comes alone.
         needed = self._client.stream_interval if self._yielded else 1
         while (
             len(box.token_ids) < needed
             and not (needed == 1 and box.text)
             and box.finish_reason is None
             and box.error is None
+            and box.num_cached_tokens is None
         ):
             await box.wakeup.wait()
             box.wakeup = trio.Event()
-        self._yielded = True
+        self._yielded = self._yielded or bool(box.token_ids) or bool(box.text)
         if box.error is not None:
             self.finished = True
             raise box.error
