@@ -10,7 +10,7 @@ Opt-in (not part of ``make test``): it installs both clients from npm (about 650
     .venv/bin/python bench/agent_clients.py --url http://127.0.0.1:8000
     # Gemma 3 270M (32k context; `make gemma3` first): Claude Code's whole first request
     HF_HUB_OFFLINE=1 .venv/bin/python bench/agent_clients.py --model gemma-3-270m \\
-        --server-arg=--chat-template=bench/data/gemma3_chat_template.jinja
+        --server-arg=--chat-template=bench/data/gemma3_tools.jinja
 
 What runs:
 

