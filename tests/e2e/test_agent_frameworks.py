@@ -26,13 +26,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.e2e.conftest import MODEL
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_event_loop_left_behind() -> Iterator[None]:
+    """After the module: drop the thread's asyncio loop and collect, so that a loop or a
+    connection a framework left open is reported here, not in some later module's test."""
+    yield
+    asyncio.set_event_loop(None)
+    gc.collect()
+
 
 QUESTION = "What is the weather in Paris?"
 INSTRUCTIONS = "Use the get_weather tool, then answer with the city and a short summary."
@@ -117,6 +128,7 @@ def test_openai_agents_sdk_tool_and_output_type(base_url: str, no_tracing: None,
 
 def test_pydantic_ai_native_output_with_a_tool(base_url: str) -> None:
     pytest.importorskip("pydantic_ai")
+    from openai import AsyncOpenAI
     from pydantic_ai import Agent, NativeOutput, Tool
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
@@ -126,16 +138,25 @@ def test_pydantic_ai_native_output_with_a_tool(base_url: str) -> None:
     async def until_called(context, definition):
         return None if calls else definition
 
-    provider = OpenAIProvider(base_url=f"{base_url}/v1", api_key="unused")
-    agent = Agent(
-        OpenAIChatModel(MODEL, provider=provider),
-        instructions=INSTRUCTIONS,
-        output_type=NativeOutput(Weather),
-        tools=[Tool(get_weather, prepare=until_called)],
-        model_settings={"temperature": 0, "max_tokens": MAX_TOKENS, "parallel_tool_calls": False},
-    )
-    result = agent.run_sync(QUESTION)
-    assert isinstance(result.output, Weather)
+    async def run() -> object:
+        # Not `run_sync`: it leaves an open event loop (and its connections) behind, which
+        # the garbage collector then reports in whichever later test it runs.
+        async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused") as client:
+            provider = OpenAIProvider(openai_client=client)
+            agent = Agent(
+                OpenAIChatModel(MODEL, provider=provider),
+                instructions=INSTRUCTIONS,
+                output_type=NativeOutput(Weather),
+                tools=[Tool(get_weather, prepare=until_called)],
+                model_settings={
+                    "temperature": 0,
+                    "max_tokens": MAX_TOKENS,
+                    "parallel_tool_calls": False,
+                },
+            )
+            return (await agent.run(QUESTION)).output
+
+    assert isinstance(asyncio.run(run()), Weather)
 
 
 def test_langchain_create_agent_with_a_provider_strategy(base_url: str, no_tracing: None) -> None:
