@@ -184,7 +184,7 @@ def test_single_request_matches_the_exact_context_branch(
 
 
 @pytest.mark.parametrize("head_dim", [16, 40, 128])
-def test_other_head_sizes_match_reference(head_dim: int) -> None:
+def test_other_head_sizes_match_reference(head_dim: int, native_calls: list[int]) -> None:
     # 40 is not a multiple of the 8-float vector: the scalar loop.
     case = dict(
         lengths=[3, 40, 257],
@@ -198,6 +198,7 @@ def test_other_head_sizes_match_reference(head_dim: int) -> None:
     )
     reference = _decode_step(**case, native=False, exact_single=False)
     native = _decode_step(**case, native=True, exact_single=False)
+    assert native_calls == [1]
     torch.testing.assert_close(native, reference, **TOLERANCE[torch.float32])
 
 
