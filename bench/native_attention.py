@@ -17,6 +17,10 @@ every round:
   projections included; the sampler and the output projection not), the part of the ITL
   that changes with the context.
 
+``--prefill-chunk N`` (default 128, the CPU's long-prefill chunk; 0 skips it) also times,
+per layer, the reference's chunked prefill with context at each context length: the copy
+of the context's keys and values (``index_select``) plus its mask, against the SDPA call.
+
 Each figure is the median over ``--rounds`` rounds of the median of ``--steps`` calls.
 Timings taken while other processes run are noisy; the ratios of one run are the figure
 to read. Nothing is asserted.
@@ -37,6 +41,8 @@ from trio_llm.config import DEFAULT_MODEL, EngineConfig, ModelConfig, SchedulerC
 from trio_llm.engine.attention import (
     ATTENTION_NAME,
     PagedAttentionMetadata,
+    _attend_grouped,
+    _chunk_mask,
     paged_attention,
 )
 from trio_llm.engine.block_manager import cdiv
@@ -91,6 +97,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=None, help="default: every core")
+    parser.add_argument("--prefill-chunk", type=int, default=128)
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -149,6 +156,42 @@ def main() -> None:
         print(
             f"| {n} x {case[0]:,} | {a_ref:.3f} ms | {a_nat:.3f} ms | {a_ref / a_nat:.2f}x "
             f"| {s_ref:.1f} ms | {s_nat:.1f} ms | {s_ref / s_nat:.2f}x |",
+            flush=True,
+        )
+    if args.prefill_chunk:
+        _prefill(core, args.contexts, args.prefill_chunk, heads, args.rounds, gen)
+
+
+def _prefill(
+    core: EngineCore,
+    contexts: list[int],
+    chunk: int,
+    heads: int,
+    rounds: int,
+    gen: torch.Generator,
+) -> None:
+    """The reference's chunked prefill with context, per layer: copy + mask vs SDPA."""
+    k_cache, v_cache = core.kv_cache.keys[0], core.kv_cache.values[0]
+    spec = core.kv_cache.layers[0]
+    print(f"\n| context (chunk of {chunk}) | copy + mask | SDPA | copy share |")
+    print("|---|---|---|---|")
+    for context in contexts:
+        slots = torch.arange(context) + core.kv_cache.block_size
+        q = torch.randn(1, heads, chunk, spec.head_dim, generator=gen).to(k_cache.dtype)
+        copies, attends = [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            mask = _chunk_mask(chunk, context, 0, None, q.device)
+            middle = time.perf_counter()
+            _attend_grouped(q, k, v, mask, None, None)
+            copies.append(middle - start)
+            attends.append(time.perf_counter() - middle)
+        copy, attend = statistics.median(copies), statistics.median(attends)
+        print(
+            f"| {context:,} | {1e3 * copy:.2f} ms | {1e3 * attend:.2f} ms "
+            f"| {copy / (copy + attend):.0%} |",
             flush=True,
         )
 
