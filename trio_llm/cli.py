@@ -11,6 +11,7 @@ from typing import Any
 
 from trio_llm.config import (
     API_KEY_ENV,
+    ATTENTION_BACKENDS,
     CACHE_DIR_ENV,
     DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -187,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: the engine's own forward pass where the family has one (Llama), else "
         "transformers' modules; trio_llm: require it; transformers: never",
+    )
+    serve.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="auto: the engine's native CPU attention kernels where they build and load "
+        "(CPU), else the pure-torch path; CPU_ATTN: require the kernels; TORCH_SDPA: the "
+        "pure-torch reference path",
     )
     serve.add_argument(
         "--enforce-eager",
@@ -501,6 +510,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         quantization=args.quantization,
         model_impl=args.model_impl,
+        attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         runner=args.runner,
         max_model_len=args.max_model_len,

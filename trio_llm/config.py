@@ -52,6 +52,12 @@ QUANTIZATION_METHODS = ("int8", "int4")
 #: always runs transformers' modules.
 MODEL_IMPLS = ("auto", "trio_llm", "transformers")
 
+#: ``--attention-backend`` values (vLLM's flag and names): ``auto`` runs the engine's
+#: native CPU kernels where they load and the model is on the CPU
+#: (`trio_llm.engine.kernels`), ``CPU_ATTN`` requires them, ``TORCH_SDPA`` runs the
+#: pure-torch reference path (`trio_llm.engine.attention`).
+ATTENTION_BACKENDS = ("auto", "CPU_ATTN", "TORCH_SDPA")
+
 #: ``--runner`` values (vLLM's flag): ``generate`` serves a language model (completions,
 #: chat, Messages, Responses), ``pooling`` an embedding model (/v1/embeddings); ``auto``
 #: is ``pooling`` for a sentence-transformers folder (one with ``modules.json``).
@@ -115,6 +121,8 @@ class ModelConfig:
             made at load time (`trio_llm.engine.quantization`; CPU only), or None.
         model_impl: ``auto`` (the engine's own forward pass where the family has one,
             `trio_llm.engine.native`), ``trio_llm`` (require it) or ``transformers``.
+        attention_backend: ``auto``, ``CPU_ATTN`` or ``TORCH_SDPA`` (`ATTENTION_BACKENDS`):
+            the decode attention's native CPU kernel or the pure-torch reference path.
         runner: ``auto``, ``generate`` or ``pooling`` (`RUNNERS`; `trio_llm.engine.pooling`).
         enforce_eager: never replay decode steps from CUDA graphs (vLLM's flag;
             `trio_llm.engine.cuda_graphs`). Graphs are used on a GPU only.
@@ -124,6 +132,7 @@ class ModelConfig:
     dtype: str = "auto"
     quantization: str | None = None
     model_impl: str = "auto"
+    attention_backend: str = "auto"
     runner: str = "auto"
     enforce_eager: bool = False
     max_model_len: int | None = None
@@ -146,6 +155,13 @@ class ModelConfig:
             raise ValueError(f"quantization {self.quantization!r} runs on the CPU only")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "CPU_ATTN" and self.device != "cpu":
+            raise ValueError("attention_backend CPU_ATTN runs on the CPU only")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
 
@@ -281,6 +297,7 @@ def engine_config(
     device: str = "cpu",
     quantization: str | None = None,
     model_impl: str = "auto",
+    attention_backend: str = "auto",
     runner: str = "auto",
     enforce_eager: bool = False,
     max_model_len: int | None = None,

@@ -30,6 +30,7 @@ builds no attention mask for a name it does not know, which is what we want.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -40,7 +41,11 @@ import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
 
+from trio_llm.config import ATTENTION_BACKENDS
+from trio_llm.engine import kernels
 from trio_llm.engine.block_manager import cdiv
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "trio_llm_paged"
 
@@ -313,6 +318,9 @@ class PagedAttentionMetadata:
         prefills: the multi-token chunks, in packed order after the decodes.
         workspace: reused buffers for gathered keys/values (grown on demand).
         dtype: the model's dtype (of the additive decode masks).
+        native_attention: attend the decodes with the native kernel
+            (``torch.ops.trio_llm.paged_attention_decode``, `use_native_attention`) where
+            the cache is on the CPU; False runs the pure-torch reference path.
     """
 
     kv_cache: KVCache
@@ -323,6 +331,7 @@ class PagedAttentionMetadata:
     prefills: list[PrefillSpan]
     workspace: dict[str, torch.Tensor]
     dtype: torch.dtype = torch.float32
+    native_attention: bool = False
     #: ``decode_lengths`` as Python ints (no device sync to read them); empty: not given
     #: (one decoding request then takes the padded, masked path too).
     decode_context_lens: list[int] = field(default_factory=list)
@@ -390,6 +399,37 @@ def step_metadata(metadata: PagedAttentionMetadata | AttentionProbe) -> Iterator
         yield
     finally:
         _STEP.reset(token)
+
+
+def use_native_attention(backend: str, device: torch.device) -> bool:
+    """Whether the decode attention runs the native kernel, for ``--attention-backend``;
+    loads (building if missing) the kernels and logs once which path runs. Call it at
+    start-up, never per step.
+
+    Args:
+        backend: one of `ATTENTION_BACKENDS`: ``auto`` (the native kernel where it loads
+            and the cache is on the CPU), ``CPU_ATTN`` (require it), ``TORCH_SDPA`` (the
+            pure-torch reference path).
+        device: where the KV cache lives (the kernels are CPU only).
+
+    Raises:
+        ValueError: ``CPU_ATTN`` where the kernels did not load or the cache is on a GPU,
+            or an unknown ``backend``.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "TORCH_SDPA":
+        logger.info("attention: pure-torch reference path (--attention-backend TORCH_SDPA)")
+        return False
+    if device.type != "cpu":
+        if backend == "CPU_ATTN":
+            raise ValueError("--attention-backend CPU_ATTN runs on the CPU only")
+        return False
+    status = kernels.load()
+    if backend == "CPU_ATTN" and not status.loaded:
+        raise ValueError(f"--attention-backend CPU_ATTN: the native kernels: {status.detail}")
+    logger.info(status.describe())
+    return status.loaded
 
 
 def _gather_blocks(
@@ -465,7 +505,19 @@ def paged_attention(
 
     num_decode = paged.num_decode
     single = num_decode == 1 and bool(paged.decode_context_lens)
-    if single and sliding_window is None and softcap is None:
+    if num_decode and paged.native_attention and not k_cache.is_cuda:
+        _native_decode(
+            paged,
+            kv_group,
+            q[:num_decode],
+            k_cache,
+            v_cache,
+            out[:num_decode],
+            scaling,
+            sliding_window,
+            softcap,
+        )
+    elif single and sliding_window is None and softcap is None:
         # One request decoding: its context's keys without padding, so no mask.
         length = paged.decode_context_lens[0]
         slots = paged.decode_slots(kv_group, length)
@@ -535,6 +587,36 @@ def paged_attention(
             o = _attend_grouped(q_span, k_span, v_span, mask, scaling, softcap)
         out[span.start : end] = o[0].transpose(0, 1)
     return out[:num_tokens].unsqueeze(0), None
+
+
+def _native_decode(
+    paged: PagedAttentionMetadata,
+    kv_group: int,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """The decode queries ``q`` ``[num_decode, H, D]`` attended by the native kernel over
+    the cache in place (no gather, no mask), written into ``out`` (same shape and dtype)."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    torch.ops.trio_llm.paged_attention_decode(
+        q,
+        k_cache,
+        v_cache,
+        paged.decode_blocks[kv_group],
+        paged.decode_lengths,
+        paged.kv_cache.block_size,
+        float(scale),
+        0 if sliding_window is None else int(sliding_window),
+        0.0 if softcap is None else float(softcap),
+        out,
+    )
 
 
 def _attend(

@@ -159,6 +159,7 @@ class EngineCore:
             model,
             self.kv_cache,
             model_impl=config.model.model_impl,
+            attention_backend=config.model.attention_backend,
             quantization=config.model.quantization,
             cuda_graphs=not config.model.enforce_eager,
             max_num_seqs=config.scheduler.max_num_seqs,

@@ -27,6 +27,7 @@ from trio_llm.engine.attention import (
     PrefillSpan,
     context_slots,
     step_metadata,
+    use_native_attention,
 )
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.engine.cuda_graphs import DecodeGraphs
@@ -130,6 +131,9 @@ class ModelRunner:
             in one copy, `StepInputs`).
         kv_cache: the paged cache this runner writes to.
         model_impl: ``auto``, ``trio_llm`` or ``transformers`` (`trio_llm.engine.native`).
+        attention_backend: ``auto``, ``CPU_ATTN`` or ``TORCH_SDPA``: whether decodes attend
+            through the native CPU kernel (`trio_llm.engine.attention.use_native_attention`,
+            which loads the kernels and logs which path runs).
         quantization: ``int8``, ``int4`` or None: the decoder's linear layers become
             `QuantizedLinear` layers of that mode (their float weights are dropped), and a
             plain output projection an int8 one.
@@ -140,7 +144,8 @@ class ModelRunner:
 
     Raises:
         EngineConfigError: ``model_impl`` is ``trio_llm`` and the model has no native
-            implementation.
+            implementation, or ``attention_backend`` is ``CPU_ATTN`` and the native
+            kernels cannot run.
     """
 
     def __init__(
@@ -148,6 +153,7 @@ class ModelRunner:
         model: torch.nn.Module,
         kv_cache: KVCache,
         model_impl: str = "auto",
+        attention_backend: str = "auto",
         quantization: str | None = None,
         cuda_graphs: bool = True,
         max_num_seqs: int = 256,
@@ -171,6 +177,11 @@ class ModelRunner:
         #: Some layer softcaps its attention logits: it attends chunk by chunk even with
         #: a prefill batch.
         self._softcapped = any(spec.softcap is not None for spec in kv_cache.layers)
+        try:
+            #: Decodes attend through the native kernel (`PagedAttentionMetadata`).
+            self.native_attention = use_native_attention(attention_backend, self.device)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from exc
         self._head = _OwnHead(model)
         head = model.get_output_embeddings()
         # [vocab, hidden]; tied to the input embeddings for SmolLM2. None: use the model's
@@ -236,6 +247,7 @@ class ModelRunner:
                 dtype=self.dtype,
                 decode_context_lens=step.decode_lens,
                 prefill_batch=step.prefill_batch,
+                native_attention=self.native_attention,
             )
             hidden = self.forward(step.input_ids[None], step.positions[None], metadata)
         prompt_hidden = [
