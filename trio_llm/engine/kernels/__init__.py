@@ -11,7 +11,7 @@ on another CPU model builds its own.
 
 `make install` builds it (``python -m trio_llm.engine.kernels``); the engine loads it at
 start-up (`load`) and builds it then if it is missing. Where there is no compiler, or
-the build fails, or ``--attention-backend torch`` is given, the engine runs the
+the build fails, or ``--attention-backend TORCH_SDPA`` is given, the engine runs the
 pure-torch reference path (`trio_llm.engine.attention`), which also serves as the
 reference the kernels are tested against. One log line says which path runs.
 """
