@@ -265,54 +265,63 @@ inline __m256i idot(__m256i w, __m256i x, const Block& b) {
 }
 #endif
 
-// y[m0 + r, n] for r < R: one weight row against R activation rows.
+#if defined(__AVX2__)
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(Acc a, Acc b) { return hsum(_mm256_add_ps(a, b)); }
+#else
+using Acc = float;
+inline Acc acc_zero() { return 0.0f; }
+inline float acc_sum(Acc a, Acc b) { return a + b; }
+#endif
+
+// Sub-block `idx` of a weight row (32 values) times activation rows m0 .. m0 + R - 1,
+// added to acc[r] (the block's scaled integer dot) and off[r] (the offset term).
+template <class F, int R>
+inline void block_dot(const uint8_t* __restrict__ wrow, const Acts& a, int64_t m0, int64_t idx,
+                      Acc* acc, float* off) {
+  Block b;
+  F::unpack(wrow + (idx / F::kSub) * F::kBytes, static_cast<int>(idx % F::kSub), b);
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = m0 + r;
+    const float dx = a.d[row * a.nb + idx];
+    const int8_t* xq = a.q + row * a.K + idx * 32;
+#if defined(__AVX2__)
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    const __m256i dot = idot<F::kSigned, F::kHalfScales>(b.q, x, b);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(b.s * dx), acc[r]);
+#else
+    int s0 = 0, s1 = 0;
+    for (int l = 0; l < 16; ++l) {
+      const int w0 = F::kSigned ? static_cast<int8_t>(b.q.b[l]) : b.q.b[l];
+      const int w1 = F::kSigned ? static_cast<int8_t>(b.q.b[l + 16]) : b.q.b[l + 16];
+      s0 += w0 * xq[l];
+      s1 += w1 * xq[l + 16];
+    }
+    acc[r] += b.s * dx * static_cast<float>(s0 * b.sc0 + s1 * b.sc1);
+#endif
+    if (!F::kSigned) off[r] += b.m * a.ds[row * a.nb + idx];
+  }
+}
+
+// y[m0 + r, n] for r < R: one weight row against R activation rows. Even and odd
+// sub-blocks go to separate accumulators (two independent FMA chains for batch 1).
 template <class F, int R>
 inline void row_dot(const uint8_t* __restrict__ wrow, const Acts& a, int64_t m0, float* out) {
-  const int64_t nblocks = a.K / F::kValues;
-#if defined(__AVX2__)
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-#else
-  float acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-#endif
-  float off[R];
-  for (int r = 0; r < R; ++r) off[r] = 0.0f;
-  for (int64_t i = 0; i < nblocks; ++i) {
-    const uint8_t* blk = wrow + i * F::kBytes;
-    for (int j = 0; j < F::kSub; ++j) {
-      Block b;
-      F::unpack(blk, j, b);
-      const int64_t xb = i * F::kSub + j;  // activation block index
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = m0 + r;
-        const float dx = a.d[row * a.nb + xb];
-        const int8_t* xq = a.q + row * a.K + xb * 32;
-#if defined(__AVX2__)
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        const __m256i dot = idot<F::kSigned, F::kHalfScales>(b.q, x, b);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(b.s * dx), acc[r]);
-#else
-        int s0 = 0, s1 = 0;
-        for (int l = 0; l < 16; ++l) {
-          const int w0 = F::kSigned ? static_cast<int8_t>(b.q.b[l]) : b.q.b[l];
-          const int w1 = F::kSigned ? static_cast<int8_t>(b.q.b[l + 16]) : b.q.b[l + 16];
-          s0 += w0 * xq[l];
-          s1 += w1 * xq[l + 16];
-        }
-        acc[r] += b.s * dx * static_cast<float>(s0 * b.sc0 + s1 * b.sc1);
-#endif
-        if (!F::kSigned) off[r] += b.m * a.ds[row * a.nb + xb];
-      }
-    }
-  }
+  const int64_t total = a.nb;  // 32-value sub-blocks per row
+  Acc acc0[R], acc1[R];
+  float off0[R], off1[R];
   for (int r = 0; r < R; ++r) {
-#if defined(__AVX2__)
-    out[r] = hsum(acc[r]) + off[r];
-#else
-    out[r] = acc[r] + off[r];
-#endif
+    acc0[r] = acc1[r] = acc_zero();
+    off0[r] = off1[r] = 0.0f;
   }
+  int64_t idx = 0;
+  for (; idx + 1 < total; idx += 2) {
+    block_dot<F, R>(wrow, a, m0, idx, acc0, off0);
+    block_dot<F, R>(wrow, a, m0, idx + 1, acc1, off1);
+  }
+  if (idx < total) block_dot<F, R>(wrow, a, m0, idx, acc0, off0);
+  for (int r = 0; r < R; ++r) out[r] = acc_sum(acc0[r], acc1[r]) + off0[r] + off1[r];
 }
 
 constexpr int64_t kRowsPerTask = 4;   // output channels per parallel work item, at least
