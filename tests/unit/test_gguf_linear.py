@@ -184,20 +184,28 @@ def test_real_tensor_is_the_loaded_float_weight(smollm2_tensors, gguf_name, name
     assert ((y - exact).abs() <= rounding + 1e-4).all()
 
 
-def test_gguf_weights_refuse_a_type_without_kernel(tmp_path, smollm2_tensors) -> None:
-    """A Llama file whose projection is F32 (no kernel) is refused with its name."""
+def _write_gguf(path, architecture: str) -> None:
+    """A GGUF file of ``architecture`` whose one tensor, blk.0.attn_q, is F32."""
     from gguf import GGUFWriter
 
-    _, _, config = smollm2_tensors
-    path = tmp_path / "f32.gguf"
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), architecture)
     writer.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_gguf_weights_refuse_what_they_cannot_serve(tmp_path, smollm2_tensors) -> None:
+    """A Llama file whose projection is F32 (no kernel) is refused with its name, and a
+    file of another architecture (its rows' order and names differ) by its architecture."""
+    _, _, config = smollm2_tensors
+    _write_gguf(tmp_path / "f32.gguf", "llama")
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight is F32"):
-        GGUFWeights.read(path, config)
+        GGUFWeights.read(tmp_path / "f32.gguf", config)
+    _write_gguf(tmp_path / "gemma3.gguf", "gemma3")
+    with pytest.raises(ValueError, match="architecture 'gemma3'"):
+        GGUFWeights.read(tmp_path / "gemma3.gguf", config)
 
 
 # ---------------------------------------------------------------- the engine
