@@ -244,8 +244,9 @@ def test_engine_serves_the_gguf_blocks(smol_tokenizer) -> None:
 
     Measured (AMD EPYC, AVX2): the first generated token is a near tie in the float32
     model ("The" 504 vs "L" 60) that the int8 activations flip, so greedy outputs of a
-    chat prompt differ from the first token; on a plain-text prompt they agree for the
-    first positions (printed).
+    chat prompt differ from the first token; on this plain-text prompt all 16 agree
+    (printed). llama-cpp-python 0.3.36 on the same file gave the same 16 tokens as
+    ``-q gguf`` on both prompts (docs/benchmarks.md, "Native kernels (issue 32)").
     """
     torch.set_num_threads(1)
     prompt = smol_tokenizer.encode("The capital of France is Paris. The capital of Germany is")
