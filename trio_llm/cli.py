@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZATION_METHODS,
         default=None,
         help="weight-only quantization made at load time (CPU): int8 per output channel or "
-        "int4 in groups of 32; fastest for few concurrent requests (default: none)",
+        "int4 in groups of 32; fastest for few concurrent requests; gguf: a GGUF model's own "
+        "quantized blocks with int8-activation kernels (Llama GGUF files) (default: none)",
     )
     serve.add_argument(
         "--model-impl",

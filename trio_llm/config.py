@@ -44,8 +44,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 
 #: ``--quantization`` values: weight-only modes made at load time
-#: (`trio_llm.engine.quantization`).
-QUANTIZATION_METHODS = ("int8", "int4")
+#: (`trio_llm.engine.quantization`), and ``gguf``: a GGUF model's own quantized blocks
+#: (`trio_llm.engine.gguf_linear`).
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 
 #: ``--model-impl`` values (vLLM's flag): ``auto`` runs the engine's own forward pass where
 #: a family has one (`trio_llm.engine.native`), ``trio_llm`` requires it, ``transformers``
@@ -118,7 +119,9 @@ class ModelConfig:
             `default_cache_dir`.
         seed: seed for the engine's default random generator (requests without a seed).
         quantization: ``int8`` or ``int4`` weight-only quantization of the linear layers,
-            made at load time (`trio_llm.engine.quantization`; CPU only), or None.
+            made at load time (`trio_llm.engine.quantization`; CPU only); ``gguf``: a GGUF
+            model's own quantized blocks, multiplied by the native kernels
+            (`trio_llm.engine.gguf_linear`; CPU, Llama GGUF files); or None.
         model_impl: ``auto`` (the engine's own forward pass where the family has one,
             `trio_llm.engine.native`), ``trio_llm`` (require it) or ``transformers``.
         attention_backend: ``auto``, ``CPU_ATTN`` or ``TORCH_SDPA`` (`ATTENTION_BACKENDS`):

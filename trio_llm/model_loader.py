@@ -195,6 +195,18 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     return folder
 
 
+def gguf_file_of(model: str, cache_dir: Path) -> Path | None:
+    """The GGUF file behind ``model`` (a named model's, or a ``.gguf`` path), or None for
+    a Hugging Face folder.
+
+    Raises:
+        ModelNotFoundError: as `locate_model`.
+    """
+    named = NAMED_MODELS.get(model)
+    path = named.gguf_path(model, cache_dir) if named is not None else locate_model(model)
+    return path if path.suffix == ".gguf" else None
+
+
 def write_generation_config(folder: Path, eos_token_ids: tuple[int, ...]) -> None:
     """Give a converted folder the ``generation_config.json`` its GGUF file lacked: only
     ``eos_token_id`` (no sampling defaults), written once, atomically; a file already

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -163,6 +164,7 @@ class EngineCore:
             quantization=config.model.quantization,
             cuda_graphs=not config.model.enforce_eager,
             max_num_seqs=config.scheduler.max_num_seqs,
+            gguf_file=_gguf_file(config) if config.model.quantization == "gguf" else None,
         )
         logger.info(
             "%s (%s%s): %s; %s; logits from %s",
@@ -490,6 +492,18 @@ def _describe_layers(layers: list[LayerSpec]) -> str:
     shapes = sorted({(spec.num_kv_heads, spec.head_dim) for spec in layers})
     parts.append(", ".join(f"{h} KV heads of {d}" for h, d in shapes))
     return ", ".join(parts)
+
+
+def _gguf_file(config: EngineConfig) -> Path | None:
+    """The GGUF file ``config.model`` names (a named GGUF model or a ``.gguf`` path), or
+    None (a Hugging Face folder; ``--quantization gguf`` refuses it)."""
+    from trio_llm.errors import ModelNotFoundError
+    from trio_llm.model_loader import gguf_file_of
+
+    try:
+        return gguf_file_of(config.model.model, config.cache_dir())
+    except ModelNotFoundError:
+        return None
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

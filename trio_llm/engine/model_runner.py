@@ -14,8 +14,11 @@ projection's weight gives the same logits.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -31,6 +34,7 @@ from trio_llm.engine.attention import (
 )
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.engine.cuda_graphs import DecodeGraphs
+from trio_llm.engine.gguf_linear import GGUFWeights, kernel_available
 from trio_llm.engine.native import native_decoder
 from trio_llm.engine.quantization import QuantizedLinear, can_quantize, quantize_linears
 from trio_llm.engine.request import Request
@@ -122,6 +126,32 @@ class StepInputs:
     prompt_rows: list[tuple[Request, int, int, int]]
 
 
+def _read_gguf(model: torch.nn.Module, gguf_file: Path | None, device: torch.device) -> GGUFWeights:
+    """The GGUF file's blocks for ``--quantization gguf``, checked against ``model``.
+
+    Raises:
+        EngineConfigError: why this model or file cannot be served that way.
+    """
+    name = describe(model.config)
+    if device.type != "cpu":
+        raise EngineConfigError(f"{name}: --quantization gguf runs on the CPU only")
+    if gguf_file is None:
+        raise EngineConfigError(
+            f"{name}: --quantization gguf needs a GGUF model (a .gguf file or a model "
+            "shipped as one); this one was loaded from a Hugging Face folder"
+        )
+    reason = kernel_available()
+    if reason is not None:
+        raise EngineConfigError(f"{name}: --quantization gguf: {reason}")
+    try:
+        weights = GGUFWeights.read(gguf_file, model.config)
+        weights.check_against(model)
+    except ValueError as exc:
+        raise EngineConfigError(f"{name}: --quantization gguf: {exc}") from exc
+    logger.info("--quantization gguf: the decoder multiplies %s's own blocks", gguf_file.name)
+    return weights
+
+
 class ModelRunner:
     """Runs a causal LM loaded with ``attn_implementation=ATTENTION_NAME`` over a `KVCache`.
 
@@ -136,7 +166,11 @@ class ModelRunner:
             which loads the kernels and logs which path runs).
         quantization: ``int8``, ``int4`` or None: the decoder's linear layers become
             `QuantizedLinear` layers of that mode (their float weights are dropped), and a
-            plain output projection an int8 one.
+            plain output projection an int8 one; ``gguf``: the decoder's projections and
+            the output projection multiply ``gguf_file``'s own blocks
+            (`trio_llm.engine.gguf_linear`; the native forward pass and the native
+            kernels are required).
+        gguf_file: the GGUF file ``model`` was converted from, for ``gguf``.
         cuda_graphs: on a GPU, replay decode-only batches from CUDA graphs
             (`trio_llm.engine.cuda_graphs`) where the model qualifies; False is vLLM's
             ``--enforce-eager``. Ignored on the CPU.
@@ -144,8 +178,10 @@ class ModelRunner:
 
     Raises:
         EngineConfigError: ``model_impl`` is ``trio_llm`` and the model has no native
-            implementation, or ``attention_backend`` is ``CPU_ATTN`` and the native
-            kernels cannot run.
+            implementation; ``attention_backend`` is ``CPU_ATTN`` and the native
+            kernels cannot run; or ``gguf`` cannot serve this model (no GGUF file, not a
+            Llama file, a tensor type without a kernel, no native kernels, or the file's
+            weights differ from the model's).
     """
 
     def __init__(
@@ -157,6 +193,7 @@ class ModelRunner:
         quantization: str | None = None,
         cuda_graphs: bool = True,
         max_num_seqs: int = 256,
+        gguf_file: Path | None = None,
     ) -> None:
         self.model = model
         self.decoder = model.get_decoder()
@@ -189,14 +226,28 @@ class ModelRunner:
         self.lm_head_weight: torch.Tensor | None = None
         if _is_plain_projection(model, head) and self._head.agrees_with(head.weight):
             self.lm_head_weight = head.weight
+        gguf = None
+        if quantization == "gguf":
+            gguf = _read_gguf(model, gguf_file, self.device)
         try:
             #: The engine's own forward pass (`trio_llm.engine.native`), or None.
-            self.native = native_decoder(model, model_impl, quantization)
+            self.native = native_decoder(model, model_impl, quantization, gguf)
         except ValueError as exc:
             raise EngineConfigError(f"{describe(model.config)}: {exc}") from exc
-        #: The output projection as a `QuantizedLinear` (quantized runs with a plain head).
-        self.quantized_head: QuantizedLinear | None = None
-        if quantization is not None:
+        #: The output projection as a `QuantizedLinear` (quantized runs with a plain head)
+        #: or the GGUF file's own head: float32 ``[rows, vocab]`` logits of hidden states.
+        self.quantized_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if gguf is not None:
+            head = gguf.head
+            if (
+                head is not None
+                and self.lm_head_weight is not None
+                and torch.equal(head.dequantized().to(self.dtype), self.lm_head_weight)
+            ):
+                self.quantized_head = functools.partial(head.forward, out_dtype=torch.float32)
+            else:
+                logger.info("--quantization gguf: the output projection stays in float")
+        elif quantization is not None:
             if self.native is None:
                 quantize_linears(self.decoder, quantization)
             # The output projection stays at int8 in both modes: with int4 there,

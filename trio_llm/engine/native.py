@@ -33,6 +33,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from trio_llm.config import MODEL_IMPLS
 from trio_llm.engine.attention import paged_attention
+from trio_llm.engine.gguf_linear import GGUFLinear, GGUFWeights
 from trio_llm.engine.quantization import QuantizedLinear, can_quantize
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,12 @@ def _concat(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
 class _Layer:
     """One decoder layer's weights, concatenated."""
 
-    def __init__(self, layer: torch.nn.Module, quantization: str | None) -> None:
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        quantization: str | None,
+        gguf: dict[str, GGUFLinear] | None = None,
+    ) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attention = attn  # paged_attention reads its layer_idx
         self.scaling = attn.scaling
@@ -90,13 +96,23 @@ class _Layer:
         self.q_size = attn.q_proj.out_features
         self.kv_size = attn.k_proj.out_features
         self.num_heads = self.q_size // self.head_dim
-        self.qkv = _projection(*_concat([attn.q_proj, attn.k_proj, attn.v_proj]), quantization)
-        self.o = _projection(attn.o_proj.weight, attn.o_proj.bias, quantization)
         self.intermediate = mlp.gate_proj.out_features
-        self.gate_up = _projection(*_concat([mlp.gate_proj, mlp.up_proj]), quantization)
-        self.down = _projection(mlp.down_proj.weight, mlp.down_proj.bias, quantization)
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
+        if gguf is not None:
+            # The GGUF file's own blocks (`trio_llm.engine.gguf_linear`); biases, where the
+            # model has them, from its float parameters.
+            for role, module in zip(gguf, _projections(layer), strict=True):
+                gguf[role].bias = None if module.bias is None else module.bias.detach()
+            self.qkv = GGUFLinear.concat([gguf["q"], gguf["k"], gguf["v"]])
+            self.o = gguf["o"].forward
+            self.gate_up = GGUFLinear.concat([gguf["gate"], gguf["up"]])
+            self.down = gguf["down"].forward
+            return
+        self.qkv = _projection(*_concat([attn.q_proj, attn.k_proj, attn.v_proj]), quantization)
+        self.o = _projection(attn.o_proj.weight, attn.o_proj.bias, quantization)
+        self.gate_up = _projection(*_concat([mlp.gate_proj, mlp.up_proj]), quantization)
+        self.down = _projection(mlp.down_proj.weight, mlp.down_proj.bias, quantization)
 
 
 def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
@@ -130,15 +146,26 @@ class NativeLlama:
 
     Args:
         model: a ``LlamaForCausalLM`` that `native_decoder` accepted.
-        quantization: ``int8``, ``int4`` or None (float weights).
+        quantization: ``int8``, ``int4``, ``gguf`` (with ``gguf``) or None (float weights).
+        gguf: the GGUF file's blocks for ``quantization="gguf"``.
     """
 
-    def __init__(self, model: torch.nn.Module, quantization: str | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        quantization: str | None = None,
+        gguf: GGUFWeights | None = None,
+    ) -> None:
         decoder = model.get_decoder()
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
         self.norm = decoder.norm
-        self.layers = [_Layer(layer, quantization) for layer in decoder.layers]
+        if quantization == "gguf" and gguf is None:
+            raise ValueError("quantization 'gguf' needs the GGUF file's weights")
+        self.layers = [
+            _Layer(layer, quantization, gguf.layers[i] if gguf is not None else None)
+            for i, layer in enumerate(decoder.layers)
+        ]
         if quantization is not None:
             # The transformers modules' float weights are no longer read by any step:
             # free them (the probe at start-up ran before).
@@ -216,27 +243,36 @@ def native_unsupported(model: torch.nn.Module) -> str | None:
 
 
 def native_decoder(
-    model: torch.nn.Module, model_impl: str = "auto", quantization: str | None = None
+    model: torch.nn.Module,
+    model_impl: str = "auto",
+    quantization: str | None = None,
+    gguf: GGUFWeights | None = None,
 ) -> NativeLlama | None:
     """The native decoder for ``model``, or None to run transformers' modules.
 
     Args:
         model: the loaded causal LM.
         model_impl: one of `MODEL_IMPLS`.
-        quantization: ``int8``, ``int4`` or None.
+        quantization: ``int8``, ``int4``, ``gguf`` or None.
+        gguf: the GGUF file's blocks, for ``gguf`` (which needs the native decoder).
 
     Raises:
-        ValueError: ``model_impl`` is ``trio_llm`` and the model does not qualify (the
-            reason is in the message), or an unknown ``model_impl``.
+        ValueError: ``model_impl`` is ``trio_llm`` (or ``quantization`` is ``gguf``) and
+            the model does not qualify (the reason is in the message), or an unknown
+            ``model_impl``.
     """
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
     if model_impl == "transformers":
+        if quantization == "gguf":
+            raise ValueError("--quantization gguf runs on the native forward pass only")
         return None
     reason = native_unsupported(model)
     if reason is not None:
+        if quantization == "gguf":
+            raise ValueError(f"--quantization gguf needs the native forward pass: {reason}")
         if model_impl == "trio_llm":
             raise ValueError(f"--model-impl trio_llm: {reason}")
         logger.info("running transformers' modules: %s", reason)
         return None
-    return NativeLlama(model, quantization)
+    return NativeLlama(model, quantization, gguf)

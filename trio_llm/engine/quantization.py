@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from trio_llm.config import QUANTIZATION_METHODS
+#: The modes `QuantizedLinear` makes (``gguf`` is `trio_llm.engine.gguf_linear`'s).
+WEIGHT_METHODS = ("int8", "int4")
 
 #: Input channels sharing one int4 scale and minimum.
 INT4_GROUP_SIZE = 32
@@ -85,8 +86,8 @@ class QuantizedLinear(torch.nn.Module):
             ValueError: an unknown method, or a shape the method's kernel cannot take
                 (`can_quantize`).
         """
-        if method not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
+        if method not in WEIGHT_METHODS:
+            raise ValueError(f"quantization must be one of {WEIGHT_METHODS}, got {method!r}")
         if not can_quantize(weight, method):
             raise ValueError(f"a {tuple(weight.shape)} weight cannot be quantized to {method}")
         out_features, in_features = weight.shape
