@@ -96,6 +96,8 @@ class System:
     env: dict[str, str] = field(default_factory=dict)
     #: Where ``start_command``'s program must be for the system to run (a peer's venv).
     needs: Path | None = None
+    #: Seconds ``start_command``'s server may take to answer.
+    start_timeout: float = 600
 
     def available(self) -> bool:
         """Whether this system can run here (its peer's virtual environment exists)."""
@@ -116,7 +118,7 @@ class System:
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_ready(url, process, log_dir / f"{self.name}.log")
+            _wait_ready(url, process, log_dir / f"{self.name}.log", self.start_timeout)
             yield url
         finally:
             process.send_signal(signal.SIGINT)
@@ -197,6 +199,10 @@ def build_systems(args: argparse.Namespace, model_dir: Path, gguf: Path) -> dict
         model_field=str(model_dir),
         env={"VLLM_TARGET_DEVICE": "cpu"},
         needs=VLLM / "vllm",
+        # Its inductor compile: about 140 s on a quiet 2-core machine, 13 minutes on a busy
+        # one, at every start (0.32 fails to load its own AOT cache: "'function' object has
+        # no attribute 'finalize_loading'").
+        start_timeout=1800,
     )  # fmt: skip
     return systems
 
