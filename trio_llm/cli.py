@@ -259,9 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_num_threads,
         default=None,
         metavar="N|auto",
-        help="torch threads in the engine (default: all cores); auto: all cores, one fewer "
-        "per core other processes take (faster on a shared machine; float32 results then "
-        "vary with the load at the 1e-6 level)",
+        help="torch threads in the engine. Default and auto: all cores, one fewer per "
+        "core other processes take (beside a one-core hog on 2 cores 1.3-1.8x slower "
+        "instead of 3-8x; float32 results then vary with the load at the 1e-6 level); "
+        "N: exactly N, the same bits for the same requests (default with "
+        "--data-parallel-size above 1: an equal share of the cores each)",
     )
     serve.add_argument(
         "--shutdown-timeout",
@@ -527,7 +529,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
         num_threads=None if args.num_threads == "auto" else args.num_threads,
-        adaptive_threads=args.num_threads == "auto",
+        adaptive_threads=True if args.num_threads == "auto" else None,
     )
     return ServerConfig(
         engine=engine,

@@ -248,13 +248,18 @@ class EngineConfig:
     """Everything the engine-core child needs; sent to it once, pickled, at start-up.
 
     Attributes:
-        num_threads: torch intra-op threads in the engine; ``None`` uses every CPU core
-            on the CPU, and one thread with ``device="cuda"``.
-        adaptive_threads: on the CPU, run each step on one thread fewer for each core
-            other processes take (`trio_llm.engine.cpu_share`; ``--num-threads auto``).
-            float32 results then depend on the thread count at the 1e-6 level, so a
-            request's logprobs (rarely its tokens) may differ with the machine's load;
-            off by default, where the same requests give the same bits.
+        num_threads: torch intra-op threads in the engine, fixed (``--num-threads N``);
+            ``None``: as ``adaptive_threads`` says.
+        adaptive_threads: with ``num_threads`` unset, run each CPU step on every core
+            less one thread for each core other processes take
+            (`trio_llm.engine.cpu_share`; ``--num-threads auto``). ``None``, the default,
+            means on for one engine on the CPU; one thread with ``device="cuda"`` (there
+            ``True`` keeps every core, not adapted); and an equal fixed share of the cores
+            per engine with ``--data-parallel-size`` above 1 (`ServerConfig.engine_for_rank`).
+            ``False``: every core, fixed. Adapted, float32 results depend on the thread
+            count at the 1e-6 level, so a request's logprobs (rarely its tokens) may differ
+            with the machine's load; a fixed ``num_threads`` gives the same bits for the
+            same requests.
         heartbeat_interval: seconds between the engine's `Heartbeat` messages once it is
             ready (the server sets it from ``--engine-step-timeout``).
         data_parallel_rank: this engine's rank among ``--data-parallel-size`` engines; on
@@ -265,7 +270,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
-    adaptive_threads: bool = False
+    adaptive_threads: bool | None = None
     heartbeat_interval: float = 1.0
     data_parallel_rank: int = 0
 
@@ -276,6 +281,16 @@ class EngineConfig:
             raise ValueError("heartbeat_interval must be positive")
         if self.adaptive_threads and self.num_threads is not None:
             raise ValueError("give either num_threads or adaptive_threads, not both")
+
+    @property
+    def adapts_threads(self) -> bool:
+        """Whether the engine's CPU steps follow `trio_llm.engine.cpu_share` (see
+        ``adaptive_threads``)."""
+        if self.num_threads is not None:
+            return False
+        if self.adaptive_threads is None:
+            return self.model.device == "cpu"
+        return self.adaptive_threads
 
     def with_dtype(self, dtype: str) -> EngineConfig:
         """This config with ``--dtype auto`` replaced by ``dtype``, the one an engine
@@ -316,7 +331,7 @@ def engine_config(
     long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold,
     max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills,
     num_threads: int | None = None,
-    adaptive_threads: bool = False,
+    adaptive_threads: bool | None = None,
 ) -> EngineConfig:
     """An `EngineConfig` from flat keyword arguments named like vLLM's engine arguments.
 
@@ -586,14 +601,15 @@ class ServerConfig:
 
     def engine_for_rank(self, rank: int) -> EngineConfig:
         """The `EngineConfig` of data-parallel engine ``rank``: its rank, and on the CPU
-        (when ``num_threads`` is unset and threads are not adaptive) an equal share of
-        the cores, at least one thread each."""
+        (when ``num_threads`` is unset and ``--num-threads auto`` not asked for) an
+        equal fixed share of the cores, at least one thread each: engines that each adapt
+        to the others' load do not settle on a fair split (docs/benchmarks.md)."""
         config = replace(self.engine, data_parallel_rank=rank)
         if (
             self.data_parallel_size > 1
             and config.model.device == "cpu"
             and config.num_threads is None
-            and not config.adaptive_threads
+            and config.adaptive_threads is not True
         ):
             share = available_cores() // self.data_parallel_size
             config = replace(config, num_threads=max(1, share))

@@ -79,14 +79,15 @@ def test_num_threads_auto_turns_it_on_and_a_count_fixes_it() -> None:
     def engine(*flags: str):
         return config_from_args(build_parser().parse_args(["serve", *flags])).engine
 
-    assert (engine().num_threads, engine().adaptive_threads) == (None, False)
+    # The default adapts on the CPU (issue 32), as auto does; a count fixes it.
+    assert (engine().num_threads, engine().adapts_threads) == (None, True)
     assert (
         engine("--num-threads", "auto").num_threads,
-        engine("--num-threads", "auto").adaptive_threads,
+        engine("--num-threads", "auto").adapts_threads,
     ) == (None, True)
     assert (
         engine("--num-threads", "3").num_threads,
-        engine("--num-threads", "3").adaptive_threads,
+        engine("--num-threads", "3").adapts_threads,
     ) == (3, False)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--num-threads", "0"])

@@ -14,8 +14,9 @@ else can run, the loop waits for the next message *or* a compile to start, finis
 past its time limit (`_Wakeup`: the core's callback cancels the wait), so a request
 waiting for its grammar is neither forgotten nor polled for.
 
-With ``adaptive_threads`` (``--num-threads auto``) each CPU step runs on the torch thread
-count `CpuShare` recommends: one thread fewer for each core other processes take.
+Unless ``--num-threads N`` fixes the count (`EngineConfig.adapts_threads`; on by default
+on the CPU), each CPU step runs on the torch thread count `CpuShare` recommends: one thread
+fewer for each core other processes take.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
     try:
         await channel.send(core.ready_message(os.getpid()))
         share = None
-        if config.model.device == "cpu" and config.adaptive_threads:
+        if config.model.device == "cpu" and config.adapts_threads:
             share = CpuShare(torch.get_num_threads())
         await _serve(core, _Outbox(channel, share), config.heartbeat_interval)
     except Exception as exc:
