@@ -31,7 +31,7 @@ from trio_llm.engine.structured import (
     matcher_error,
 )
 from trio_llm.engine.support import check_context, check_supported, describe
-from trio_llm.errors import EngineConfigError
+from trio_llm.errors import EngineConfigError, ModelNotFoundError
 from trio_llm.messages import (
     AddRequest,
     EngineReady,
@@ -41,6 +41,7 @@ from trio_llm.messages import (
     StepStats,
     TokenLogprobs,
 )
+from trio_llm.model_loader import gguf_file_of
 
 logger = logging.getLogger(__name__)
 
@@ -497,9 +498,6 @@ def _describe_layers(layers: list[LayerSpec]) -> str:
 def _gguf_file(config: EngineConfig) -> Path | None:
     """The GGUF file ``config.model`` names (a named GGUF model or a ``.gguf`` path), or
     None (a Hugging Face folder; ``--quantization gguf`` refuses it)."""
-    from trio_llm.errors import ModelNotFoundError
-    from trio_llm.model_loader import gguf_file_of
-
     try:
         return gguf_file_of(config.model.model, config.cache_dir())
     except ModelNotFoundError:

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trio_llm.engine import kernels
+
 logger = logging.getLogger(__name__)
 
 #: GGML type id -> (name, values per block, bytes per block) the kernel multiplies.
@@ -53,8 +55,6 @@ LLAMA_PROJECTIONS = {
 
 def kernel_available() -> str | None:
     """None when ``torch.ops.trio_llm.gguf_matmul`` is loaded, else why not."""
-    from trio_llm.engine import kernels
-
     status = kernels.load()
     if not status.loaded:
         return f"the native kernels are not loaded ({status.detail})"
