@@ -284,12 +284,12 @@ ARCHITECTURES: dict[str, Architecture] = {
             scale_attn_by_inverse_layer_idx=True,
             tie_word_embeddings=True,
         ),
+        # Falcon had its own attention code until transformers 5.25 moved it onto the
+        # interface; Bloom's (ALiBi, fused QKV) still bypasses it.
         _refused(
-            "falcon",
-            "falcon",
+            "bloom",
+            "bloom",
             "own attention code (no AttentionInterface): never sees the paged cache",
-            num_kv_heads=2,
-            new_decoder_architecture=True,
         ),
         _refused(
             "gpt_oss",

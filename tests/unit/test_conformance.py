@@ -493,7 +493,7 @@ def test_refused_at_start_up(name: str, tmp_path: Path) -> None:
 #: Why each refused architecture is refused once the list of verified families no longer
 #: stops it: the checks behind that list (configuration, rope, the layer probe) name it.
 REASONS = {
-    "falcon": "attention does not go through transformers' attention interface",
+    "bloom": "attention does not go through transformers' attention interface",
     "gpt_oss": "uses attention sinks",
     "mamba": r"layer types \['linear_attention'\]",
     "jamba": r"layer types \['linear_attention'\]",
