@@ -4,9 +4,11 @@ Prints, interleaved in one run (so that other load on the machine hits every var
 alike), the median time of one product at SmolLM2-135M's shapes for M = 1 (batch-1
 decode) and M = 32, for: the de-quantized float32 ``F.linear``, the ``--quantization
 int8`` / ``int4`` kernels (`QuantizedLinear`), and `GGUFLinear` over the file's own
-blocks; then the batch-1 decode step time of the engine with each.
+blocks; then the batch-1 decode step time of the engine with each, and with the GGUF
+blocks but without the fused layer pieces (``gguf-unfused``).
 
-    PYTHONPATH=. python bench/gguf_matmul.py [--threads 1] [--rounds 30] [--no-engine]
+    PYTHONPATH=. python bench/gguf_matmul.py [--threads 1] [--rounds 30] [--steps 30]
+        [--no-engine] [--no-products]
 """
 
 from __future__ import annotations
@@ -92,14 +94,19 @@ def decode_steps(steps: int) -> None:
     from trio_llm.messages import AddRequest, SamplingParams
 
     cores = {}
-    for q in (None, "int8", "int4", "gguf"):
+    for q in (None, "int8", "int4", "gguf", "gguf-unfused"):
         config = EngineConfig(
             model=ModelConfig(
-                model=DEFAULT_MODEL, dtype="float32", quantization=q, max_model_len=1024
+                model=DEFAULT_MODEL,
+                dtype="float32",
+                quantization=q and q.removesuffix("-unfused"),
+                max_model_len=1024,
             ),
             cache=CacheConfig(num_kv_blocks=128),
         )
         cores[q or "fp32"] = EngineCore.from_config(config)
+    # The same GGUF blocks without the fused layer pieces (engine/native.py's unfused path).
+    cores["gguf-unfused"].runner.native.fused = False
     prompt = list(range(1000, 1250))  # ~250 tokens
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for core in cores.values():
@@ -111,13 +118,10 @@ def decode_steps(steps: int) -> None:
             start = time.perf_counter()
             core.step()
             times[name].append((time.perf_counter() - start) * 1e3)
-    print("\n| batch-1 decode step (250-token prompt) | fp32 | int8 | int4 | gguf |")
-    print("|---|---|---|---|---|")
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(
-        f"| median ms ({steps} steps, interleaved) | {med['fp32']:.1f} | {med['int8']:.1f} | "
-        f"{med['int4']:.1f} | {med['gguf']:.1f} |"
-    )
+    print("\n| batch-1 decode step (250-token prompt) | " + " | ".join(times) + " |")
+    print("|---" * (len(times) + 1) + "|")
+    med = [f"{statistics.median(v):.1f}" for v in times.values()]
+    print(f"| median ms ({steps} steps, interleaved) | " + " | ".join(med) + " |")
 
 
 def main() -> None:
@@ -126,14 +130,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-engine", action="store_true")
+    parser.add_argument("--no-products", action="store_true")
     args = parser.parse_args()
     reason = kernel_available()
     if reason is not None:
         raise SystemExit(f"no GGUF kernels: {reason}")
     torch.set_num_threads(args.threads)
     print(f"torch threads: {args.threads}; per-call medians over 7 interleaved rounds")
-    with torch.inference_mode():
-        products(args.rounds)
+    if not args.no_products:
+        with torch.inference_mode():
+            products(args.rounds)
     if not args.no_engine:
         decode_steps(args.steps)
 

@@ -15,7 +15,11 @@ same arithmetic with the same weights in one loop of plain tensor operations:
 In float32 its hidden states equal transformers' bit for bit on the CPUs tried (a
 concatenated product gives each output column the same sum); the conformance suite runs
 both paths against ``generate()``. With ``--quantization`` the concatenated projections
-(and the output projection, in the model runner) become `QuantizedLinear` layers.
+(and the output projection, in the model runner) become `QuantizedLinear` layers, and
+on the CPU the layer's small pieces run as the native kernels' fused operators where they
+loaded (`_fused_call`: the residual add with the RMSNorm after it, the rotary embedding of
+q and k in place, SiLU with the gating): about 20 fewer operator calls a layer, equal to
+the unfused ones up to float32 rounding, so float32 weights keep the unfused path.
 
 `native_decoder` decides: only a ``LlamaForCausalLM`` whose modules are exactly
 transformers' Llama classes, with SiLU, qualifies; anything else runs transformers' code.
@@ -32,6 +36,7 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from trio_llm.config import MODEL_IMPLS
+from trio_llm.engine import kernels
 from trio_llm.engine.attention import paged_attention
 from trio_llm.engine.gguf_linear import GGUFLinear, GGUFWeights
 from trio_llm.engine.quantization import QuantizedLinear, can_quantize
@@ -166,6 +171,13 @@ class NativeLlama:
             _Layer(layer, quantization, gguf.layers[i] if gguf is not None else None)
             for i, layer in enumerate(decoder.layers)
         ]
+        #: The fused layer pieces (module docstring): quantized weights, on the CPU, where
+        #: the native kernels loaded.
+        self.fused = (
+            quantization is not None
+            and self.norm.weight.device.type == "cpu"
+            and kernels.load().loaded
+        )
         if quantization is not None:
             # The transformers modules' float weights are no longer read by any step:
             # free them (the probe at start-up ran before).
@@ -186,6 +198,8 @@ class NativeLlama:
         """
         hidden = self.embed_tokens(input_ids)  # [1, T, hidden]
         cos, sin = self.rotary_emb(hidden, position_ids)
+        if self.fused:
+            return self._fused_call(hidden, cos, sin)
         cos = cos.unsqueeze(1)  # [1, 1, T, D]
         sin = sin.unsqueeze(1)
         num_tokens = input_ids.shape[1]
@@ -210,6 +224,37 @@ class NativeLlama:
             x = F.silu(gate_up[..., : layer.intermediate]) * gate_up[..., layer.intermediate :]
             hidden = residual + layer.down(x)
         return _rms_norm(self.norm, hidden)[0]
+
+    def _fused_call(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """`__call__`'s layers with the fused pieces (``torch.ops.trio_llm``).
+
+        Args:
+            hidden: ``[1, T, hidden_size]`` embeddings (updated in place).
+            cos, sin: ``[1, T, head_dim]`` rotary tables.
+        """
+        ops = torch.ops.trio_llm
+        num_tokens = hidden.shape[1]
+        cos, sin = cos.contiguous(), sin.contiguous()
+        delta = None
+        for layer in self.layers:
+            norm = layer.input_norm
+            x = ops.add_rms_norm_(hidden, delta, norm.weight, norm.variance_epsilon)
+            qkv = layer.qkv(x).contiguous()
+            d = layer.head_dim
+            ops.rotary_(qkv, cos, sin, (layer.q_size + layer.kv_size) // d, d)
+            heads = qkv.view(1, num_tokens, -1, d).transpose(1, 2)  # [1, H + 2 H_kv, T, D]
+            q = heads[:, : layer.num_heads]
+            k = heads[:, layer.num_heads : (layer.q_size + layer.kv_size) // d]
+            v = heads[:, (layer.q_size + layer.kv_size) // d :]
+            attn, _ = paged_attention(layer.attention, q, k, v, None, scaling=layer.scaling)
+            delta = layer.o(attn.reshape(1, num_tokens, -1))
+            norm = layer.post_norm
+            x = ops.add_rms_norm_(hidden, delta, norm.weight, norm.variance_epsilon)
+            delta = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+        norm = self.norm
+        return ops.add_rms_norm_(hidden, delta, norm.weight, norm.variance_epsilon)[0]
 
 
 def native_unsupported(model: torch.nn.Module) -> str | None:
