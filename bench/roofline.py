@@ -29,9 +29,13 @@ DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfl
 
 
 def gemm_gflops(
-    dtype: torch.dtype = torch.float32, device: str = "cpu", repeats: int = 20
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    repeats: int = 20,
+    rows: int | None = None,
 ) -> float:
-    """Measured GFLOP/s of ``x @ W^T`` at the model's shapes (all torch threads, or the GPU)."""
+    """Measured GFLOP/s of ``x @ W^T`` at the model's shapes (all torch threads, or the GPU);
+    ``rows``: the rows of ``x`` instead of `SHAPES`' 1,024 (a decode batch's size)."""
     flops = 0.0
     seconds = 0.0
 
@@ -41,6 +45,7 @@ def gemm_gflops(
 
     with torch.inference_mode():
         for m, k, n in SHAPES:
+            m = rows or m
             x = torch.randn(m, k, dtype=dtype, device=device)
             w = torch.randn(n, k, dtype=dtype, device=device)
             torch.nn.functional.linear(x, w)  # warm-up

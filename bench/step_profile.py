@@ -20,7 +20,7 @@ and lists the ``--top`` operators by own time, with their calls per step.
 The profiler's own overhead inflates the last two, so the buckets are given as shares of
 the profiled steps and the step time is the unprofiled one. Finally the GEMM rate at the
 decode batch's shapes (M = the batch) against the M = 1,024 rate the roofline uses
-(`roofline.gemm_gflops`), which bounds what a decode step's products can reach.
+(`roofline.gemm_gflops` with ``rows``), which bounds what a decode step's products can reach.
 """
 
 from __future__ import annotations
@@ -51,22 +51,6 @@ def bucket(name: str) -> str:
     if name.startswith(ATTENTION):
         return "attention"
     return "other operators"
-
-
-def gemm_gflops_at(m: int, dtype: torch.dtype, repeats: int = 20) -> float:
-    """GFLOP/s of ``x @ W^T`` at the roofline's weight shapes with ``m`` rows."""
-    flops = seconds = 0.0
-    with torch.inference_mode():
-        for _, k, n in roofline.SHAPES:
-            x = torch.randn(m, k, dtype=dtype)
-            w = torch.randn(n, k, dtype=dtype)
-            torch.nn.functional.linear(x, w)
-            start = time.perf_counter()
-            for _ in range(repeats):
-                torch.nn.functional.linear(x, w)
-            seconds += time.perf_counter() - start
-            flops += 2.0 * m * k * n * repeats
-    return flops / seconds / 1e9
 
 
 def main() -> None:
@@ -144,8 +128,8 @@ def main() -> None:
         )
     decode = statistics.median(phases["decode"])
     flops = 2 * (roofline.NON_EMBEDDING_PARAMS + roofline.LM_HEAD_PARAMS) * args.num_prompts
-    at_m = gemm_gflops_at(args.num_prompts, dtype)
-    at_1024 = gemm_gflops_at(1024, dtype)
+    at_m = roofline.gemm_gflops(dtype, rows=args.num_prompts)
+    at_1024 = roofline.gemm_gflops(dtype)
     print(
         f"  GEMM at M={args.num_prompts}: {at_m:.0f} GFLOP/s, at M=1024: {at_1024:.0f} "
         f"GFLOP/s; a decode step's products ({flops / 1e9:.1f} GFLOP) take at least "

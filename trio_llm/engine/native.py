@@ -243,11 +243,12 @@ class NativeLlama:
             x = ops.add_rms_norm_(hidden, delta, norm.weight, norm.variance_epsilon)
             qkv = layer.qkv(x).contiguous()
             d = layer.head_dim
-            ops.rotary_(qkv, cos, sin, (layer.q_size + layer.kv_size) // d, d)
+            qk_heads = (layer.q_size + layer.kv_size) // d
+            ops.rotary_(qkv, cos, sin, qk_heads, d)
             heads = qkv.view(1, num_tokens, -1, d).transpose(1, 2)  # [1, H + 2 H_kv, T, D]
             q = heads[:, : layer.num_heads]
-            k = heads[:, layer.num_heads : (layer.q_size + layer.kv_size) // d]
-            v = heads[:, (layer.q_size + layer.kv_size) // d :]
+            k = heads[:, layer.num_heads : qk_heads]
+            v = heads[:, qk_heads:]
             attn, _ = paged_attention(layer.attention, q, k, v, None, scaling=layer.scaling)
             delta = layer.o(attn.reshape(1, num_tokens, -1))
             norm = layer.post_norm
