@@ -9,8 +9,11 @@ see those names imports every ``trio_llm`` module.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -20,19 +23,44 @@ import trio_llm
 #: Starts a fresh interpreter (a subprocess): the slow tier.
 pytestmark = pytest.mark.slow
 
-#: Top-level names of the dev and bench extras (pyproject's [project.optional-dependencies]).
-DEV_ONLY = (
-    "httpx",
-    "pytest",
-    "_pytest",
-    "pytest_trio",
-    "hypothesis",
-    "openai",
-    "playwright",
-    "schemathesis",
-    "matplotlib",
-    "tests",
-)
+
+def _distribution(requirement: str) -> str:
+    """A requirement's distribution name, normalized: ``"pytest-trio>=0.8"`` -> ``pytest-trio``."""
+    match = re.match(r"[A-Za-z0-9_.-]+", requirement)
+    assert match, requirement
+    return re.sub(r"[-_.]+", "-", match.group()).lower()
+
+
+def dev_only_names() -> list[str]:
+    """The top-level import names of pyproject's optional dependencies (the dev and bench
+    extras), as installed here, less those that a runtime dependency needs too (directly or
+    through its own requirements): what a plain ``pip install trio_llm`` lacks. And ``tests``."""
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
+        "project"
+    ]
+    extras = {
+        _distribution(r) for group in project["optional-dependencies"].values() for r in group
+    }
+    runtime: set[str] = set()
+    todo = [_distribution(r) for r in project["dependencies"]]
+    while todo:
+        name = todo.pop()
+        if name in runtime:
+            continue
+        runtime.add(name)
+        try:
+            requires = metadata.distribution(name).requires or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo.extend(_distribution(r) for r in requires if "extra ==" not in r)
+    hidden = {
+        top
+        for top, dists in metadata.packages_distributions().items()
+        if {_distribution(d) for d in dists} & extras
+        and not {_distribution(d) for d in dists} & runtime
+    }
+    return sorted(hidden | {"tests"})
+
 
 SCRIPT = """
 import importlib
@@ -97,7 +125,7 @@ def test_every_module_imports_without_dev_dependencies(tmp_path: Path) -> None:
     root = str(Path(trio_llm.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *DEV_ONLY],
+        [sys.executable, "-c", SCRIPT, *dev_only_names()],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -108,3 +136,10 @@ def test_every_module_imports_without_dev_dependencies(tmp_path: Path) -> None:
     imported = done.stdout.split()
     assert "trio_llm.cli" in imported, imported
     assert len(imported) > 10, imported
+
+
+def test_the_dev_only_list_comes_from_pyproject() -> None:
+    names = dev_only_names()
+    # Test clients pyproject's dev extra lists, by their import names; none of the runtime's.
+    assert {"pytest", "httpx", "openai", "hypothesis", "tests"} <= set(names)
+    assert not {"trio", "torch", "transformers", "fastapi", "pydantic", "msgspec"} & set(names)
