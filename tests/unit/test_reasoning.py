@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as FastTokenizer
 from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.engine.structured import GrammarCompiler
+from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutputs
 from trio_llm.text.reasoning import reasoning_format
 from trio_llm.text.tokenizer import Tokenizer

@@ -26,7 +26,7 @@ from trio_llm.api.tools import (
     required_parser,
     tool_call_grammar,
 )
-from trio_llm.engine.structured import GrammarCompiler
+from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutputs
 from trio_llm.text.chat_template import render_chat, shipped_template
 
