@@ -18,6 +18,8 @@ from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
 
 from tests.e2e.conftest import MODEL, parallel
+from tests.support.sse import names_and_data
+from tests.support.tool_schemas import ADD, WEATHER
 
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "You are a helpful assistant."
@@ -27,21 +29,6 @@ CHAT_QUESTION = [
     {"role": "user", "content": QUESTION},
 ]
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
 #: Function tools in the Responses API's flat shape...
 TOOLS = [
     {
@@ -243,15 +230,10 @@ def test_a_stream_carries_the_response_in_protocol_order(client: OpenAI) -> None
 
 def test_each_raw_event_is_named_by_its_type(base_url: str) -> None:
     body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 6, "stream": True}
-    names, datas = [], []
     with httpx.stream("POST", f"{base_url}/v1/responses", json=body, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                names.append(line.removeprefix("event: "))
-            elif line.startswith("data: "):
-                datas.append(json.loads(line.removeprefix("data: ")))
+        names, datas = names_and_data(response.iter_lines())
     assert names == [data["type"] for data in datas]
     assert [data["sequence_number"] for data in datas] == list(range(len(datas)))
 
