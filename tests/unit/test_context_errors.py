@@ -26,6 +26,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.asgi import json_post_scope
 from tests.support.sse import named_events
 from tests.unit.conftest import INFO, STATS, FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
@@ -450,20 +451,7 @@ async def test_a_long_prefill_opens_the_messages_stream_at_once_and_pings(
             name, data = event.split("\n", 1)
             arrivals.append((trio.current_time(), name[7:], json.loads(data[6:])))
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/messages",
-        "raw_path": b"/v1/messages",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = json_post_scope("/v1/messages")
     async with trio.open_nursery() as nursery:
         engine, stream = engine_client_pair()
         fake = SlowPrefillEngine(stream, num_cached=4, prefill_seconds=prefill)

@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.support.asgi import json_post_scope
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.api import protocol
 from trio_llm.api.anthropic import MessagesRequest
@@ -499,20 +500,7 @@ class _Client:
         self.left.set()
 
     async def run(self) -> None:
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-            "client": ("127.0.0.1", 1),
-            "server": ("test", 80),
-        }
+        scope = json_post_scope("/v1/chat/completions")
         await self.app(scope, self._receive, self._send)
         self.answered.set()
 

@@ -41,21 +41,23 @@ def test_backoff_doubles_up_to_its_cap() -> None:
         RestartPolicy(max_restarts=0)
 
 
+async def _consume(engine: EngineClient, outcome: list[BaseException]) -> None:
+    """Read one request's stream to its end, keeping the `EngineDeadError` that ends it."""
+    async with engine.open_request([1], PARAMS) as stream:
+        try:
+            async for _ in stream:
+                pass
+        except EngineDeadError as exc:
+            outcome.append(exc)
+
+
 async def test_silence_past_the_step_timeout_is_a_hang(autojump_clock: trio.abc.Clock) -> None:
     engine, fake = _pair(step_timeout=2.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(fake.run)
         outcome: list[BaseException] = []
 
-        async def consume() -> None:
-            async with engine.open_request([1], PARAMS) as stream:
-                try:
-                    async for _ in stream:
-                        pass
-                except EngineDeadError as exc:
-                    outcome.append(exc)
-
-        nursery.start_soon(consume)
+        nursery.start_soon(_consume, engine, outcome)
         start = trio.current_time()
         for _ in range(5):  # heartbeats keep it alive well past the timeout
             await trio.sleep(1.0)
@@ -101,16 +103,8 @@ async def test_a_loop_that_leaves_health_checks_unanswered_is_a_hang(
                         await fake.server_side.send(Heartbeat(0.0))  # idle, and alive
                         await trio.sleep(0.5)
 
-            async def consume() -> None:
-                async with engine.open_request([1], PARAMS) as stream:
-                    try:
-                        async for _ in stream:
-                            pass
-                    except EngineDeadError as exc:
-                        outcome.append(exc)
-
             nursery.start_soon(heartbeats)
-            nursery.start_soon(consume)
+            nursery.start_soon(_consume, engine, outcome)
             await engine.route_outputs()
             nursery.cancel_scope.cancel()
     assert isinstance(engine.error, EngineHungError)
