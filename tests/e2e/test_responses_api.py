@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 import httpx
@@ -73,6 +74,27 @@ CALL_EVENTS = re.compile(
 def _greedy_chat(client: OpenAI, messages: list[dict], max_tokens: int, **kwargs: Any) -> Any:
     return client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, **kwargs
+    )
+
+
+def _greedy_question(max_output_tokens: int) -> dict[str, Any]:
+    """The arguments of a greedy response to `QUESTION` with `INSTRUCTIONS`."""
+    return {
+        "model": MODEL,
+        "instructions": INSTRUCTIONS,
+        "input": QUESTION,
+        "max_output_tokens": max_output_tokens,
+        "temperature": 0,
+    }
+
+
+def _whole_and_streamed(client: OpenAI, kwargs: dict[str, Any], other: Callable[[], Any]) -> list:
+    """The response to ``kwargs``, its stream's events and ``other()``, asked for at once
+    (the server batches them)."""
+    return parallel(
+        lambda: client.responses.create(**kwargs),
+        lambda: list(client.responses.create(stream=True, **kwargs)),
+        other,
     )
 
 
@@ -146,17 +168,9 @@ def test_message_items_answer_as_chat_messages_do(client: OpenAI) -> None:
 
 
 def test_max_output_tokens_makes_the_response_incomplete(client: OpenAI) -> None:
-    kwargs = {
-        "model": MODEL,
-        "instructions": INSTRUCTIONS,
-        "input": QUESTION,
-        "max_output_tokens": 4,
-        "temperature": 0,
-    }
-    response, events, chat = parallel(
-        lambda: client.responses.create(**kwargs),
-        lambda: list(client.responses.create(stream=True, **kwargs)),
-        lambda: _greedy_chat(client, CHAT_QUESTION, 4),
+    kwargs = _greedy_question(4)
+    response, events, chat = _whole_and_streamed(
+        client, kwargs, lambda: _greedy_chat(client, CHAT_QUESTION, 4)
     )
     assert chat.choices[0].finish_reason == "length"
     assert response.status == "incomplete"
@@ -178,23 +192,13 @@ def test_max_output_tokens_makes_the_response_incomplete(client: OpenAI) -> None
 
 
 def test_a_stream_carries_the_response_in_protocol_order(client: OpenAI) -> None:
-    kwargs = {
-        "model": MODEL,
-        "instructions": INSTRUCTIONS,
-        "input": QUESTION,
-        "max_output_tokens": 40,
-        "temperature": 0,
-    }
+    kwargs = _greedy_question(40)
 
     def helper() -> Any:
         with client.responses.stream(**kwargs) as stream:
             return stream.get_final_response()
 
-    whole, events, final = parallel(
-        lambda: client.responses.create(**kwargs),
-        lambda: list(client.responses.create(stream=True, **kwargs)),
-        helper,
-    )
+    whole, events, final = _whole_and_streamed(client, kwargs, helper)
     assert whole.status == "completed"
     assert TEXT_EVENTS.fullmatch(_types(events)), _types(events)
     assert [event.sequence_number for event in events] == list(range(len(events)))
@@ -257,9 +261,9 @@ def test_a_forced_function_call_is_valid_and_streams_as_it_is_returned(
         "max_output_tokens": 100,
         "temperature": 0,
     }
-    response, events, chat = parallel(
-        lambda: client.responses.create(**kwargs),
-        lambda: list(client.responses.create(stream=True, **kwargs)),
+    response, events, chat = _whole_and_streamed(
+        client,
+        kwargs,
         lambda: _greedy_chat(
             client, WEATHER_QUESTION, 100, tools=CHAT_TOOLS, tool_choice=chat_choice
         ),
