@@ -47,6 +47,14 @@ def _calls(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
 
 
+def _greedy_choice(client: OpenAI, messages: list, **fields: Any) -> tuple[dict[str, Any], Any]:
+    """The arguments of a greedy chat completion of ``messages`` with `TOOLS` (100 tokens
+    at most) and ``fields``, and its first choice."""
+    kwargs = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0, **fields}
+    kwargs["max_tokens"] = 100
+    return kwargs, client.chat.completions.create(**kwargs).choices[0]
+
+
 def _streamed(client: OpenAI, **kwargs: Any) -> tuple[str | None, list[tuple[str, str]], str]:
     """Content, calls and finish_reason, accumulated from the stream as its docs show."""
     content, calls, finish = "", {}, ""
@@ -79,16 +87,7 @@ def _streamed(client: OpenAI, **kwargs: Any) -> tuple[str | None, list[tuple[str
 def test_a_call_is_valid_and_streams_as_it_is_returned(
     client: OpenAI, messages: list, tool_choice: Any
 ) -> None:
-    kwargs = {
-        "model": MODEL,
-        "messages": messages,
-        "tools": TOOLS,
-        "tool_choice": tool_choice,
-        "temperature": 0,
-        "max_tokens": 100,
-    }
-    response = client.chat.completions.create(**kwargs)
-    choice = response.choices[0]
+    kwargs, choice = _greedy_choice(client, messages, tool_choice=tool_choice)
     calls = _calls(choice.message)
     assert calls, choice.message
     assert choice.finish_reason == "tool_calls"
