@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from tests.e2e.conftest import MODEL, parallel
 from tests.support.sse import names_and_data
-from tests.support.tool_schemas import ADD, WEATHER
+from tests.support.tool_schemas import ADD, SCHEMAS, WEATHER, WEATHER_QUESTION, chat_tools
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 #: anthropic 2.15's ``messages.create`` has no sampling keywords: they go in the body.
@@ -31,19 +31,7 @@ TOOLS = [
     {"name": "add", "description": "a + b", "input_schema": ADD},
 ]
 #: The same tools as chat completions take them (the reference).
-CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": tool["name"],
-            "description": tool["description"],
-            "parameters": tool["input_schema"],
-        },
-    }
-    for tool in TOOLS
-]
-SCHEMAS = {tool["name"]: tool["input_schema"] for tool in TOOLS}
-WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CHAT_TOOLS = chat_tools(TOOLS, "input_schema")
 
 #: Chat finish reasons as the Messages API's stop reasons (no stop sequence given).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from tests.e2e.conftest import MODEL, parallel
 from tests.support.sse import names_and_data
-from tests.support.tool_schemas import ADD, WEATHER
+from tests.support.tool_schemas import ADD, SCHEMAS, WEATHER, WEATHER_QUESTION, chat_tools
 
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "You are a helpful assistant."
@@ -41,19 +41,7 @@ TOOLS = [
     {"type": "function", "name": "add", "description": "a + b", "parameters": ADD},
 ]
 #: ...and as chat completions take them.
-CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": tool["name"],
-            "description": tool["description"],
-            "parameters": tool["parameters"],
-        },
-    }
-    for tool in TOOLS
-]
-SCHEMAS = {tool["name"]: tool["parameters"] for tool in TOOLS}
-WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CHAT_TOOLS = chat_tools(TOOLS, "parameters")
 
 #: A text response's events in order (OpenAI's "Streaming API responses").
 TEXT_EVENTS = re.compile(

@@ -13,32 +13,19 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import MODEL
-from tests.support.tool_schemas import ADD, WEATHER
+from tests.support.tool_schemas import ADD, SCHEMAS, WEATHER, weather_call
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
 ]
-SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 #: One earlier turn in which the assistant called the tool: the small model then calls it
 #: again on its own (tool_choice "auto").
 ONE_SHOT = [
     {"role": "user", "content": "What is the weather in London?"},
-    {
-        "role": "assistant",
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "arguments": '{"city": "London", "unit": "celsius"}',
-                },
-            }
-        ],
-    },
+    weather_call("London"),
     *QUESTION,
 ]
 

@@ -18,12 +18,12 @@ from tests.e2e.conftest import MODEL
 from tests.e2e.test_tool_calls_api import (
     ONE_SHOT,
     QUESTION,
-    SCHEMAS,
     TOOLS,
     _calls,
     _greedy_choice,
     _streamed,
 )
+from tests.support.tool_schemas import SCHEMAS, weather_call
 
 #: An agent's typed answer, as pydantic writes it (no additionalProperties).
 ANSWER = {
@@ -40,19 +40,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "Weather", "schema": AN
 #: The history after the tool ran: the last message is its result.
 AFTER_RESULT = [
     *QUESTION,
-    {
-        "role": "assistant",
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "arguments": '{"city": "Paris", "unit": "celsius"}',
-                },
-            }
-        ],
-    },
+    weather_call("Paris"),
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
 ]
 

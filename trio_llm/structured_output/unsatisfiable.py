@@ -56,22 +56,8 @@ def unsatisfiable_reason(schema: Any) -> str | None:
                 targets[id(node)] = (ref, node)
                 worklist.append(node)
 
-    least: set[int] = set()
-    changed = True
-    while changed:
-        changed = False
-        for key, (_, node) in targets.items():
-            if key not in least and _productive(node, root, least.__contains__):
-                least.add(key)
-                changed = True
-    greatest = set(targets)
-    changed = True
-    while changed:
-        changed = False
-        for key, (_, node) in targets.items():
-            if key in greatest and not _productive(node, root, greatest.__contains__):
-                greatest.discard(key)
-                changed = True
+    least = _fixed_point(targets, root, grow=True)
+    greatest = _fixed_point(targets, root, grow=False)
     for key, (ref, _) in targets.items():
         if key in greatest and key not in least:
             where = "the schema" if ref == "#" else f"the subschema {ref}"
@@ -80,6 +66,21 @@ def unsatisfiable_reason(schema: Any) -> str | None:
                 "end, so every value would be infinitely deep"
             )
     return None
+
+
+def _fixed_point(targets: dict[int, tuple[str, Any]], root: Any, *, grow: bool) -> set[int]:
+    """The ids of the ``targets`` (by ``id``: ``(ref, node)``) that are productive: the
+    least fixed point when ``grow`` (from none, adding each target productive given the
+    set so far), else the greatest (from all, removing each target that is not)."""
+    current: set[int] = set() if grow else set(targets)
+    changed = True
+    while changed:
+        changed = False
+        for key, (_, node) in targets.items():
+            if (key in current) != grow and _productive(node, root, current.__contains__) == grow:
+                (current.add if grow else current.discard)(key)
+                changed = True
+    return current
 
 
 def _subschemas(node: dict[str, Any]) -> Iterator[Any]:
