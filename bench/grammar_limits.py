@@ -46,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 import trio
-from common import add_server_arguments, print_table, server_env, write_json
+from common import parse_server_args, print_table, server_env, write_json
 from fairness import cpu_model
 from process_cpu import cpu_seconds, role
 
@@ -216,8 +216,7 @@ def main() -> None:
     parser.add_argument("--hostile", type=int, default=4)
     parser.add_argument("--leave-after", type=float, default=1.0)
     parser.add_argument("--cases", default="huge_choice,at_limit_schema,at_limit_grammar")
-    add_server_arguments(parser)
-    args = parser.parse_args()
+    args = parse_server_args(parser)
     flags = args.server_flags or [*SMALL_SERVER_ARGS, "--dtype", "float32"]
     env = server_env(args)
     print(f"CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; flags: {flags}", flush=True)

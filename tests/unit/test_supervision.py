@@ -41,6 +41,18 @@ def test_backoff_doubles_up_to_its_cap() -> None:
         RestartPolicy(max_restarts=0)
 
 
+def _idle_event(nursery: trio.Nursery, engine: EngineClient) -> trio.Event:
+    """An event set once ``engine.wait_idle()`` returns (waited for in ``nursery``)."""
+    idle = trio.Event()
+
+    async def wait_idle() -> None:
+        await engine.wait_idle()
+        idle.set()
+
+    nursery.start_soon(wait_idle)
+    return idle
+
+
 async def _consume(engine: EngineClient, outcome: list[BaseException]) -> None:
     """Read one request's stream to its end, keeping the `EngineDeadError` that ends it."""
     async with engine.open_request([1], PARAMS) as stream:
@@ -221,13 +233,7 @@ async def test_draining_refuses_new_requests_and_waits_for_open_ones() -> None:
             engine.close_admissions()
             with pytest.raises(EngineShutdownError):
                 engine.admit(1, limit=None)
-            idle = trio.Event()
-
-            async def wait_idle() -> None:
-                await engine.wait_idle()
-                idle.set()
-
-            nursery.start_soon(wait_idle)
+            idle = _idle_event(nursery, engine)
             await trio.testing.wait_all_tasks_blocked()
             assert not idle.is_set()  # one request open, one admitted
             async with engine.open_requests([([2], PARAMS)], admitted) as (second,):
@@ -248,13 +254,7 @@ async def test_requests_opened_without_admission_keep_the_client_busy() -> None:
         await engine.wait_idle()  # nothing open yet
         async with engine.open_request([1], PARAMS) as stream:
             await fake.wait_for_requests(1)
-            idle = trio.Event()
-
-            async def wait_idle() -> None:
-                await engine.wait_idle()
-                idle.set()
-
-            nursery.start_soon(wait_idle)
+            idle = _idle_event(nursery, engine)
             await trio.testing.wait_all_tasks_blocked()
             assert not idle.is_set()  # one request open, none admitted
             await fake.output(stream.request_id, finish="length")
