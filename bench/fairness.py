@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 import trio
-from common import print_table, write_json
+from common import parse_server_args, print_table, server_env, write_json
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
@@ -363,12 +363,9 @@ def main() -> None:
     parser.add_argument("--pause-wait", type=float, default=600.0)
     parser.add_argument("--window", type=float, default=10.0)
     parser.add_argument("--newcomer-timeout", type=float, default=120.0)
-    parser.add_argument("--pythonpath", default=None, help="run the server from this checkout")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("server_flags", nargs="*", help="flags for trio-llm serve (after --)")
-    args = parser.parse_args()
+    args = parse_server_args(parser)
     NEWCOMER_TIMEOUT = args.newcomer_timeout
-    env = {"PYTHONPATH": str(Path(args.pythonpath).resolve())} if args.pythonpath else None
+    env = server_env(args)
     print(f"CPU: {cpu_model()}; server flags: {args.server_flags or '(defaults)'}", flush=True)
     rows = []
     results: dict[str, Any] = {"cpu": cpu_model(), "flags": args.server_flags, "cases": {}}

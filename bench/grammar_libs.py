@@ -61,6 +61,24 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
+def _figures(
+    library: str, times: tuple[float, float, float], one: list[float], many: list[float], batch: int
+) -> dict:
+    """One library's row: its tokenizer's and two compiles' seconds (``times``), and the
+    mask times of one matcher (``one``) and of ``batch`` matchers (``many``), in ms."""
+    make_tokenizer, first_compile, second_compile = times
+    return {
+        "library": f"{library} {importlib.metadata.version(library)}",
+        "tokenizer_ms": ms(make_tokenizer),
+        "compile_first_ms": ms(first_compile),
+        "compile_again_ms": ms(second_compile),
+        "mask_b1_ms": ms(statistics.median(one)),
+        "mask_b1_max_ms": ms(max(one)),
+        f"mask_b{batch}_ms": ms(statistics.median(many)),
+        f"mask_b{batch}_max_ms": ms(max(many)),
+    }
+
+
 def bench_llguidance(hf_tokenizer, schema: str, tokens: list[int], batch: int) -> dict:
     import llguidance
     import llguidance.hf
@@ -98,17 +116,8 @@ def bench_llguidance(hf_tokenizer, schema: str, tokens: list[int], batch: int) -
                 assert matcher.consume_token(tokens[step + i]), matcher.get_error()
         return times
 
-    one, many = run(1), run(batch)
-    return {
-        "library": f"llguidance {importlib.metadata.version('llguidance')}",
-        "tokenizer_ms": ms(make_tokenizer),
-        "compile_first_ms": ms(first_compile),
-        "compile_again_ms": ms(second_compile),
-        "mask_b1_ms": ms(statistics.median(one)),
-        "mask_b1_max_ms": ms(max(one)),
-        f"mask_b{batch}_ms": ms(statistics.median(many)),
-        f"mask_b{batch}_max_ms": ms(max(many)),
-    }
+    times = (make_tokenizer, first_compile, second_compile)
+    return _figures("llguidance", times, run(1), run(batch), batch)
 
 
 def bench_xgrammar(hf_tokenizer, schema: str, tokens: list[int], batch: int) -> dict:
@@ -144,17 +153,8 @@ def bench_xgrammar(hf_tokenizer, schema: str, tokens: list[int], batch: int) -> 
                 assert matcher.accept_token(tokens[step + i])
         return times
 
-    one, many = run(1), run(batch)
-    return {
-        "library": f"xgrammar {importlib.metadata.version('xgrammar')}",
-        "tokenizer_ms": ms(make_tokenizer),
-        "compile_first_ms": ms(first_compile),
-        "compile_again_ms": ms(second_compile),
-        "mask_b1_ms": ms(statistics.median(one)),
-        "mask_b1_max_ms": ms(max(one)),
-        f"mask_b{batch}_ms": ms(statistics.median(many)),
-        f"mask_b{batch}_max_ms": ms(max(many)),
-    }
+    times = (make_tokenizer, first_compile, second_compile)
+    return _figures("xgrammar", times, run(1), run(batch), batch)
 
 
 def main() -> None:

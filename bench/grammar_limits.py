@@ -46,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 import trio
-from common import print_table, write_json
+from common import parse_server_args, print_table, server_env, write_json
 from fairness import cpu_model
 from process_cpu import cpu_seconds, role
 
@@ -216,12 +216,9 @@ def main() -> None:
     parser.add_argument("--hostile", type=int, default=4)
     parser.add_argument("--leave-after", type=float, default=1.0)
     parser.add_argument("--cases", default="huge_choice,at_limit_schema,at_limit_grammar")
-    parser.add_argument("--pythonpath", default=None, help="run the server from this checkout")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("server_flags", nargs="*", help="flags for trio-llm serve (after --)")
-    args = parser.parse_args()
+    args = parse_server_args(parser)
     flags = args.server_flags or [*SMALL_SERVER_ARGS, "--dtype", "float32"]
-    env = {"PYTHONPATH": str(Path(args.pythonpath).resolve())} if args.pythonpath else None
+    env = server_env(args)
     print(f"CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; flags: {flags}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         server = ServerProcess(flags, log_path=Path(tmp) / "server.log", env=env)

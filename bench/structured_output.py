@@ -95,7 +95,7 @@ def mask_fill_ms(core: EngineCore, properties: int, batch: int) -> dict[str, str
     60 steps of ``batch`` matchers, each at another point of a valid document, every
     matcher advancing a token per step. The ways take turns within each step, each on
     its own copies of the matchers."""
-    from trio_llm.engine.structured import _llguidance_numpy
+    from trio_llm.structured_output.grammar_check import llguidance_numpy
     from trio_llm.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(core.info.model_dir)
@@ -109,7 +109,7 @@ def mask_fill_ms(core: EngineCore, properties: int, batch: int) -> dict[str, str
         matcher = core.grammars.matcher(spec)
         assert matcher.consume_tokens(tokens[: i * len(tokens) // batch])
         start.append(matcher)
-    llg_numpy = _llguidance_numpy()
+    llg_numpy = llguidance_numpy()
     executors = {n: llguidance.LLExecutor(n) for n in (1, 2)}
 
     def one_by_one(matchers: list, bitmask: object) -> None:

@@ -140,6 +140,18 @@ def parallel(*calls: Callable[[], Any]) -> list[Any]:
         return [future.result() for future in futures]
 
 
+def completion_body(prompt: str | list[str], max_tokens: int, **fields: Any) -> dict[str, Any]:
+    """A ``/v1/completions`` body for `MODEL` that generates all its ``max_tokens``
+    (``ignore_eos``), with ``fields`` (``stream``, ``n``, ...) besides."""
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **fields,
+    }
+
+
 def token_id(tokenizer, data: bytes | list[int] | str) -> int:
     """The vocabulary id of the byte-level token spelling exactly ``data``."""
     raw = data.encode() if isinstance(data, str) else bytes(data)

@@ -19,44 +19,19 @@ from openai import OpenAI
 from pydantic import BaseModel
 
 from tests.e2e.conftest import MODEL, parallel
+from tests.support.sse import names_and_data
+from tests.support.tool_schemas import ADD, SCHEMAS, WEATHER, WEATHER_QUESTION, chat_tools
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 #: anthropic 2.15's ``messages.create`` has no sampling keywords: they go in the body.
 GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0}}
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER},
     {"name": "add", "description": "a + b", "input_schema": ADD},
 ]
 #: The same tools as chat completions take them (the reference).
-CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": tool["name"],
-            "description": tool["description"],
-            "parameters": tool["input_schema"],
-        },
-    }
-    for tool in TOOLS
-]
-SCHEMAS = {tool["name"]: tool["input_schema"] for tool in TOOLS}
-WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CHAT_TOOLS = chat_tools(TOOLS, "input_schema")
 
 #: Chat finish reasons as the Messages API's stop reasons (no stop sequence given).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -243,17 +218,12 @@ def test_each_raw_event_is_named_by_its_type(base_url: str) -> None:
         "stream": True,
     }
     headers = {"anthropic-version": "2023-06-01"}
-    names, datas = [], []
     with httpx.stream(
         "POST", f"{base_url}/v1/messages", json=body, headers=headers, timeout=60
     ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                names.append(line.removeprefix("event: "))
-            elif line.startswith("data: "):
-                datas.append(json.loads(line.removeprefix("data: ")))
+        names, datas = names_and_data(response.iter_lines())
     assert names == [data["type"] for data in datas]
     assert set(names) <= WIRE_EVENTS
     assert names[0] == "message_start"

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, completion_body
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -326,13 +326,7 @@ def test_status_lines_carry_reason_phrases(base_url: str) -> None:
 
 
 async def test_bad_requests_do_not_disturb_a_request_in_flight(base_url: str) -> None:
-    good = {
-        "model": MODEL,
-        "prompt": "Once upon a time",
-        "max_tokens": 24,
-        "ignore_eos": True,
-        "temperature": 0,
-    }
+    good = completion_body("Once upon a time", 24, temperature=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         alone = (await client.post("/v1/completions", json=good)).json()["choices"][0]["text"]
         results: dict[str, Any] = {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 import trio
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, completion_body
 from tests.support.sse import DONE, delta_text, open_events
 
 PROMPTS = [
@@ -98,13 +98,7 @@ async def test_sixteen_streams_are_batched_and_interleave(base_url: str) -> None
         multi_before = await _metric(client, "engine_steps_multi_request_total")
 
         async def stream(i: int) -> None:
-            body = {
-                "model": MODEL,
-                "prompt": f"Story number {i}: once upon a time",
-                "max_tokens": 48,
-                "ignore_eos": True,
-                "stream": True,
-            }
+            body = completion_body(f"Story number {i}: once upon a time", 48, stream=True)
             async with open_events(client, "/v1/completions", body) as events:
                 async for event in events:
                     if event == DONE:
@@ -129,13 +123,7 @@ async def test_a_new_request_starts_while_others_are_mid_decode(base_url: str) -
         long_started = trio.Semaphore(0)
 
         async def long_stream(i: int) -> None:
-            body = {
-                "model": MODEL,
-                "prompt": f"Count to {i}00:",
-                "max_tokens": 64,
-                "ignore_eos": True,
-                "stream": True,
-            }
+            body = completion_body(f"Count to {i}00:", 64, stream=True)
             seen = 0
             async with open_events(client, "/v1/completions", body) as events:
                 async for event in events:
@@ -152,13 +140,7 @@ async def test_a_new_request_starts_while_others_are_mid_decode(base_url: str) -
             for _ in range(4):
                 await long_started.acquire()
             timeline.append("late sent")
-            body = {
-                "model": MODEL,
-                "prompt": "Hi",
-                "max_tokens": 2,
-                "ignore_eos": True,
-                "stream": True,
-            }
+            body = completion_body("Hi", 2, stream=True)
             async with open_events(client, "/v1/completions", body) as events:
                 async for event in events:
                     if event != DONE and delta_text(event) and "late first token" not in timeline:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+FRANCE = "What is the capital of France?"
 
 
 def _run(command: list[str], **kwargs) -> str:
@@ -16,18 +17,13 @@ def _run(command: list[str], **kwargs) -> str:
     return done.stdout
 
 
+def _example(name: str, *args: str) -> str:
+    """What the Python example ``name`` printed, run with ``args``."""
+    return _run([sys.executable, str(EXAMPLES / name), *args])
+
+
 def test_openai_chat_example_streams_an_answer(base_url: str) -> None:
-    out = _run(
-        [
-            sys.executable,
-            str(EXAMPLES / "openai_chat.py"),
-            "--base-url",
-            base_url,
-            "--max-tokens",
-            "24",
-            "What is the capital of France?",
-        ]
-    )
+    out = _example("openai_chat.py", "--base-url", base_url, "--max-tokens", "24", FRANCE)
     answer, _, usage = out.rpartition("\n[")
     assert "Paris" in answer
     assert usage.strip().endswith("tokens]")
@@ -48,9 +44,7 @@ def test_curl_example_gets_a_chat_answer_and_a_stream(base_url: str) -> None:
 
 def test_websocket_example_streams_one_answer_and_cancels_the_other(base_url: str) -> None:
     url = base_url.replace("http://", "ws://") + "/v1/ws"
-    out = _run(
-        [sys.executable, str(EXAMPLES / "ws_client.py"), "--url", url, "--cancel-after", "6"]
-    )
+    out = _example("ws_client.py", "--url", url, "--cancel-after", "6")
     lines = out.splitlines()
     question = next(line for line in lines if line.startswith("[question] done:"))
     assert question.split()[2] in ("stop,", "length,")
@@ -61,7 +55,7 @@ def test_websocket_example_streams_one_answer_and_cancels_the_other(base_url: st
 
 
 def test_tool_calls_example_makes_a_call_and_answers_from_its_result(base_url: str) -> None:
-    out = _run([sys.executable, str(EXAMPLES / "tool_calls.py"), "--base-url", base_url])
+    out = _example("tool_calls.py", "--base-url", base_url)
     call, answer = out.strip().splitlines()[-2:]
     assert call.startswith("call: get_weather(")
     arguments = json.loads(call.removeprefix("call: get_weather(").split(") -> ")[0])
@@ -71,17 +65,7 @@ def test_tool_calls_example_makes_a_call_and_answers_from_its_result(base_url: s
 
 
 def test_other_apis_example_answers_through_both(base_url: str) -> None:
-    out = _run(
-        [
-            sys.executable,
-            str(EXAMPLES / "other_apis.py"),
-            "--base-url",
-            base_url,
-            "--max-tokens",
-            "24",
-            "What is the capital of France?",
-        ]
-    )
+    out = _example("other_apis.py", "--base-url", base_url, "--max-tokens", "24", FRANCE)
     lines = out.splitlines()
     messages = next(line for line in lines if line.startswith("[messages:"))
     responses = next(line for line in lines if line.startswith("[responses:"))

@@ -4,6 +4,8 @@ langchain-openai is not installed (it is in the dev extras)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import BaseModel, Field
 
@@ -38,10 +40,16 @@ def chat(base_url: str, monkeypatch: pytest.MonkeyPatch):
     )
 
 
-def test_json_schema_method_returns_a_valid_pydantic_object(chat) -> None:
-    structured = chat.with_structured_output(City, method="json_schema", include_raw=True)
-    result = structured.invoke(MESSAGES)
+def _structured(chat, schema: Any, method: str) -> dict[str, Any]:
+    """``chat.with_structured_output(schema, method=method, include_raw=True)``'s answer to
+    `MESSAGES`, asserted to have parsed."""
+    result = chat.with_structured_output(schema, method=method, include_raw=True).invoke(MESSAGES)
     assert result["parsing_error"] is None
+    return result
+
+
+def test_json_schema_method_returns_a_valid_pydantic_object(chat) -> None:
+    result = _structured(chat, City, "json_schema")
     assert result["raw"].response_metadata["finish_reason"] == "stop"
     assert isinstance(result["parsed"], City)
 
@@ -49,18 +57,14 @@ def test_json_schema_method_returns_a_valid_pydantic_object(chat) -> None:
 def test_json_mode_returns_a_json_object(chat) -> None:
     """``json_mode`` sends ``response_format: {"type": "json_object"}`` and no schema: the
     server guarantees an object, not its keys, so it is parsed as a dict."""
-    structured = chat.with_structured_output(None, method="json_mode", include_raw=True)
-    result = structured.invoke(MESSAGES)
-    assert result["parsing_error"] is None
+    result = _structured(chat, None, "json_mode")
     assert result["raw"].response_metadata["finish_reason"] == "stop"
     assert isinstance(result["parsed"], dict)
 
 
 def test_function_calling_method_returns_a_valid_pydantic_object(chat) -> None:
     """``function_calling`` binds the model as a tool and forces it (a named tool_choice)."""
-    structured = chat.with_structured_output(City, method="function_calling", include_raw=True)
-    result = structured.invoke(MESSAGES)
-    assert result["parsing_error"] is None
+    result = _structured(chat, City, "function_calling")
     assert isinstance(result["parsed"], City)
 
 

@@ -17,6 +17,7 @@ import httpx
 from openai.types.responses import Response
 
 from tests.e2e.conftest import MODEL
+from tests.support.sse import names_and_data
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "codex" / "responses_request.json"
 HEADERS_FIXTURE = FIXTURE.with_name("responses_headers.json")
@@ -58,7 +59,6 @@ def stream_events(base_url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     that each event's name is its data's type)."""
     headers = json.loads(HEADERS_FIXTURE.read_text())
     headers["authorization"] = "Bearer dummy"
-    names, events = [], []
     with httpx.stream(
         "POST", f"{base_url}/v1/responses", json=body, headers=headers, timeout=300
     ) as response:
@@ -66,11 +66,7 @@ def stream_events(base_url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
             response.read()
         assert response.status_code == 200, response.text
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                names.append(line.removeprefix("event: "))
-            elif line.startswith("data: "):
-                events.append(json.loads(line.removeprefix("data: ")))
+        names, events = names_and_data(response.iter_lines())
     assert names == [event["type"] for event in events]
     return events
 

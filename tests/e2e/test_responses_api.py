@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 import httpx
@@ -18,6 +19,8 @@ from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
 
 from tests.e2e.conftest import MODEL, parallel
+from tests.support.sse import names_and_data
+from tests.support.tool_schemas import ADD, SCHEMAS, WEATHER, WEATHER_QUESTION, chat_tools
 
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "You are a helpful assistant."
@@ -27,21 +30,6 @@ CHAT_QUESTION = [
     {"role": "user", "content": QUESTION},
 ]
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
 #: Function tools in the Responses API's flat shape...
 TOOLS = [
     {
@@ -53,19 +41,7 @@ TOOLS = [
     {"type": "function", "name": "add", "description": "a + b", "parameters": ADD},
 ]
 #: ...and as chat completions take them.
-CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": tool["name"],
-            "description": tool["description"],
-            "parameters": tool["parameters"],
-        },
-    }
-    for tool in TOOLS
-]
-SCHEMAS = {tool["name"]: tool["parameters"] for tool in TOOLS}
-WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CHAT_TOOLS = chat_tools(TOOLS, "parameters")
 
 #: A text response's events in order (OpenAI's "Streaming API responses").
 TEXT_EVENTS = re.compile(
@@ -86,6 +62,27 @@ CALL_EVENTS = re.compile(
 def _greedy_chat(client: OpenAI, messages: list[dict], max_tokens: int, **kwargs: Any) -> Any:
     return client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, **kwargs
+    )
+
+
+def _greedy_question(max_output_tokens: int) -> dict[str, Any]:
+    """The arguments of a greedy response to `QUESTION` with `INSTRUCTIONS`."""
+    return {
+        "model": MODEL,
+        "instructions": INSTRUCTIONS,
+        "input": QUESTION,
+        "max_output_tokens": max_output_tokens,
+        "temperature": 0,
+    }
+
+
+def _whole_and_streamed(client: OpenAI, kwargs: dict[str, Any], other: Callable[[], Any]) -> list:
+    """The response to ``kwargs``, its stream's events and ``other()``, asked for at once
+    (the server batches them)."""
+    return parallel(
+        lambda: client.responses.create(**kwargs),
+        lambda: list(client.responses.create(stream=True, **kwargs)),
+        other,
     )
 
 
@@ -159,17 +156,9 @@ def test_message_items_answer_as_chat_messages_do(client: OpenAI) -> None:
 
 
 def test_max_output_tokens_makes_the_response_incomplete(client: OpenAI) -> None:
-    kwargs = {
-        "model": MODEL,
-        "instructions": INSTRUCTIONS,
-        "input": QUESTION,
-        "max_output_tokens": 4,
-        "temperature": 0,
-    }
-    response, events, chat = parallel(
-        lambda: client.responses.create(**kwargs),
-        lambda: list(client.responses.create(stream=True, **kwargs)),
-        lambda: _greedy_chat(client, CHAT_QUESTION, 4),
+    kwargs = _greedy_question(4)
+    response, events, chat = _whole_and_streamed(
+        client, kwargs, lambda: _greedy_chat(client, CHAT_QUESTION, 4)
     )
     assert chat.choices[0].finish_reason == "length"
     assert response.status == "incomplete"
@@ -191,23 +180,13 @@ def test_max_output_tokens_makes_the_response_incomplete(client: OpenAI) -> None
 
 
 def test_a_stream_carries_the_response_in_protocol_order(client: OpenAI) -> None:
-    kwargs = {
-        "model": MODEL,
-        "instructions": INSTRUCTIONS,
-        "input": QUESTION,
-        "max_output_tokens": 40,
-        "temperature": 0,
-    }
+    kwargs = _greedy_question(40)
 
     def helper() -> Any:
         with client.responses.stream(**kwargs) as stream:
             return stream.get_final_response()
 
-    whole, events, final = parallel(
-        lambda: client.responses.create(**kwargs),
-        lambda: list(client.responses.create(stream=True, **kwargs)),
-        helper,
-    )
+    whole, events, final = _whole_and_streamed(client, kwargs, helper)
     assert whole.status == "completed"
     assert TEXT_EVENTS.fullmatch(_types(events)), _types(events)
     assert [event.sequence_number for event in events] == list(range(len(events)))
@@ -243,15 +222,10 @@ def test_a_stream_carries_the_response_in_protocol_order(client: OpenAI) -> None
 
 def test_each_raw_event_is_named_by_its_type(base_url: str) -> None:
     body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 6, "stream": True}
-    names, datas = [], []
     with httpx.stream("POST", f"{base_url}/v1/responses", json=body, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                names.append(line.removeprefix("event: "))
-            elif line.startswith("data: "):
-                datas.append(json.loads(line.removeprefix("data: ")))
+        names, datas = names_and_data(response.iter_lines())
     assert names == [data["type"] for data in datas]
     assert [data["sequence_number"] for data in datas] == list(range(len(datas)))
 
@@ -275,9 +249,9 @@ def test_a_forced_function_call_is_valid_and_streams_as_it_is_returned(
         "max_output_tokens": 100,
         "temperature": 0,
     }
-    response, events, chat = parallel(
-        lambda: client.responses.create(**kwargs),
-        lambda: list(client.responses.create(stream=True, **kwargs)),
+    response, events, chat = _whole_and_streamed(
+        client,
+        kwargs,
         lambda: _greedy_chat(
             client, WEATHER_QUESTION, 100, tools=CHAT_TOOLS, tool_choice=chat_choice
         ),

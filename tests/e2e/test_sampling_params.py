@@ -20,21 +20,20 @@ REPETITIVE = "the the the the"
 
 # ------------------------------------------------------------------ n and batches
 
+#: Three sampled choices of 6 tokens each (none ends early).
+THREE: dict[str, Any] = {
+    "n": 3,
+    "max_tokens": 6,
+    "temperature": 1.0,
+    "extra_body": {"ignore_eos": True},
+}
+
 
 def test_n_samples_differ_and_a_seeded_response_is_reproducible(
     client: OpenAI, smol_tokenizer
 ) -> None:
     def sample(**kwargs: Any) -> Any:
-        return client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            n=3,
-            max_tokens=6,
-            temperature=1.0,
-            seed=1234,
-            extra_body={"ignore_eos": True},
-            **kwargs,
-        )
+        return client.completions.create(model=MODEL, prompt=PROMPT, seed=1234, **THREE, **kwargs)
 
     first, again, streamed = parallel(sample, sample, lambda: list(sample(stream=True)))
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -57,14 +56,7 @@ def test_n_samples_differ_and_a_seeded_response_is_reproducible(
 def test_chat_n_three_streamed_and_not(client: OpenAI, smol_tokenizer) -> None:
     def chat(**kwargs: Any) -> Any:
         return client.chat.completions.create(
-            model=MODEL,
-            messages=SHORT,
-            n=3,
-            max_tokens=6,
-            temperature=1.0,
-            seed=99,
-            extra_body={"ignore_eos": True},
-            **kwargs,
+            model=MODEL, messages=SHORT, seed=99, **THREE, **kwargs
         )
 
     whole, chunks = parallel(chat, lambda: list(chat(stream=True)))

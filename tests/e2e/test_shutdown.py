@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import completion_body
 from tests.support.procfs import (
     detokenizer_children,
     engine_children,
@@ -45,13 +45,7 @@ async def _streams_then(server: ServerProcess, n: int, fault) -> dict[int, str]:
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
 
         async def stream(i: int) -> None:
-            body = {
-                "model": MODEL,
-                "prompt": f"Essay {i}:",
-                "max_tokens": 3000,
-                "ignore_eos": True,
-                "stream": True,
-            }
+            body = completion_body(f"Essay {i}:", 3000, stream=True)
             started = False
             try:
                 async with open_events(client, "/v1/completions", body) as events:

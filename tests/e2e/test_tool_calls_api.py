@@ -13,52 +13,33 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import MODEL
+from tests.support.tool_schemas import ADD, SCHEMAS, WEATHER, weather_call
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
 ]
-SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 #: One earlier turn in which the assistant called the tool: the small model then calls it
 #: again on its own (tool_choice "auto").
 ONE_SHOT = [
     {"role": "user", "content": "What is the weather in London?"},
-    {
-        "role": "assistant",
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "arguments": '{"city": "London", "unit": "celsius"}',
-                },
-            }
-        ],
-    },
+    weather_call("London"),
     *QUESTION,
 ]
 
 
 def _calls(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+
+
+def _greedy_choice(client: OpenAI, messages: list, **fields: Any) -> tuple[dict[str, Any], Any]:
+    """The arguments of a greedy chat completion of ``messages`` with `TOOLS` (100 tokens
+    at most) and ``fields``, and its first choice."""
+    kwargs = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0, **fields}
+    kwargs["max_tokens"] = 100
+    return kwargs, client.chat.completions.create(**kwargs).choices[0]
 
 
 def _streamed(client: OpenAI, **kwargs: Any) -> tuple[str | None, list[tuple[str, str]], str]:
@@ -93,16 +74,7 @@ def _streamed(client: OpenAI, **kwargs: Any) -> tuple[str | None, list[tuple[str
 def test_a_call_is_valid_and_streams_as_it_is_returned(
     client: OpenAI, messages: list, tool_choice: Any
 ) -> None:
-    kwargs = {
-        "model": MODEL,
-        "messages": messages,
-        "tools": TOOLS,
-        "tool_choice": tool_choice,
-        "temperature": 0,
-        "max_tokens": 100,
-    }
-    response = client.chat.completions.create(**kwargs)
-    choice = response.choices[0]
+    kwargs, choice = _greedy_choice(client, messages, tool_choice=tool_choice)
     calls = _calls(choice.message)
     assert calls, choice.message
     assert choice.finish_reason == "tool_calls"

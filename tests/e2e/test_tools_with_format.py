@@ -15,7 +15,15 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import MODEL
-from tests.e2e.test_tool_calls_api import ONE_SHOT, QUESTION, SCHEMAS, TOOLS, _calls, _streamed
+from tests.e2e.test_tool_calls_api import (
+    ONE_SHOT,
+    QUESTION,
+    TOOLS,
+    _calls,
+    _greedy_choice,
+    _streamed,
+)
+from tests.support.tool_schemas import SCHEMAS, weather_call
 
 #: An agent's typed answer, as pydantic writes it (no additionalProperties).
 ANSWER = {
@@ -32,19 +40,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "Weather", "schema": AN
 #: The history after the tool ran: the last message is its result.
 AFTER_RESULT = [
     *QUESTION,
-    {
-        "role": "assistant",
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "arguments": '{"city": "Paris", "unit": "celsius"}',
-                },
-            }
-        ],
-    },
+    weather_call("Paris"),
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
 ]
 
@@ -66,16 +62,7 @@ def _check_calls_or_answer(message: Any) -> str:
 def test_auto_with_a_format_gives_valid_calls_or_a_valid_answer(
     client: OpenAI, messages: list
 ) -> None:
-    kwargs = {
-        "model": MODEL,
-        "messages": messages,
-        "tools": TOOLS,
-        "response_format": FORMAT,
-        "temperature": 0,
-        "max_tokens": 100,
-    }
-    response = client.chat.completions.create(**kwargs)
-    choice = response.choices[0]
+    kwargs, choice = _greedy_choice(client, messages, response_format=FORMAT)
     kind = _check_calls_or_answer(choice.message)
     assert choice.finish_reason == ("tool_calls" if kind == "calls" else "stop")
     assert _streamed(client, **kwargs) == (

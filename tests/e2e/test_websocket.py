@@ -6,6 +6,8 @@ import itertools
 import json
 import re
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import httpx
 import jsonschema
@@ -104,10 +106,16 @@ async def test_generations_are_multiplexed_on_one_connection(base_url: str) -> N
     assert switches > 2, order  # not one generation after the other
 
 
-async def test_cancel_aborts_the_generation_at_once(base_url: str) -> None:
+@asynccontextmanager
+async def _idle_monitor(base_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, float]]:
+    """A client for the metrics, once the server is idle, and its aborted requests then."""
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
         await wait_until_idle(monitor)
-        aborted = await metric(monitor, "request_aborted_total")
+        yield monitor, await metric(monitor, "request_aborted_total")
+
+
+async def test_cancel_aborts_the_generation_at_once(base_url: str) -> None:
+    async with _idle_monitor(base_url) as (monitor, aborted):
         async with open_ws_client(ws_url(base_url)) as client:
             generation = client.generate("completion", model=MODEL, prompt="Once", **LONG)
             async for event in generation:
@@ -126,9 +134,7 @@ async def test_cancel_aborts_the_generation_at_once(base_url: str) -> None:
 
 
 async def test_closing_the_socket_aborts_its_requests(base_url: str) -> None:
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
-        await wait_until_idle(monitor)
-        aborted = await metric(monitor, "request_aborted_total")
+    async with _idle_monitor(base_url) as (monitor, aborted):
         async with open_ws_client(ws_url(base_url)) as client:
             one = client.generate("completion", model=MODEL, prompt="Once", **LONG)
             two = client.generate("chat", model=MODEL, messages=CHAT, n=2, **LONG)
@@ -252,9 +258,7 @@ async def test_logprobs_come_with_the_deltas(base_url: str) -> None:
 
 async def test_a_client_that_stops_reading_does_not_stall_others(base_url: str) -> None:
     """Its generations wait for it (bounded buffers); another connection's runs normally."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as monitor:
-        await wait_until_idle(monitor)
-        aborted = await metric(monitor, "request_aborted_total")
+    async with _idle_monitor(base_url) as (monitor, aborted):
         stream, connection = await _open_raw_websocket(ws_url(base_url), receive_buffer=4096)
         async with stream:
             # Big deltas (20 alternatives per token) fill the socket buffers quickly.

@@ -176,3 +176,20 @@ class FakeEngine:
         outputs = [RequestOutput(request_id, [28])]
         for _ in range(count):
             await self.server_side.send(StepOutputs(outputs, STATS))
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers every request with the given tokens, one per step, then the end token 2
+    (finish "stop")."""
+
+    def __init__(self, stream: trio.abc.Stream, token_ids: list[int]) -> None:
+        super().__init__(stream)
+        self.token_ids = token_ids
+
+    async def on_message(self, message: object) -> None:
+        if isinstance(message, AddRequest):
+            for token in self.token_ids:
+                output = RequestOutput(message.request_id, [token])
+                await self.server_side.send(StepOutputs([output], STATS))
+            done = RequestOutput(message.request_id, [2], "stop")
+            await self.server_side.send(StepOutputs([done], STATS))

@@ -20,9 +20,9 @@ from trio_llm.api.anthropic import CLEARED_TOOL_RESULT, MessagesRequest
 from trio_llm.api.errors import APIError
 from trio_llm.api.middleware import RequestIdMiddleware
 from trio_llm.api.protocol import ChatCompletionRequest
-from trio_llm.engine.structured import check_structured_output
 from trio_llm.frontend.preprocess import InputPreprocessor, fold_system_messages
 from trio_llm.messages import StructuredOutput
+from trio_llm.structured_output.grammar_check import check_structured_output
 from trio_llm.text.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "claude_code"
@@ -100,7 +100,7 @@ def test_a_property_named_property_names_is_kept() -> None:
         "required": ["propertyNames"],
         "additionalProperties": False,
     }
-    from trio_llm.engine.spec_checks import without_vacuous_keywords
+    from trio_llm.structured_output.schema_rewrites import without_vacuous_keywords
 
     assert without_vacuous_keywords(schema) is schema
     nested = {"type": "object", "additionalProperties": {"type": "object", "propertyNames": {}}}

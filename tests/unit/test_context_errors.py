@@ -26,6 +26,8 @@ import httpx
 import pytest
 import trio
 
+from tests.support.asgi import json_post_scope
+from tests.support.sse import named_events
 from tests.unit.conftest import INFO, STATS, FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
@@ -91,19 +93,6 @@ def _chat(content: str = "hi", **fields: Any) -> dict[str, Any]:
 
 def _message(content: str = "hi", max_tokens: int = 5, **fields: Any) -> dict[str, Any]:
     return {"model": "m", "max_tokens": max_tokens, **_chat(content), **fields}
-
-
-def _events(response: httpx.Response) -> list[tuple[str | None, Any]]:
-    """The server-sent events of ``response``: (event name, parsed data)."""
-    events, name = [], None
-    for line in response.text.splitlines():
-        if line.startswith("event: "):
-            name = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            events.append((name, data if data == "[DONE]" else json.loads(data)))
-            name = None
-    return events
 
 
 # ---------------------------------------------------------------- overflow errors
@@ -200,7 +189,7 @@ async def test_a_streamed_responses_overflow_fails_as_codex_reads_it(smol_tokeni
     body = {"model": "m", "input": LONG, "stream": True}
     (response,), fake = await _post(smol_tokenizer, [("/v1/responses", body)])
     assert response.status_code == 200
-    events = _events(response)
+    events = named_events(response.text)
     assert [name for name, _ in events] == [
         "response.created",
         "response.in_progress",
@@ -287,7 +276,7 @@ async def test_prefix_cache_hits_reach_every_usage(smol_tokenizer) -> None:
     chat, completion, streamed, response, message, streamed_message = responses
     assert chat.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
     assert completion.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
-    last_chunk = _events(streamed)[-2][1]
+    last_chunk = named_events(streamed.text)[-2][1]
     assert last_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
     usage = response.json()["usage"]
     assert usage["input_tokens_details"]["cached_tokens"] == 4
@@ -296,7 +285,7 @@ async def test_prefix_cache_hits_reach_every_usage(smol_tokenizer) -> None:
     usage = message.json()["usage"]
     assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (prompt - 4, 4)
     assert usage["cache_creation_input_tokens"] == 0
-    name, start = _events(streamed_message)[0]
+    name, start = named_events(streamed_message.text)[0]
     assert name == "message_start"
     assert start["message"]["usage"]["cache_read_input_tokens"] == 4
     assert start["message"]["usage"]["input_tokens"] == prompt - 4
@@ -462,20 +451,7 @@ async def test_a_long_prefill_opens_the_messages_stream_at_once_and_pings(
             name, data = event.split("\n", 1)
             arrivals.append((trio.current_time(), name[7:], json.loads(data[6:])))
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/messages",
-        "raw_path": b"/v1/messages",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = json_post_scope("/v1/messages")
     async with trio.open_nursery() as nursery:
         engine, stream = engine_client_pair()
         fake = SlowPrefillEngine(stream, num_cached=4, prefill_seconds=prefill)

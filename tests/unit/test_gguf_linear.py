@@ -212,9 +212,10 @@ def test_gguf_weights_refuse_what_they_cannot_serve(tmp_path, smollm2_tensors) -
 
 
 def _greedy(quantization: str | None, prompt: list[int], max_tokens: int):
+    from tests.support.engine_runs import run_request
     from trio_llm.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig
     from trio_llm.engine.core import EngineCore
-    from trio_llm.messages import AddRequest, SamplingParams
+    from trio_llm.messages import SamplingParams
 
     config = EngineConfig(
         model=ModelConfig(
@@ -226,14 +227,9 @@ def _greedy(quantization: str | None, prompt: list[int], max_tokens: int):
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0
     )
-    core.add_request(AddRequest("r", prompt, params))
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    while core.has_unfinished_requests():
-        for output in core.step().outputs:
-            assert output.error is None, output.error
-            tokens += output.new_token_ids
-            logprobs += [e.logprob for e in output.prompt_logprobs or []]
+    outputs = run_request(core, prompt, params)
+    tokens = [token for output in outputs for token in output.new_token_ids]
+    logprobs = [e.logprob for output in outputs for e in output.prompt_logprobs or []]
     return tokens, torch.tensor(logprobs), core
 
 

@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.support.asgi import json_post_scope
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.api import protocol
 from trio_llm.api.anthropic import MessagesRequest
@@ -21,25 +22,21 @@ from trio_llm.api.errors import APIError
 from trio_llm.api.protocol import ChatCompletionRequest
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, SMALL_GRAMMAR_CHARS, OpenAIServing
-from trio_llm.engine import spec_checks
-from trio_llm.engine.spec_checks import (
+from trio_llm.engine.grammar_compiler import GrammarCompiler
+from trio_llm.messages import EngineReady, StructuredOutput
+from trio_llm.structured_output import spec_limits
+from trio_llm.structured_output.errors import SpecLimitError, StructuredOutputError, one_line
+from trio_llm.structured_output.grammar_check import check_structured_output
+from trio_llm.structured_output.spec_limits import (
     MAX_CHOICES,
     MAX_ENUM_VALUES,
     MAX_GRAMMAR_CHARS,
     MAX_OBJECT_PROPERTIES,
     MAX_SCHEMA_CHARS,
     MAX_SCHEMA_DEPTH,
-    SpecLimitError,
     check_spec_limits,
-    unsatisfiable_reason,
 )
-from trio_llm.engine.structured import (
-    GrammarCompiler,
-    StructuredOutputError,
-    _one_line,
-    check_structured_output,
-)
-from trio_llm.messages import EngineReady, StructuredOutput
+from trio_llm.structured_output.unsatisfiable import unsatisfiable_reason
 
 QUESTION = [{"role": "user", "content": "Which?"}]
 
@@ -305,11 +302,11 @@ Parser: {
 
 
 def test_library_messages_keep_their_reason_and_lose_their_internals() -> None:
-    assert _one_line(PANIC) == (
+    assert one_line(PANIC) == (
         "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10"
     )
-    assert _one_line(STATE_DUMP) == "parser error: Too many items (limit 50000; ff_tokens)"
-    assert _one_line("Unknown format: foo\n<non-verbose/>") == "Unknown format: foo"
+    assert one_line(STATE_DUMP) == "parser error: Too many items (limit 50000; ff_tokens)"
+    assert one_line("Unknown format: foo\n<non-verbose/>") == "Unknown format: foo"
     with pytest.raises(StructuredOutputError) as raised:
         check_structured_output(StructuredOutput("grammar", "start: undefined_rule"))
     assert str(raised.value) == 'at 1(8): unknown name: "undefined_rule"'
@@ -503,20 +500,7 @@ class _Client:
         self.left.set()
 
     async def run(self) -> None:
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-            "client": ("127.0.0.1", 1),
-            "server": ("test", 80),
-        }
+        scope = json_post_scope("/v1/chat/completions")
         await self.app(scope, self._receive, self._send)
         self.answered.set()
 
@@ -534,4 +518,4 @@ class _Client:
 
 def test_the_limits_module_imports_no_grammar_library() -> None:
     """The cheap checks cost no llguidance import (a test of the module's promise)."""
-    assert "llguidance" not in spec_checks.__dict__
+    assert "llguidance" not in spec_limits.__dict__

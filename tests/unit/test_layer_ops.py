@@ -103,18 +103,13 @@ def test_the_pieces_refuse_what_they_cannot_compute() -> None:
 
 
 def _greedy_logprobs(core, prompt: list[int]) -> tuple[list[int], list[float]]:
-    from trio_llm.messages import AddRequest, SamplingParams
+    from tests.support.engine_runs import run_request
+    from trio_llm.messages import SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    core.add_request(AddRequest("r", prompt, params))
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    while core.has_unfinished_requests():
-        for output in core.step().outputs:
-            assert output.error is None, output.error
-            tokens += output.new_token_ids
-            logprobs += [e.logprob for e in output.logprobs or []]
-    return tokens, logprobs
+    outputs = run_request(core, prompt, params)
+    tokens = [token for output in outputs for token in output.new_token_ids]
+    return tokens, [e.logprob for output in outputs for e in output.logprobs or []]
 
 
 @pytest.mark.slow

@@ -6,6 +6,9 @@ FakeEngine), so the messages the client sends are seen exactly.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 import trio.testing
@@ -13,7 +16,7 @@ import trio.testing
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.cli import build_parser, config_from_args
 from trio_llm.config import MAX_STREAM_INTERVAL, ServerConfig
-from trio_llm.frontend.engine_client import PAUSE_AFTER_UNREAD_TOKENS
+from trio_llm.frontend.engine_client import PAUSE_AFTER_UNREAD_TOKENS, EngineClient, RequestStream
 from trio_llm.messages import (
     AddRequest,
     EngineReady,
@@ -23,6 +26,23 @@ from trio_llm.messages import (
 )
 
 INFO = EngineReady("/model", 4096, 64, 16, [2], 49152, "float32", 1)
+
+
+@asynccontextmanager
+async def _one_request(
+    client: EngineClient, engine: FakeEngine, max_tokens: int
+) -> AsyncIterator[RequestStream]:
+    """One request for ``max_tokens`` open on ``client``, once ``engine`` has it; the
+    block and all runs within 10 s."""
+    params = SamplingParams(max_tokens=max_tokens)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.route_outputs)
+            nursery.start_soon(engine.run)
+            async with client.open_requests([([1], params)]) as (request,):
+                await engine.wait_for(AddRequest)
+                yield request
+            nursery.cancel_scope.cancel()
 
 
 async def test_unread_output_pauses_the_request_and_reading_resumes_it() -> None:
@@ -74,28 +94,22 @@ async def test_stream_interval_gathers_tokens_after_the_first() -> None:
         async for delta in request:  # type: ignore[attr-defined]
             deltas.append((len(delta.token_ids), delta.finish_reason))
 
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(client.route_outputs)
-            nursery.start_soon(engine.run)
-            async with client.open_requests([([1], SamplingParams(max_tokens=100))]) as (req,):
-                await engine.wait_for(AddRequest)
-                async with trio.open_nursery() as readers:
-                    readers.start_soon(read, req)
-                    await engine.tokens(req.request_id, 1)
-                    await trio.testing.wait_all_tasks_blocked()
-                    assert deltas == [(1, None)]
-                    await engine.tokens(req.request_id, 3)
-                    await trio.testing.wait_all_tasks_blocked()
-                    assert deltas == [(1, None)]  # 3 of 4: held
-                    await engine.tokens(req.request_id, 1)
-                    await trio.testing.wait_all_tasks_blocked()
-                    assert deltas == [(1, None), (4, None)]
-                    await engine.tokens(req.request_id, 2)
-                    await engine.output(req.request_id, finish="length")
-                    await trio.testing.wait_all_tasks_blocked()
-                    assert deltas == [(1, None), (4, None), (3, "length")]
-            nursery.cancel_scope.cancel()
+    async with _one_request(client, engine, 100) as req:
+        async with trio.open_nursery() as readers:
+            readers.start_soon(read, req)
+            await engine.tokens(req.request_id, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert deltas == [(1, None)]
+            await engine.tokens(req.request_id, 3)
+            await trio.testing.wait_all_tasks_blocked()
+            assert deltas == [(1, None)]  # 3 of 4: held
+            await engine.tokens(req.request_id, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert deltas == [(1, None), (4, None)]
+            await engine.tokens(req.request_id, 2)
+            await engine.output(req.request_id, finish="length")
+            await trio.testing.wait_all_tasks_blocked()
+            assert deltas == [(1, None), (4, None), (3, "length")]
 
 
 async def test_a_reader_of_full_pieces_is_never_paused() -> None:
@@ -105,27 +119,21 @@ async def test_a_reader_of_full_pieces_is_never_paused() -> None:
     client, stream = engine_client_pair(INFO)
     client.stream_interval = MAX_STREAM_INTERVAL
     engine = FakeEngine(stream)
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(client.route_outputs)
-            nursery.start_soon(engine.run)
-            async with client.open_requests([([1], SamplingParams(max_tokens=1000))]) as (req,):
-                await engine.wait_for(AddRequest)
-                await engine.tokens(req.request_id, 1)
-                assert len((await req.__anext__()).token_ids) == 1
-                for _ in range(3):
-                    await engine.tokens(req.request_id, MAX_STREAM_INTERVAL)
-                    assert len((await req.__anext__()).token_ids) == MAX_STREAM_INTERVAL
-                assert client.num_pauses == 0
-                unread = MAX_STREAM_INTERVAL - 1 + PAUSE_AFTER_UNREAD_TOKENS
-                await engine.tokens(req.request_id, unread - 1)
-                await trio.testing.wait_all_tasks_blocked()
-                assert client.num_pauses == 0
-                await engine.tokens(req.request_id, 1)
-                await engine.wait_for(PauseRequests)
-                assert len((await req.__anext__()).token_ids) == unread
-                await engine.wait_for(ResumeRequests)
-            nursery.cancel_scope.cancel()
+    async with _one_request(client, engine, 1000) as req:
+        await engine.tokens(req.request_id, 1)
+        assert len((await req.__anext__()).token_ids) == 1
+        for _ in range(3):
+            await engine.tokens(req.request_id, MAX_STREAM_INTERVAL)
+            assert len((await req.__anext__()).token_ids) == MAX_STREAM_INTERVAL
+        assert client.num_pauses == 0
+        unread = MAX_STREAM_INTERVAL - 1 + PAUSE_AFTER_UNREAD_TOKENS
+        await engine.tokens(req.request_id, unread - 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert client.num_pauses == 0
+        await engine.tokens(req.request_id, 1)
+        await engine.wait_for(PauseRequests)
+        assert len((await req.__anext__()).token_ids) == unread
+        await engine.wait_for(ResumeRequests)
 
 
 def test_stream_interval_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,11 +23,12 @@ import trio
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as FastTokenizer
 
-from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
+from tests.support.sse import named_events
+from tests.unit.conftest import ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.engine.structured import GrammarCompiler
-from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutputs
+from trio_llm.engine.grammar_compiler import GrammarCompiler
+from trio_llm.messages import AddRequest, EngineReady
 from trio_llm.text.reasoning import reasoning_format
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -143,22 +144,6 @@ def test_a_partial_tag_is_held_back_until_it_is_decided() -> None:
 INFO = EngineReady("/model", 4096, 256, 16, [EOS], VOCAB_SIZE, "float32", 1)
 
 
-class ScriptedEngine(FakeEngine):
-    """Answers every request with the given tokens, one per step, then EOS."""
-
-    def __init__(self, stream: trio.abc.Stream, token_ids: list[int]) -> None:
-        super().__init__(stream)
-        self.token_ids = token_ids
-
-    async def on_message(self, message: object) -> None:
-        if isinstance(message, AddRequest):
-            for token in self.token_ids:
-                output = RequestOutput(message.request_id, [token])
-                await self.server_side.send(StepOutputs([output], STATS))
-            done = RequestOutput(message.request_id, [EOS], "stop")
-            await self.server_side.send(StepOutputs([done], STATS))
-
-
 async def _post(
     tokenizer: Tokenizer,
     path: str,
@@ -183,19 +168,6 @@ async def _post(
     return response, fake
 
 
-def _events(response: httpx.Response) -> list[tuple[str | None, Any]]:
-    """A stream's events: ``(event name, data)``."""
-    events, name = [], None
-    for line in response.text.splitlines():
-        if line.startswith("event: "):
-            name = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            events.append((name, data if data == "[DONE]" else json.loads(data)))
-            name = None
-    return events
-
-
 QUESTION = [{"role": "user", "content": "2+2?"}]
 THOUGHT = "<think>\nTwo and two.\n</think>\n\nIt is 4."
 
@@ -211,7 +183,7 @@ async def test_chat_carries_reasoning_and_reasoning_content(qwen3_tokenizer) -> 
         qwen3_tokenizer, "/v1/chat/completions", {**body, "stream": True}, THOUGHT
     )
     reasoning = content = reasoning_content = ""
-    for _, event in _events(streamed)[:-1]:
+    for _, event in named_events(streamed.text)[:-1]:
         for choice in event["choices"]:
             delta = choice["delta"]
             assert "<think>" not in (delta.get("content") or "")
@@ -265,7 +237,7 @@ async def test_the_tool_call_parser_reads_what_follows_the_reasoning(qwen3_token
         qwen3_tokenizer, "/v1/chat/completions", {**body, "stream": True}, CALLING
     )
     reasoning, arguments, content = "", "", ""
-    for _, event in _events(streamed)[:-1]:
+    for _, event in named_events(streamed.text)[:-1]:
         delta = event["choices"][0]["delta"]
         reasoning += delta.get("reasoning") or ""
         content += delta.get("content") or ""
@@ -322,7 +294,9 @@ async def test_responses_carry_a_reasoning_item(qwen3_tokenizer) -> None:
 
     streamed, _ = await _post(qwen3_tokenizer, "/v1/responses", {**body, "stream": True}, THOUGHT)
     adapter = pydantic.TypeAdapter(ResponseStreamEvent)
-    events = [adapter.validate_python(_without_usage(data)) for _, data in _events(streamed)]
+    events = [
+        adapter.validate_python(_without_usage(data)) for _, data in named_events(streamed.text)
+    ]
     kinds = [e.type for e in events if e.type != "response.reasoning_text.delta"]
     assert kinds[:6] == [
         "response.created",
@@ -364,7 +338,7 @@ async def test_messages_carry_a_thinking_block_with_a_signature(qwen3_tokenizer)
     assert text.type == "text" and text.text == "\n\nIt is 4."
 
     streamed, _ = await _post(qwen3_tokenizer, "/v1/messages", {**body, "stream": True}, THOUGHT)
-    events = _events(streamed)
+    events = named_events(streamed.text)
     deltas = [d["delta"]["type"] for name, d in events if name == "content_block_delta"]
     assert deltas[0] == "thinking_delta"
     # the signature closes the thinking block, then the text block follows

@@ -124,7 +124,8 @@ def test_masks_match_llguidances_own_masking(real_model_dir: Path, smol_tokenize
         warnings.simplefilter("ignore", DeprecationWarning)
         import llguidance.torch
 
-    from trio_llm.engine.structured import GrammarCompiler, apply_masks
+    from trio_llm.engine.grammar_compiler import GrammarCompiler
+    from trio_llm.engine.grammar_masks import apply_masks
 
     vocab = 49152
     grammars = GrammarCompiler(real_model_dir, vocab, frozenset({2}))

@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.unit import test_structured_output as base
-from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import StructuredOutput
+from trio_llm.structured_output.errors import StructuredOutputError
+from trio_llm.structured_output.grammar_check import check_structured_output
 
 #: Runs an engine core in this process: the slow tier.
 pytestmark = pytest.mark.slow

@@ -41,21 +41,35 @@ def test_backoff_doubles_up_to_its_cap() -> None:
         RestartPolicy(max_restarts=0)
 
 
+def _idle_event(nursery: trio.Nursery, engine: EngineClient) -> trio.Event:
+    """An event set once ``engine.wait_idle()`` returns (waited for in ``nursery``)."""
+    idle = trio.Event()
+
+    async def wait_idle() -> None:
+        await engine.wait_idle()
+        idle.set()
+
+    nursery.start_soon(wait_idle)
+    return idle
+
+
+async def _consume(engine: EngineClient, outcome: list[BaseException]) -> None:
+    """Read one request's stream to its end, keeping the `EngineDeadError` that ends it."""
+    async with engine.open_request([1], PARAMS) as stream:
+        try:
+            async for _ in stream:
+                pass
+        except EngineDeadError as exc:
+            outcome.append(exc)
+
+
 async def test_silence_past_the_step_timeout_is_a_hang(autojump_clock: trio.abc.Clock) -> None:
     engine, fake = _pair(step_timeout=2.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(fake.run)
         outcome: list[BaseException] = []
 
-        async def consume() -> None:
-            async with engine.open_request([1], PARAMS) as stream:
-                try:
-                    async for _ in stream:
-                        pass
-                except EngineDeadError as exc:
-                    outcome.append(exc)
-
-        nursery.start_soon(consume)
+        nursery.start_soon(_consume, engine, outcome)
         start = trio.current_time()
         for _ in range(5):  # heartbeats keep it alive well past the timeout
             await trio.sleep(1.0)
@@ -101,16 +115,8 @@ async def test_a_loop_that_leaves_health_checks_unanswered_is_a_hang(
                         await fake.server_side.send(Heartbeat(0.0))  # idle, and alive
                         await trio.sleep(0.5)
 
-            async def consume() -> None:
-                async with engine.open_request([1], PARAMS) as stream:
-                    try:
-                        async for _ in stream:
-                            pass
-                    except EngineDeadError as exc:
-                        outcome.append(exc)
-
             nursery.start_soon(heartbeats)
-            nursery.start_soon(consume)
+            nursery.start_soon(_consume, engine, outcome)
             await engine.route_outputs()
             nursery.cancel_scope.cancel()
     assert isinstance(engine.error, EngineHungError)
@@ -227,13 +233,7 @@ async def test_draining_refuses_new_requests_and_waits_for_open_ones() -> None:
             engine.close_admissions()
             with pytest.raises(EngineShutdownError):
                 engine.admit(1, limit=None)
-            idle = trio.Event()
-
-            async def wait_idle() -> None:
-                await engine.wait_idle()
-                idle.set()
-
-            nursery.start_soon(wait_idle)
+            idle = _idle_event(nursery, engine)
             await trio.testing.wait_all_tasks_blocked()
             assert not idle.is_set()  # one request open, one admitted
             async with engine.open_requests([([2], PARAMS)], admitted) as (second,):
@@ -254,13 +254,7 @@ async def test_requests_opened_without_admission_keep_the_client_busy() -> None:
         await engine.wait_idle()  # nothing open yet
         async with engine.open_request([1], PARAMS) as stream:
             await fake.wait_for_requests(1)
-            idle = trio.Event()
-
-            async def wait_idle() -> None:
-                await engine.wait_idle()
-                idle.set()
-
-            nursery.start_soon(wait_idle)
+            idle = _idle_event(nursery, engine)
             await trio.testing.wait_all_tasks_blocked()
             assert not idle.is_set()  # one request open, none admitted
             await fake.output(stream.request_id, finish="length")

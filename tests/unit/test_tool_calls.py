@@ -14,7 +14,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
+from tests.unit.conftest import ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.tools import (
@@ -26,8 +26,8 @@ from trio_llm.api.tools import (
     required_parser,
     tool_call_grammar,
 )
-from trio_llm.engine.structured import GrammarCompiler
-from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutputs
+from trio_llm.engine.grammar_compiler import GrammarCompiler
+from trio_llm.messages import AddRequest, EngineReady
 from trio_llm.text.chat_template import render_chat, shipped_template
 
 WEATHER = {
@@ -230,22 +230,6 @@ def test_the_tool_template_shows_tools_calls_and_results(smol_tokenizer) -> None
 # ---------------------------------------------------------------- HTTP, scripted engine
 
 INFO = EngineReady("/model", 4096, 256, 16, [2], 49152, "float32", 1)
-
-
-class ScriptedEngine(FakeEngine):
-    """Answers every request with the tokens of ``text``, one per step, then EOS."""
-
-    def __init__(self, stream: trio.abc.Stream, token_ids: list[int]) -> None:
-        super().__init__(stream)
-        self.token_ids = token_ids
-
-    async def on_message(self, message: object) -> None:
-        if isinstance(message, AddRequest):
-            for token in self.token_ids:
-                output = RequestOutput(message.request_id, [token])
-                await self.server_side.send(StepOutputs([output], STATS))
-            done = RequestOutput(message.request_id, [2], "stop")
-            await self.server_side.send(StepOutputs([done], STATS))
 
 
 TOOLS = [

@@ -22,9 +22,9 @@ from trio_llm.api.tools import (
     make_parser,
     required_parser,
 )
-from trio_llm.engine.spec_checks import close_object_schemas
-from trio_llm.engine.structured import _BYTE_VOCAB, _byte_tokenizer, checked_matcher
 from trio_llm.messages import AddRequest, RequestOutput, StepOutputs, StructuredOutput
+from trio_llm.structured_output.grammar_check import _BYTE_VOCAB, _byte_tokenizer, checked_matcher
+from trio_llm.structured_output.schema_rewrites import close_object_schemas
 
 #: The answer format of an agent's typed output (pydantic writes ``$defs`` and ``$ref``).
 ANSWER = {

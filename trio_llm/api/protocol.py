@@ -33,9 +33,11 @@ from pydantic import (
 from trio_llm.api.errors import bad_request, validation_message
 from trio_llm.api.parsing import check_json_text_depth, json_text_too_deep, nested_too_deep
 from trio_llm.api.tools import EMPTY_PARAMETERS, calls_or_answer_grammar, tool_call_grammar
-from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, check_spec_limits, close_object_schemas
-from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput
+from trio_llm.structured_output.errors import StructuredOutputError
+from trio_llm.structured_output.grammar_check import check_structured_output
+from trio_llm.structured_output.schema_rewrites import close_object_schemas
+from trio_llm.structured_output.spec_limits import MAX_SCHEMA_CHARS, check_spec_limits
 from trio_llm.text.chat_template import RESERVED_VARIABLES
 
 #: Largest integer accepted where the engine takes a 64-bit or 32-bit value.

@@ -19,17 +19,12 @@ from trio_llm.engine.attention import (
     probe_layers,
 )
 from trio_llm.engine.block_manager import BlockManager, cdiv
+from trio_llm.engine.grammar_compiler import GrammarCompile, GrammarCompiler
 from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, PromptHidden
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
-from trio_llm.engine.structured import (
-    GrammarCompile,
-    GrammarCompiler,
-    StructuredOutputError,
-    matcher_error,
-)
 from trio_llm.engine.support import check_context, check_supported, describe
 from trio_llm.errors import EngineConfigError, ModelNotFoundError
 from trio_llm.messages import (
@@ -42,6 +37,7 @@ from trio_llm.messages import (
     TokenLogprobs,
 )
 from trio_llm.model_loader import gguf_file_of
+from trio_llm.structured_output.errors import StructuredOutputError, matcher_error
 
 logger = logging.getLogger(__name__)
 

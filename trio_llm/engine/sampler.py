@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trio_llm.engine.grammar_masks import apply_masks
 from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.request import Request
-from trio_llm.engine.structured import apply_masks
 from trio_llm.messages import TokenLogprobs
 
 
