@@ -10,17 +10,20 @@ from pathlib import Path
 
 import torch
 
-from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from trio_llm.engine.attention import (
-    ATTENTION_NAME,
+from trio_llm.config import EngineConfig
+from trio_llm.engine.attention import ATTENTION_NAME
+from trio_llm.engine.attention_probe import probe_layers
+from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.kv_cache import (
     KVCache,
-    KVGroups,
+    KVCacheSize,
     LayerSpec,
-    probe_layers,
+    describe_groups,
+    describe_layers,
+    size_kv_cache,
 )
-from trio_llm.engine.block_manager import BlockManager, cdiv
 from trio_llm.engine.logprobs import gather_logprobs
-from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, PromptHidden
+from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelOutput, ModelRunner, PromptHidden
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
@@ -88,65 +91,37 @@ class EngineCore:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         mconf = model.config
-        check_supported(mconf)
-        max_model_len = config.model.max_model_len or mconf.max_position_embeddings
-        if max_model_len > mconf.max_position_embeddings:
-            raise EngineConfigError(
-                f"max_model_len {max_model_len} exceeds the model's "
-                f"max_position_embeddings {mconf.max_position_embeddings}"
-            )
-        check_context(mconf, max_model_len)
-        if getattr(mconf, "_attn_implementation", None) != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
+        max_model_len = _max_model_len(mconf, config)
+        layers = _probe(model)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
-        try:
-            layers = probe_layers(model.get_decoder(), mconf.num_hidden_layers, device)
-        except ValueError as exc:
-            raise EngineConfigError(f"{describe(mconf)} is not supported: {exc}") from exc
-        block_size = config.cache.block_size
-        groups = KVGroups.plan(
-            layers, max_model_len, hybrid=not config.cache.disable_hybrid_kv_cache_manager
+        size = size_kv_cache(
+            layers, config.cache, max_model_len, config.scheduler.max_num_batched_tokens, dtype
         )
-        num_blocks = config.cache.num_kv_blocks
-        if num_blocks is None:
-            memory = config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-            num_blocks = memory // KVCache.bytes_per_block(layers, groups, block_size, dtype)
-        needed = blocks_for_one_request(
-            groups, max_model_len, block_size, config.scheduler.max_num_batched_tokens
-        )
-        if num_blocks < needed:
-            raise EngineConfigError(
-                f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one "
-                f"request of max_model_len={max_model_len} tokens ({needed} blocks); give "
-                "more --kv-cache-memory / --num-kv-blocks or a smaller --max-model-len"
-            )
-
-        eos = mconf.eos_token_id
-        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos_ids = {*_as_list(eos), *_as_list(generation_eos)}
         self.info = ModelInfo(
             model_dir=model_dir,
             max_model_len=max_model_len,
-            num_kv_blocks=num_blocks,
-            block_size=block_size,
-            eos_token_ids=frozenset(eos_ids),
+            num_kv_blocks=size.num_blocks,
+            block_size=size.block_size,
+            eos_token_ids=_eos_token_ids(model),
             vocab_size=mconf.vocab_size,
             dtype=str(dtype).removeprefix("torch."),
         )
         #: Each attention layer's key/value shape, window and softcap, probed from the model.
         self.layers = layers
         #: How the layers share the KV cache (sliding-window groups free what they leave).
-        self.kv_groups = groups
+        self.kv_groups = size.groups
         #: The fewest KV blocks this model and configuration accept: one request of
         #: max_model_len tokens.
-        self.min_num_kv_blocks = needed
-        self.kv_cache = KVCache(layers, groups, num_blocks, block_size, dtype, device)
+        self.min_num_kv_blocks = size.min_num_blocks
+        self.kv_cache = KVCache(
+            layers, size.groups, size.num_blocks, size.block_size, dtype, device
+        )
         self.block_manager = BlockManager(
-            num_blocks,
-            block_size,
+            size.num_blocks,
+            size.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            windows=groups.windows,
+            windows=size.groups.windows,
         )
         self.scheduler = Scheduler(
             config.scheduler,
@@ -157,25 +132,8 @@ class EngineCore:
                 device.type
             ),
         )
-        self.runner = ModelRunner(
-            model,
-            self.kv_cache,
-            model_impl=config.model.model_impl,
-            attention_backend=config.model.attention_backend,
-            quantization=config.model.quantization,
-            cuda_graphs=not config.model.enforce_eager,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            gguf_file=_gguf_file(config) if config.model.quantization == "gguf" else None,
-        )
-        logger.info(
-            "%s (%s%s): %s; %s; logits from %s",
-            describe(mconf),
-            "trio_llm's forward" if self.runner.native is not None else "transformers' modules",
-            f", {config.model.quantization}" if config.model.quantization else "",
-            _describe_layers(layers),
-            _describe_groups(groups, num_blocks, block_size),
-            "the output projection" if self.runner.lm_head_weight is not None else "its own head",
-        )
+        self.runner = _model_runner(model, self.kv_cache, config)
+        self._log_model(mconf, size)
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
         #: Matchers for constrained outputs, compiled in a worker thread; the engine loop
         #: calls ``grammars.start()`` at start-up to build llguidance's tokenizer there.
@@ -187,6 +145,19 @@ class EngineCore:
         #: or runs past its time limit; the engine loop sets it to wake up (and look at
         #: `has_work` again). Must be thread-safe and quick.
         self.on_grammar_event: Callable[[], None] | None = None
+
+    def _log_model(self, mconf: object, size: KVCacheSize) -> None:
+        """Log once how the model runs: its forward, attention layers, cache and head."""
+        quantization = self.config.model.quantization
+        logger.info(
+            "%s (%s%s): %s; %s; logits from %s",
+            describe(mconf),
+            "trio_llm's forward" if self.runner.native is not None else "transformers' modules",
+            f", {quantization}" if quantization else "",
+            describe_layers(self.layers),
+            describe_groups(size.groups, size.num_blocks, size.block_size),
+            "the output projection" if self.runner.lm_head_weight is not None else "its own head",
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -294,12 +265,6 @@ class EngineCore:
             return f"structured_output: {exc}"
         return None
 
-    @property
-    def num_waiting_for_grammar(self) -> int:
-        """Requests whose grammar is still compiling (or compiled but not collected by a
-        step yet)."""
-        return len(self._compiling)
-
     def _check(self, message: AddRequest) -> str | None:
         prompt = message.prompt_token_ids
         if not prompt:
@@ -365,47 +330,70 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch.is_empty():
             result = self.runner.execute(batch)
-            sampled = self.sampler(result.logits, result.requests)
+            tokens, logprobs = self._sample(result)
             prompt_logprobs = {
                 id(item.request): self._prompt_logprobs(item) for item in result.prompt_hidden
             }
-            tokens = dict(zip(result.requests, sampled.token_ids, strict=True))
-            logprobs = dict(zip(result.requests, sampled.logprobs, strict=True))
-            for request, token in tokens.items():
-                matcher = request.matcher
-                if matcher is None:
-                    continue
-                # A matcher can fail while its mask is filled (past llguidance's limits):
-                # it then allows only EOS, which must not read as a completed grammar.
-                if not matcher.consume_token(token) or matcher.is_error():
-                    reason = matcher_error(matcher) or "the token was rejected"
-                    request.error = f"structured output: {reason}"
             self.scheduler.update(batch, {r.request_id: t for r, t in tokens.items()})
-            for request, _ in batch.requests:
-                token = tokens.get(request)
-                entries = prompt_logprobs.get(id(request))
-                if token is None and entries is None and request.queue_time_reported:
-                    continue  # in the middle of a prefill: nothing to tell
-                # (A request's first scheduling is told at once, even in the middle of its
-                # prefill: its queue time and prefix-cache hits, which a stream's opening
-                # event reports, are known now.)
-                new_tokens = [token] if token is not None and request.params.max_tokens else []
-                entry = logprobs.get(request)
-                output = RequestOutput(
-                    request.request_id,
-                    new_tokens,
-                    request.finish_reason,
-                    error=request.error,
-                    logprobs=[entry] if entry is not None and new_tokens else None,
-                    prompt_logprobs=entries,
-                )
-                if not request.queue_time_reported:
-                    request.queue_time_reported = True
-                    output.queue_seconds = request.queue_seconds
-                    output.num_cached_tokens = request.num_cached_tokens or 0
-                outputs.append(output)
+            outputs += self._outputs(batch, tokens, logprobs, prompt_logprobs)
         stats = self.stats(batch, time.perf_counter() - start)
         return StepOutputs(outputs, stats)
+
+    def _sample(
+        self, result: ModelOutput
+    ) -> tuple[dict[Request, int], dict[Request, TokenLogprobs | None]]:
+        """The next token (and its logprobs entry) of each request ``result`` has logits
+        for; each constrained request's matcher consumes its token (a rejected token
+        becomes the request's error)."""
+        sampled = self.sampler(result.logits, result.requests)
+        tokens = dict(zip(result.requests, sampled.token_ids, strict=True))
+        logprobs = dict(zip(result.requests, sampled.logprobs, strict=True))
+        for request, token in tokens.items():
+            matcher = request.matcher
+            if matcher is None:
+                continue
+            # A matcher can fail while its mask is filled (past llguidance's limits):
+            # it then allows only EOS, which must not read as a completed grammar.
+            if not matcher.consume_token(token) or matcher.is_error():
+                reason = matcher_error(matcher) or "the token was rejected"
+                request.error = f"structured output: {reason}"
+        return tokens, logprobs
+
+    def _outputs(
+        self,
+        batch: ScheduledBatch,
+        tokens: dict[Request, int],
+        logprobs: dict[Request, TokenLogprobs | None],
+        prompt_logprobs: dict[int, list[TokenLogprobs]],
+    ) -> list[RequestOutput]:
+        """What the step tells of each scheduled request: its new token, logprobs, prompt
+        logprobs and finish; nothing for one in the middle of its prefill, unless this is
+        its first scheduling."""
+        outputs = []
+        for request, _ in batch.requests:
+            token = tokens.get(request)
+            entries = prompt_logprobs.get(id(request))
+            if token is None and entries is None and request.queue_time_reported:
+                continue  # in the middle of a prefill: nothing to tell
+            # (A request's first scheduling is told at once, even in the middle of its
+            # prefill: its queue time and prefix-cache hits, which a stream's opening
+            # event reports, are known now.)
+            new_tokens = [token] if token is not None and request.params.max_tokens else []
+            entry = logprobs.get(request)
+            output = RequestOutput(
+                request.request_id,
+                new_tokens,
+                request.finish_reason,
+                error=request.error,
+                logprobs=[entry] if entry is not None and new_tokens else None,
+                prompt_logprobs=entries,
+            )
+            if not request.queue_time_reported:
+                request.queue_time_reported = True
+                output.queue_seconds = request.queue_seconds
+                output.num_cached_tokens = request.num_cached_tokens or 0
+            outputs.append(output)
+        return outputs
 
     def _prompt_logprobs(self, item: PromptHidden) -> list[TokenLogprobs]:
         """Logprobs of prompt tokens ``first_target ..`` from the hidden states before them.
@@ -453,46 +441,61 @@ class EngineCore:
         manager.num_queried_tokens = manager.num_hit_tokens = 0
 
 
-def blocks_for_one_request(
-    groups: KVGroups, max_model_len: int, block_size: int, max_step_tokens: int
-) -> int:
-    """Blocks one request of ``max_model_len`` tokens may hold at once: every block of a
-    full-attention group; in a sliding-window group, those of its window and of one step's
-    new tokens."""
-    full = cdiv(max_model_len, block_size)
-    total = 0
-    for window in groups.windows:
-        if window is None:
-            total += full
-        else:
-            total += min(full, cdiv(window - 1 + max_step_tokens, block_size) + 1)
-    return total
+def _max_model_len(mconf: object, config: EngineConfig) -> int:
+    """The context length the engine serves: ``--max-model-len`` or the model's
+    ``max_position_embeddings``.
+
+    Raises:
+        EngineConfigError: an unsupported model (`check_supported`), a length past the
+            model's positions, or a context the model cannot serve (`check_context`).
+    """
+    check_supported(mconf)
+    max_model_len = config.model.max_model_len or mconf.max_position_embeddings
+    if max_model_len > mconf.max_position_embeddings:
+        raise EngineConfigError(
+            f"max_model_len {max_model_len} exceeds the model's "
+            f"max_position_embeddings {mconf.max_position_embeddings}"
+        )
+    check_context(mconf, max_model_len)
+    return max_model_len
 
 
-def _describe_groups(groups: KVGroups, num_blocks: int, block_size: int) -> str:
-    """E.g. ``"KV cache: 6 groups of 3 layers (5 freeing blocks behind a window), 21845
-    blocks of 16 tokens"``."""
-    windowed = sum(1 for window in groups.windows if window is not None)
-    count = len(groups.windows)
-    text = f"KV cache: {count} group{'s' if count > 1 else ''} of {groups.group_size} layers"
-    if windowed:
-        text += f" ({windowed} freeing blocks behind a window)"
-    return f"{text}, {num_blocks} blocks of {block_size} tokens"
+def _probe(model: torch.nn.Module) -> list[LayerSpec]:
+    """Switch ``model`` to the paged attention and probe its layers (`probe_layers`).
+
+    Raises:
+        EngineConfigError: its attention cannot be served by the paged attention.
+    """
+    mconf = model.config
+    if getattr(mconf, "_attn_implementation", None) != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+    device = next(model.parameters()).device
+    try:
+        return probe_layers(model.get_decoder(), mconf.num_hidden_layers, device)
+    except ValueError as exc:
+        raise EngineConfigError(f"{describe(mconf)} is not supported: {exc}") from exc
 
 
-def _describe_layers(layers: list[LayerSpec]) -> str:
-    """E.g. ``"18 attention layers (15 with a 512-token window), 1 KV heads of 256"``."""
-    windows = sorted({spec.sliding_window for spec in layers if spec.sliding_window})
-    windowed = sum(1 for spec in layers if spec.sliding_window)
-    parts = [f"{len(layers)} attention layers"]
-    if windowed:
-        sizes = "/".join(str(w) for w in windows)
-        parts[0] += f" ({windowed} with a {sizes}-token window)"
-    if any(spec.softcap for spec in layers):
-        parts.append("softcapped attention")
-    shapes = sorted({(spec.num_kv_heads, spec.head_dim) for spec in layers})
-    parts.append(", ".join(f"{h} KV heads of {d}" for h, d in shapes))
-    return ", ".join(parts)
+def _model_runner(model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig) -> ModelRunner:
+    """The runner of ``model`` over ``kv_cache`` with the configuration's forward options."""
+    model_config = config.model
+    return ModelRunner(
+        model,
+        kv_cache,
+        model_impl=model_config.model_impl,
+        attention_backend=model_config.attention_backend,
+        quantization=model_config.quantization,
+        cuda_graphs=not model_config.enforce_eager,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        gguf_file=_gguf_file(config) if model_config.quantization == "gguf" else None,
+    )
+
+
+def _eos_token_ids(model: torch.nn.Module) -> frozenset[int]:
+    """The end-of-sequence ids of the model's configuration and generation config."""
+    eos = model.config.eos_token_id
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return frozenset({*_as_list(eos), *_as_list(generation_eos)})
 
 
 def _gguf_file(config: EngineConfig) -> Path | None:
