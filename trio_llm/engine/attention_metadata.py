@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -214,17 +214,9 @@ class LayerProbe(Protocol):
     """What runs in place of the attention during the start-up probe
     (`trio_llm.engine.attention_probe.AttentionProbe`): each layer's call is recorded."""
 
-    def record(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        sliding_window: int | None,
-        softcap: float | None,
-        kwargs: dict[str, object],
-    ) -> tuple[torch.Tensor, None]:
-        """Record one layer's call; returns zeros of the attention output's shape."""
+    def record(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """Record one layer's call (`paged_attention`'s module, query, key, value, window,
+        softcap and other arguments); returns zeros of the attention output's shape."""
         ...
 
 

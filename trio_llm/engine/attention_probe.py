@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.attention_metadata import step_metadata
 from trio_llm.engine.kv_cache import LayerSpec
+from trio_llm.engine.support import describe
+from trio_llm.errors import EngineConfigError
 
 #: Keyword arguments layers pass to the attention function that `paged_attention` may
 #: ignore (they matter only to other kernels, to training, or carry our own metadata).
@@ -124,3 +127,20 @@ def probe_layers(
             "layers its configuration declares"
         )
     return [probe.layers[i] for i in range(num_layers)]
+
+
+def probe_model(model: torch.nn.Module) -> list[LayerSpec]:
+    """Switch ``model`` to the paged attention (`ATTENTION_NAME`) and probe its layers
+    (`probe_layers`): one spec per decoder layer.
+
+    Raises:
+        EngineConfigError: its attention cannot be served by the paged attention.
+    """
+    mconf = model.config
+    if getattr(mconf, "_attn_implementation", None) != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+    device = next(model.parameters()).device
+    try:
+        return probe_layers(model.get_decoder(), mconf.num_hidden_layers, device)
+    except ValueError as exc:
+        raise EngineConfigError(f"{describe(mconf)} is not supported: {exc}") from exc

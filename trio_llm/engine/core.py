@@ -5,36 +5,31 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trio_llm.config import EngineConfig
 from trio_llm.engine.attention import ATTENTION_NAME
-from trio_llm.engine.attention_probe import probe_layers
+from trio_llm.engine.attention_probe import probe_model
 from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.grammar_waits import GrammarWaits
 from trio_llm.engine.kv_cache import (
     KVCache,
     KVCacheSize,
-    LayerSpec,
     describe_groups,
     describe_layers,
     size_kv_cache,
 )
 from trio_llm.engine.logprobs import gather_logprobs
+from trio_llm.engine.model_info import ModelInfo, eos_token_ids_of, max_model_len_of
 from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelOutput, ModelRunner, PromptHidden
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
-from trio_llm.engine.structured import (
-    GrammarCompile,
-    GrammarCompiler,
-    StructuredOutputError,
-    matcher_error,
-)
-from trio_llm.engine.support import check_context, check_supported, describe
-from trio_llm.errors import EngineConfigError, ModelNotFoundError
+from trio_llm.engine.structured import GrammarCompiler, matcher_error
+from trio_llm.engine.support import check_supported, describe
+from trio_llm.errors import ModelNotFoundError
 from trio_llm.messages import (
     AddRequest,
     EngineReady,
@@ -47,19 +42,6 @@ from trio_llm.messages import (
 from trio_llm.model_loader import gguf_file_of
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine derived from the model and its configuration."""
-
-    model_dir: str
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    eos_token_ids: frozenset[int]
-    vocab_size: int
-    dtype: str
 
 
 class EngineCore:
@@ -91,8 +73,8 @@ class EngineCore:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         mconf = model.config
-        max_model_len = _max_model_len(mconf, config)
-        layers = _probe(model)
+        max_model_len = max_model_len_of(mconf, config)
+        layers = probe_model(model)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         size = size_kv_cache(
@@ -103,7 +85,7 @@ class EngineCore:
             max_model_len=max_model_len,
             num_kv_blocks=size.num_blocks,
             block_size=size.block_size,
-            eos_token_ids=_eos_token_ids(model),
+            eos_token_ids=eos_token_ids_of(model),
             vocab_size=mconf.vocab_size,
             dtype=str(dtype).removeprefix("torch."),
         )
@@ -139,8 +121,8 @@ class EngineCore:
         #: calls ``grammars.start()`` at start-up to build llguidance's tokenizer there.
         self.grammars = GrammarCompiler(model_dir, self.runner.vocab_size, self.info.eos_token_ids)
         self.grammars.on_event = self._grammar_event
-        #: Requests in the scheduler waiting for their grammar's compile, by id.
-        self._compiling: dict[str, Request] = {}
+        #: Requests in the scheduler waiting for their grammar's compile.
+        self._grammar_waits = GrammarWaits(self.grammars)
         #: Called (from a worker or timer thread) whenever a grammar compile starts, ends
         #: or runs past its time limit; the engine loop sets it to wake up (and look at
         #: `has_work` again). Must be thread-safe and quick.
@@ -210,20 +192,14 @@ class EngineCore:
         grammar that already failed.
         """
         error = self._check(message)
+        if error is None:
+            request = Request(
+                message.request_id, message.prompt_token_ids, message.params, message.group
+            )
+            if message.params.structured_output is not None:
+                error = self._grammar_waits.start(request)
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
-        request = Request(
-            message.request_id, message.prompt_token_ids, message.params, message.group
-        )
-        if message.params.structured_output is not None:
-            job = self.grammars.compile(message.params.structured_output)
-            request.grammar = job
-            if job.ready():  # compiled before (or its compile is past its time limit)
-                error = self._take_grammar(request)
-                if error is not None:
-                    return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
-            else:
-                self._compiling[request.request_id] = request
         self.scheduler.add(request)
         return None
 
@@ -233,37 +209,13 @@ class EngineCore:
             callback()
 
     def _collect_grammars(self) -> list[RequestOutput]:
-        """Give the requests whose grammar compiled their matchers (they may be scheduled
-        from now on) and end those whose grammar failed or timed out; their outputs."""
+        """Hand finished compiles to their requests (they may be scheduled from now on)
+        and end those whose grammar failed or timed out; their outputs."""
         failed = []
-        for request_id, request in list(self._compiling.items()):
-            if not request.grammar.ready():
-                continue
-            del self._compiling[request_id]
-            error = self._take_grammar(request)
-            if error is not None:
-                self.scheduler.abort([request_id])
-                failed.append(RequestOutput(request_id, [], finish_reason="abort", error=error))
+        for request_id, error in self._grammar_waits.collect():
+            self.scheduler.abort([request_id])
+            failed.append(RequestOutput(request_id, [], finish_reason="abort", error=error))
         return failed
-
-    def _take_grammar(self, request: Request) -> str | None:
-        """Give ``request`` its own copy of its compiled grammar (`Request.grammar`, a
-        ready `GrammarCompile`); the request's error text if the grammar failed or its
-        compile ran past the time limit."""
-        job: GrammarCompile = request.grammar
-        request.grammar = None
-        if not job.done():  # timed out, still running: it stays cached when it ends
-            self.grammars.release(job)
-            return (
-                f"structured_output: the grammar did not compile within "
-                f"{self.grammars.timeout:g} s (this server's limit); simplify it"
-            )
-        job.waiters -= 1
-        try:
-            request.matcher = job.future.result().deep_copy()
-        except StructuredOutputError as exc:
-            return f"structured_output: {exc}"
-        return None
 
     def _check(self, message: AddRequest) -> str | None:
         prompt = message.prompt_token_ids
@@ -289,10 +241,7 @@ class EngineCore:
         waiting for its grammar is dropped at once: a compile no other request waits for
         is cancelled if no worker began it yet (one under way goes on, for the cache)."""
         for request_id in request_ids:
-            request = self._compiling.pop(request_id, None)
-            if request is not None:
-                self.grammars.release(request.grammar)
-                request.grammar = None
+            self._grammar_waits.drop(request_id)
         self.scheduler.abort(request_ids)
 
     def pause(self, request_ids: list[str]) -> None:
@@ -312,7 +261,7 @@ class EngineCore:
         for its grammar, or a grammar finished compiling or timed out (the step hands it
         over). Requests whose grammar is still compiling, like paused ones, are no work
         yet."""
-        return self.scheduler.has_work or any(r.grammar.ready() for r in self._compiling.values())
+        return self.scheduler.has_work or self._grammar_waits.any_ready()
 
     def close(self) -> None:
         """Stop the grammar worker thread (compiles not started are cancelled; the one under
@@ -326,7 +275,7 @@ class EngineCore:
     def step(self) -> StepOutputs:
         """Schedule, run the model once, sample, and report new tokens and finished requests."""
         start = time.perf_counter()
-        outputs = self._collect_grammars() if self._compiling else []
+        outputs = self._collect_grammars() if self._grammar_waits else []
         batch = self.scheduler.schedule()
         if not batch.is_empty():
             result = self.runner.execute(batch)
@@ -441,41 +390,6 @@ class EngineCore:
         manager.num_queried_tokens = manager.num_hit_tokens = 0
 
 
-def _max_model_len(mconf: object, config: EngineConfig) -> int:
-    """The context length the engine serves: ``--max-model-len`` or the model's
-    ``max_position_embeddings``.
-
-    Raises:
-        EngineConfigError: an unsupported model (`check_supported`), a length past the
-            model's positions, or a context the model cannot serve (`check_context`).
-    """
-    check_supported(mconf)
-    max_model_len = config.model.max_model_len or mconf.max_position_embeddings
-    if max_model_len > mconf.max_position_embeddings:
-        raise EngineConfigError(
-            f"max_model_len {max_model_len} exceeds the model's "
-            f"max_position_embeddings {mconf.max_position_embeddings}"
-        )
-    check_context(mconf, max_model_len)
-    return max_model_len
-
-
-def _probe(model: torch.nn.Module) -> list[LayerSpec]:
-    """Switch ``model`` to the paged attention and probe its layers (`probe_layers`).
-
-    Raises:
-        EngineConfigError: its attention cannot be served by the paged attention.
-    """
-    mconf = model.config
-    if getattr(mconf, "_attn_implementation", None) != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
-    device = next(model.parameters()).device
-    try:
-        return probe_layers(model.get_decoder(), mconf.num_hidden_layers, device)
-    except ValueError as exc:
-        raise EngineConfigError(f"{describe(mconf)} is not supported: {exc}") from exc
-
-
 def _model_runner(model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig) -> ModelRunner:
     """The runner of ``model`` over ``kv_cache`` with the configuration's forward options."""
     model_config = config.model
@@ -491,13 +405,6 @@ def _model_runner(model: torch.nn.Module, kv_cache: KVCache, config: EngineConfi
     )
 
 
-def _eos_token_ids(model: torch.nn.Module) -> frozenset[int]:
-    """The end-of-sequence ids of the model's configuration and generation config."""
-    eos = model.config.eos_token_id
-    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return frozenset({*_as_list(eos), *_as_list(generation_eos)})
-
-
 def _gguf_file(config: EngineConfig) -> Path | None:
     """The GGUF file ``config.model`` names (a named GGUF model or a ``.gguf`` path), or
     None (a Hugging Face folder; ``--quantization gguf`` refuses it)."""
@@ -505,11 +412,3 @@ def _gguf_file(config: EngineConfig) -> Path | None:
         return gguf_file_of(config.model.model, config.cache_dir())
     except ModelNotFoundError:
         return None
-
-
-def _as_list(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return list(value)
