@@ -79,15 +79,8 @@ class _Layer:
     ) -> _Layer:
         """Layer ``layer_idx``'s share of the step ``paged``."""
         cache = paged.kv_cache
-        return cls(
-            paged,
-            cache.group_of[layer_idx],
-            cache.keys[layer_idx],
-            cache.values[layer_idx],
-            scaling,
-            window,
-            softcap,
-        )
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+        return cls(paged, cache.group_of[layer_idx], keys, values, scaling, window, softcap)
 
 
 def paged_attention(
@@ -164,14 +157,10 @@ def _decode(layer: _Layer, q: torch.Tensor, out: torch.Tensor) -> None:
     the native kernel where the step enables it and the cache is on the CPU, else the
     pure-torch reference (one request without a mask, or gathered batches)."""
     paged = layer.paged
+    plain = layer.window is None and layer.softcap is None
     if paged.native_attention and not layer.keys.is_cuda:
         _native_decode(layer, q, out)
-    elif (
-        q.shape[0] == 1
-        and paged.decode_context_lens
-        and layer.window is None
-        and layer.softcap is None
-    ):
+    elif q.shape[0] == 1 and paged.decode_context_lens and plain:
         _decode_one(layer, q, out)
     else:
         _decode_gathered(layer, q, out)

@@ -28,8 +28,9 @@ IGNORED_ATTENTION_KWARGS = frozenset(
 
 @dataclass
 class AttentionProbe:
-    """Set by `step_metadata` for a one-token forward pass at start-up: each layer records
-    its `LayerSpec` instead of attending (see `probe_layers`).
+    """What `probe_layers` makes current (`step_metadata`) for its one-token forward pass:
+    `paged_attention` hands it each layer's call, which records the layer's `LayerSpec`
+    instead of attending.
 
     Attributes:
         layers: ``layer_idx`` → the layer's spec, in call order.

@@ -146,9 +146,10 @@ class EngineCore:
         """Resolve and load the model named in ``config``, then build the core.
 
         Raises:
-            trio_llm.model_loader.ModelNotFoundError: nothing loadable at ``config.model``.
-            trio_llm.model_loader.ModelConversionError: a GGUF file that cannot be read.
-            EngineConfigError: the cache or context settings do not fit the model.
+            trio_llm.errors.ModelNotFoundError: nothing loadable at ``config.model``.
+            trio_llm.errors.ModelConversionError: a GGUF file that cannot be read.
+            EngineConfigError: the model is one the engine would serve wrongly, or the
+                cache and context settings do not fit it.
         """
         from trio_llm.model_loader import load_config, load_model, resolve_model_dir
 
