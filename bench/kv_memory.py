@@ -23,8 +23,8 @@ import torch
 from common import print_table
 
 from trio_llm.config import DEFAULT_MODEL, engine_config
-from trio_llm.engine.attention import KVCache
-from trio_llm.engine.core import EngineCore, blocks_for_one_request
+from trio_llm.engine.core import EngineCore
+from trio_llm.engine.kv_cache import KVCache, blocks_for_one_request
 from trio_llm.messages import AddRequest, SamplingParams
 
 

@@ -38,13 +38,9 @@ from types import SimpleNamespace
 import torch
 
 from trio_llm.config import DEFAULT_MODEL, EngineConfig, ModelConfig, SchedulerConfig, engine_config
-from trio_llm.engine.attention import (
-    ATTENTION_NAME,
-    PagedAttentionMetadata,
-    _attend_grouped,
-    _chunk_mask,
-    paged_attention,
-)
+from trio_llm.engine import attention
+from trio_llm.engine.attention import ATTENTION_NAME, chunk_mask, paged_attention
+from trio_llm.engine.attention_metadata import PagedAttentionMetadata
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.engine.core import EngineCore
 from trio_llm.model_loader import load_model, resolve_model_dir
@@ -183,9 +179,9 @@ def _prefill(
             start = time.perf_counter()
             k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             v = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            mask = _chunk_mask(chunk, context, 0, None, q.device)
+            mask = chunk_mask(chunk, context, 0, None, q.device)
             middle = time.perf_counter()
-            _attend_grouped(q, k, v, mask, None, None)
+            attention.attend(q, k, v, mask, None, None, enable_gqa=True)
             copies.append(middle - start)
             attends.append(time.perf_counter() - middle)
         copy, attend = statistics.median(copies), statistics.median(attends)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from trio_llm.engine.block_manager import BlockManager, slot_of
+from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.kv_cache import context_slots
 from trio_llm.engine.request import NO_BLOCK, Request
 from trio_llm.messages import SamplingParams
 
@@ -33,7 +35,7 @@ def test_slots_follow_the_block_table() -> None:
     manager.allocate(second, 4)
     manager.allocate(first, 6)
     table = first.block_table
-    assert [slot_of(first.block_table, p, manager.block_size) for p in range(6)] == [
+    assert context_slots(torch.tensor(table), 6, manager.block_size).tolist() == [
         table[0] * 4,
         table[0] * 4 + 1,
         table[0] * 4 + 2,

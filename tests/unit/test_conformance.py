@@ -47,9 +47,10 @@ from tests.support.architectures import (
 )
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine import support
-from trio_llm.engine.attention import ATTENTION_NAME, KVCache
+from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.core import EngineCore
 from trio_llm.engine.cuda_graphs import DecodeGraphs
+from trio_llm.engine.kv_cache import KVCache
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, SamplingParams, TokenLogprobs
 

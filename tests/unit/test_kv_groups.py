@@ -1,6 +1,6 @@
 """How layers are split into KV cache groups (`KVGroups.plan`): no model needed."""
 
-from trio_llm.engine.attention import KVGroups, LayerSpec
+from trio_llm.engine.kv_cache import KVGroups, LayerSpec
 
 FULL = LayerSpec(num_kv_heads=1, head_dim=256)
 WINDOW = LayerSpec(num_kv_heads=1, head_dim=256, sliding_window=512)

@@ -18,14 +18,9 @@ import torch
 
 from trio_llm.config import DEFAULT_MODEL, EngineConfig, ModelConfig, SchedulerConfig, engine_config
 from trio_llm.engine import attention, kernels
-from trio_llm.engine.attention import (
-    KVCache,
-    KVGroups,
-    LayerSpec,
-    PagedAttentionMetadata,
-    paged_attention,
-    use_native_attention,
-)
+from trio_llm.engine.attention import paged_attention, use_native_attention
+from trio_llm.engine.attention_metadata import PagedAttentionMetadata
+from trio_llm.engine.kv_cache import KVCache, KVGroups, LayerSpec
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, SamplingParams
 

@@ -236,6 +236,11 @@ def _drain(core: EngineCore) -> dict[str, dict]:
     return results
 
 
+def _num_waiting_for_grammar(core: EngineCore) -> int:
+    """Requests whose grammar is still compiling (or compiled but not collected by a step)."""
+    return sum(request.waits_for_grammar for request in core.scheduler.waiting)
+
+
 def _waiting(core: EngineCore, request_id: str):
     return next(r for r in core.scheduler.waiting if r.request_id == request_id)
 
@@ -269,7 +274,7 @@ def test_a_new_grammar_compiles_while_running_requests_keep_decoding(
         outputs = core.step().outputs
         assert [(o.request_id, len(o.new_token_ids)) for o in outputs] == [("plain", 1)]
         assert waiting.waits_for_grammar and waiting.block_table == []
-        assert core.num_waiting_for_grammar == 2
+        assert _num_waiting_for_grammar(core) == 2
     assert held.threads and threading.current_thread().name not in held.threads
 
     held.release.set()
@@ -283,7 +288,7 @@ def test_a_new_grammar_compiles_while_running_requests_keep_decoding(
 
     # Cached: the next request with that schema does not wait at all.
     assert core.add_request(AddRequest("again", PROMPT, constrained)) is None
-    assert core.num_waiting_for_grammar == 0
+    assert _num_waiting_for_grammar(core) == 0
     assert _drain(core)["again"]["finish"] == "stop" and len(held.specs) == 1
 
 
@@ -304,7 +309,7 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(
     assert results["bad"]["error"].startswith("structured_output: ")
     assert "uniqueItems" in results["bad"]["error"]
     assert results["plain"]["finish"] == "length" and len(results["plain"]["tokens"]) == 6
-    assert "bad" not in core.scheduler and core.num_waiting_for_grammar == 0
+    assert "bad" not in core.scheduler and _num_waiting_for_grammar(core) == 0
 
 
 def test_aborting_a_request_while_its_grammar_compiles(
@@ -315,14 +320,14 @@ def test_aborting_a_request_while_its_grammar_compiles(
     assert held.started.wait(timeout=120)
     assert not core.has_work()  # only a request waiting for its grammar: nothing to step
     core.abort(["gone"])
-    assert "gone" not in core.scheduler and core.num_waiting_for_grammar == 0
+    assert "gone" not in core.scheduler and _num_waiting_for_grammar(core) == 0
     assert not core.has_unfinished_requests()
     held.release.set()
     # The compile goes on for the cache; the aborted request never produces an output.
     core.grammars.compile(spec.structured_output).future.result(timeout=120)
     assert not core.has_work() and core.step().outputs == []
     assert core.add_request(AddRequest("gone", PROMPT, spec)) is None  # the id is free
-    assert core.num_waiting_for_grammar == 0  # compiled once, cached
+    assert _num_waiting_for_grammar(core) == 0  # compiled once, cached
     assert _drain(core)["gone"]["finish"] == "stop" and len(held.specs) == 1
 
 
@@ -395,7 +400,7 @@ def test_a_compile_past_its_time_limit_fails_its_requests(
     job.future.result(timeout=120)
     core.grammars.release(job)
     assert core.add_request(AddRequest("later", PROMPT, spec)) is None
-    assert core.num_waiting_for_grammar == 0
+    assert _num_waiting_for_grammar(core) == 0
     assert _drain(core)["later"]["finish"] == "stop"
 
 

@@ -322,8 +322,3 @@ class BlockManager:
             tokens = request.token_ids[i * bs : (i + 1) * bs]
             keys.append(block_key(keys[-1] if keys else b"", tokens))
         return keys[index]
-
-
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    """Flat KV cache slot of token ``position`` in a sequence with ``block_table``."""
-    return block_table[position // block_size] * block_size + position % block_size

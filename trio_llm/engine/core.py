@@ -5,28 +5,31 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from trio_llm.engine.attention import (
-    ATTENTION_NAME,
+from trio_llm.config import EngineConfig
+from trio_llm.engine.attention import ATTENTION_NAME
+from trio_llm.engine.attention_probe import probe_model
+from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.grammar_compiler import GrammarCompiler
+from trio_llm.engine.grammar_waits import GrammarWaits
+from trio_llm.engine.kv_cache import (
     KVCache,
-    KVGroups,
-    LayerSpec,
-    probe_layers,
+    KVCacheSize,
+    describe_groups,
+    describe_layers,
+    size_kv_cache,
 )
-from trio_llm.engine.block_manager import BlockManager, cdiv
-from trio_llm.engine.grammar_compiler import GrammarCompile, GrammarCompiler
 from trio_llm.engine.logprobs import gather_logprobs
-from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, PromptHidden
+from trio_llm.engine.model_info import ModelInfo, eos_token_ids_of, max_model_len_of
+from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelOutput, ModelRunner, PromptHidden
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
-from trio_llm.engine.support import check_context, check_supported, describe
-from trio_llm.errors import EngineConfigError, ModelNotFoundError
+from trio_llm.engine.support import check_supported, describe
+from trio_llm.errors import ModelNotFoundError
 from trio_llm.messages import (
     AddRequest,
     EngineReady,
@@ -37,22 +40,9 @@ from trio_llm.messages import (
     TokenLogprobs,
 )
 from trio_llm.model_loader import gguf_file_of
-from trio_llm.structured_output.errors import StructuredOutputError, matcher_error
+from trio_llm.structured_output.errors import matcher_error
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine derived from the model and its configuration."""
-
-    model_dir: str
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    eos_token_ids: frozenset[int]
-    vocab_size: int
-    dtype: str
 
 
 class EngineCore:
@@ -84,65 +74,37 @@ class EngineCore:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         mconf = model.config
-        check_supported(mconf)
-        max_model_len = config.model.max_model_len or mconf.max_position_embeddings
-        if max_model_len > mconf.max_position_embeddings:
-            raise EngineConfigError(
-                f"max_model_len {max_model_len} exceeds the model's "
-                f"max_position_embeddings {mconf.max_position_embeddings}"
-            )
-        check_context(mconf, max_model_len)
-        if getattr(mconf, "_attn_implementation", None) != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
+        max_model_len = max_model_len_of(mconf, config)
+        layers = probe_model(model)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
-        try:
-            layers = probe_layers(model.get_decoder(), mconf.num_hidden_layers, device)
-        except ValueError as exc:
-            raise EngineConfigError(f"{describe(mconf)} is not supported: {exc}") from exc
-        block_size = config.cache.block_size
-        groups = KVGroups.plan(
-            layers, max_model_len, hybrid=not config.cache.disable_hybrid_kv_cache_manager
+        size = size_kv_cache(
+            layers, config.cache, max_model_len, config.scheduler.max_num_batched_tokens, dtype
         )
-        num_blocks = config.cache.num_kv_blocks
-        if num_blocks is None:
-            memory = config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-            num_blocks = memory // KVCache.bytes_per_block(layers, groups, block_size, dtype)
-        needed = blocks_for_one_request(
-            groups, max_model_len, block_size, config.scheduler.max_num_batched_tokens
-        )
-        if num_blocks < needed:
-            raise EngineConfigError(
-                f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one "
-                f"request of max_model_len={max_model_len} tokens ({needed} blocks); give "
-                "more --kv-cache-memory / --num-kv-blocks or a smaller --max-model-len"
-            )
-
-        eos = mconf.eos_token_id
-        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos_ids = {*_as_list(eos), *_as_list(generation_eos)}
         self.info = ModelInfo(
             model_dir=model_dir,
             max_model_len=max_model_len,
-            num_kv_blocks=num_blocks,
-            block_size=block_size,
-            eos_token_ids=frozenset(eos_ids),
+            num_kv_blocks=size.num_blocks,
+            block_size=size.block_size,
+            eos_token_ids=eos_token_ids_of(model),
             vocab_size=mconf.vocab_size,
             dtype=str(dtype).removeprefix("torch."),
         )
         #: Each attention layer's key/value shape, window and softcap, probed from the model.
         self.layers = layers
         #: How the layers share the KV cache (sliding-window groups free what they leave).
-        self.kv_groups = groups
+        self.kv_groups = size.groups
         #: The fewest KV blocks this model and configuration accept: one request of
         #: max_model_len tokens.
-        self.min_num_kv_blocks = needed
-        self.kv_cache = KVCache(layers, groups, num_blocks, block_size, dtype, device)
+        self.min_num_kv_blocks = size.min_num_blocks
+        self.kv_cache = KVCache(
+            layers, size.groups, size.num_blocks, size.block_size, dtype, device
+        )
         self.block_manager = BlockManager(
-            num_blocks,
-            block_size,
+            size.num_blocks,
+            size.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            windows=groups.windows,
+            windows=size.groups.windows,
         )
         self.scheduler = Scheduler(
             config.scheduler,
@@ -153,45 +115,42 @@ class EngineCore:
                 device.type
             ),
         )
-        self.runner = ModelRunner(
-            model,
-            self.kv_cache,
-            model_impl=config.model.model_impl,
-            attention_backend=config.model.attention_backend,
-            quantization=config.model.quantization,
-            cuda_graphs=not config.model.enforce_eager,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            gguf_file=_gguf_file(config) if config.model.quantization == "gguf" else None,
-        )
-        logger.info(
-            "%s (%s%s): %s; %s; logits from %s",
-            describe(mconf),
-            "trio_llm's forward" if self.runner.native is not None else "transformers' modules",
-            f", {config.model.quantization}" if config.model.quantization else "",
-            _describe_layers(layers),
-            _describe_groups(groups, num_blocks, block_size),
-            "the output projection" if self.runner.lm_head_weight is not None else "its own head",
-        )
+        self.runner = _model_runner(model, self.kv_cache, config)
+        self._log_model(mconf, size)
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
         #: Matchers for constrained outputs, compiled in a worker thread; the engine loop
         #: calls ``grammars.start()`` at start-up to build llguidance's tokenizer there.
         self.grammars = GrammarCompiler(model_dir, self.runner.vocab_size, self.info.eos_token_ids)
         self.grammars.on_event = self._grammar_event
-        #: Requests in the scheduler waiting for their grammar's compile, by id.
-        self._compiling: dict[str, Request] = {}
+        #: Requests in the scheduler waiting for their grammar's compile.
+        self._grammar_waits = GrammarWaits(self.grammars)
         #: Called (from a worker or timer thread) whenever a grammar compile starts, ends
         #: or runs past its time limit; the engine loop sets it to wake up (and look at
         #: `has_work` again). Must be thread-safe and quick.
         self.on_grammar_event: Callable[[], None] | None = None
+
+    def _log_model(self, mconf: object, size: KVCacheSize) -> None:
+        """Log once how the model runs: its forward, attention layers, cache and head."""
+        quantization = self.config.model.quantization
+        logger.info(
+            "%s (%s%s): %s; %s; logits from %s",
+            describe(mconf),
+            "trio_llm's forward" if self.runner.native is not None else "transformers' modules",
+            f", {quantization}" if quantization else "",
+            describe_layers(self.layers),
+            describe_groups(size.groups, size.num_blocks, size.block_size),
+            "the output projection" if self.runner.lm_head_weight is not None else "its own head",
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
         """Resolve and load the model named in ``config``, then build the core.
 
         Raises:
-            trio_llm.model_loader.ModelNotFoundError: nothing loadable at ``config.model``.
-            trio_llm.model_loader.ModelConversionError: a GGUF file that cannot be read.
-            EngineConfigError: the cache or context settings do not fit the model.
+            trio_llm.errors.ModelNotFoundError: nothing loadable at ``config.model``.
+            trio_llm.errors.ModelConversionError: a GGUF file that cannot be read.
+            EngineConfigError: the model is one the engine would serve wrongly, or the
+                cache and context settings do not fit it.
         """
         from trio_llm.model_loader import load_config, load_model, resolve_model_dir
 
@@ -235,20 +194,14 @@ class EngineCore:
         grammar that already failed.
         """
         error = self._check(message)
+        if error is None:
+            request = Request(
+                message.request_id, message.prompt_token_ids, message.params, message.group
+            )
+            if message.params.structured_output is not None:
+                error = self._grammar_waits.start(request)
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
-        request = Request(
-            message.request_id, message.prompt_token_ids, message.params, message.group
-        )
-        if message.params.structured_output is not None:
-            job = self.grammars.compile(message.params.structured_output)
-            request.grammar = job
-            if job.ready():  # compiled before (or its compile is past its time limit)
-                error = self._take_grammar(request)
-                if error is not None:
-                    return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
-            else:
-                self._compiling[request.request_id] = request
         self.scheduler.add(request)
         return None
 
@@ -258,43 +211,13 @@ class EngineCore:
             callback()
 
     def _collect_grammars(self) -> list[RequestOutput]:
-        """Give the requests whose grammar compiled their matchers (they may be scheduled
-        from now on) and end those whose grammar failed or timed out; their outputs."""
+        """Hand finished compiles to their requests (they may be scheduled from now on)
+        and end those whose grammar failed or timed out; their outputs."""
         failed = []
-        for request_id, request in list(self._compiling.items()):
-            if not request.grammar.ready():
-                continue
-            del self._compiling[request_id]
-            error = self._take_grammar(request)
-            if error is not None:
-                self.scheduler.abort([request_id])
-                failed.append(RequestOutput(request_id, [], finish_reason="abort", error=error))
+        for request_id, error in self._grammar_waits.collect():
+            self.scheduler.abort([request_id])
+            failed.append(RequestOutput(request_id, [], finish_reason="abort", error=error))
         return failed
-
-    def _take_grammar(self, request: Request) -> str | None:
-        """Give ``request`` its own copy of its compiled grammar (`Request.grammar`, a
-        ready `GrammarCompile`); the request's error text if the grammar failed or its
-        compile ran past the time limit."""
-        job: GrammarCompile = request.grammar
-        request.grammar = None
-        if not job.done():  # timed out, still running: it stays cached when it ends
-            self.grammars.release(job)
-            return (
-                f"structured_output: the grammar did not compile within "
-                f"{self.grammars.timeout:g} s (this server's limit); simplify it"
-            )
-        job.waiters -= 1
-        try:
-            request.matcher = job.future.result().deep_copy()
-        except StructuredOutputError as exc:
-            return f"structured_output: {exc}"
-        return None
-
-    @property
-    def num_waiting_for_grammar(self) -> int:
-        """Requests whose grammar is still compiling (or compiled but not collected by a
-        step yet)."""
-        return len(self._compiling)
 
     def _check(self, message: AddRequest) -> str | None:
         prompt = message.prompt_token_ids
@@ -320,10 +243,7 @@ class EngineCore:
         waiting for its grammar is dropped at once: a compile no other request waits for
         is cancelled if no worker began it yet (one under way goes on, for the cache)."""
         for request_id in request_ids:
-            request = self._compiling.pop(request_id, None)
-            if request is not None:
-                self.grammars.release(request.grammar)
-                request.grammar = None
+            self._grammar_waits.drop(request_id)
         self.scheduler.abort(request_ids)
 
     def pause(self, request_ids: list[str]) -> None:
@@ -343,7 +263,7 @@ class EngineCore:
         for its grammar, or a grammar finished compiling or timed out (the step hands it
         over). Requests whose grammar is still compiling, like paused ones, are no work
         yet."""
-        return self.scheduler.has_work or any(r.grammar.ready() for r in self._compiling.values())
+        return self.scheduler.has_work or self._grammar_waits.any_ready()
 
     def close(self) -> None:
         """Stop the grammar worker thread (compiles not started are cancelled; the one under
@@ -357,51 +277,74 @@ class EngineCore:
     def step(self) -> StepOutputs:
         """Schedule, run the model once, sample, and report new tokens and finished requests."""
         start = time.perf_counter()
-        outputs = self._collect_grammars() if self._compiling else []
+        outputs = self._collect_grammars() if self._grammar_waits else []
         batch = self.scheduler.schedule()
         if not batch.is_empty():
             result = self.runner.execute(batch)
-            sampled = self.sampler(result.logits, result.requests)
+            tokens, logprobs = self._sample(result)
             prompt_logprobs = {
                 id(item.request): self._prompt_logprobs(item) for item in result.prompt_hidden
             }
-            tokens = dict(zip(result.requests, sampled.token_ids, strict=True))
-            logprobs = dict(zip(result.requests, sampled.logprobs, strict=True))
-            for request, token in tokens.items():
-                matcher = request.matcher
-                if matcher is None:
-                    continue
-                # A matcher can fail while its mask is filled (past llguidance's limits):
-                # it then allows only EOS, which must not read as a completed grammar.
-                if not matcher.consume_token(token) or matcher.is_error():
-                    reason = matcher_error(matcher) or "the token was rejected"
-                    request.error = f"structured output: {reason}"
             self.scheduler.update(batch, {r.request_id: t for r, t in tokens.items()})
-            for request, _ in batch.requests:
-                token = tokens.get(request)
-                entries = prompt_logprobs.get(id(request))
-                if token is None and entries is None and request.queue_time_reported:
-                    continue  # in the middle of a prefill: nothing to tell
-                # (A request's first scheduling is told at once, even in the middle of its
-                # prefill: its queue time and prefix-cache hits, which a stream's opening
-                # event reports, are known now.)
-                new_tokens = [token] if token is not None and request.params.max_tokens else []
-                entry = logprobs.get(request)
-                output = RequestOutput(
-                    request.request_id,
-                    new_tokens,
-                    request.finish_reason,
-                    error=request.error,
-                    logprobs=[entry] if entry is not None and new_tokens else None,
-                    prompt_logprobs=entries,
-                )
-                if not request.queue_time_reported:
-                    request.queue_time_reported = True
-                    output.queue_seconds = request.queue_seconds
-                    output.num_cached_tokens = request.num_cached_tokens or 0
-                outputs.append(output)
+            outputs += self._outputs(batch, tokens, logprobs, prompt_logprobs)
         stats = self.stats(batch, time.perf_counter() - start)
         return StepOutputs(outputs, stats)
+
+    def _sample(
+        self, result: ModelOutput
+    ) -> tuple[dict[Request, int], dict[Request, TokenLogprobs | None]]:
+        """The next token (and its logprobs entry) of each request ``result`` has logits
+        for; each constrained request's matcher consumes its token (a rejected token
+        becomes the request's error)."""
+        sampled = self.sampler(result.logits, result.requests)
+        tokens = dict(zip(result.requests, sampled.token_ids, strict=True))
+        logprobs = dict(zip(result.requests, sampled.logprobs, strict=True))
+        for request, token in tokens.items():
+            matcher = request.matcher
+            if matcher is None:
+                continue
+            # A matcher can fail while its mask is filled (past llguidance's limits):
+            # it then allows only EOS, which must not read as a completed grammar.
+            if not matcher.consume_token(token) or matcher.is_error():
+                reason = matcher_error(matcher) or "the token was rejected"
+                request.error = f"structured output: {reason}"
+        return tokens, logprobs
+
+    def _outputs(
+        self,
+        batch: ScheduledBatch,
+        tokens: dict[Request, int],
+        logprobs: dict[Request, TokenLogprobs | None],
+        prompt_logprobs: dict[int, list[TokenLogprobs]],
+    ) -> list[RequestOutput]:
+        """What the step tells of each scheduled request: its new token, logprobs, prompt
+        logprobs and finish; nothing for one in the middle of its prefill, unless this is
+        its first scheduling."""
+        outputs = []
+        for request, _ in batch.requests:
+            token = tokens.get(request)
+            entries = prompt_logprobs.get(id(request))
+            if token is None and entries is None and request.queue_time_reported:
+                continue  # in the middle of a prefill: nothing to tell
+            # (A request's first scheduling is told at once, even in the middle of its
+            # prefill: its queue time and prefix-cache hits, which a stream's opening
+            # event reports, are known now.)
+            new_tokens = [token] if token is not None and request.params.max_tokens else []
+            entry = logprobs.get(request)
+            output = RequestOutput(
+                request.request_id,
+                new_tokens,
+                request.finish_reason,
+                error=request.error,
+                logprobs=[entry] if entry is not None and new_tokens else None,
+                prompt_logprobs=entries,
+            )
+            if not request.queue_time_reported:
+                request.queue_time_reported = True
+                output.queue_seconds = request.queue_seconds
+                output.num_cached_tokens = request.num_cached_tokens or 0
+            outputs.append(output)
+        return outputs
 
     def _prompt_logprobs(self, item: PromptHidden) -> list[TokenLogprobs]:
         """Logprobs of prompt tokens ``first_target ..`` from the hidden states before them.
@@ -449,46 +392,19 @@ class EngineCore:
         manager.num_queried_tokens = manager.num_hit_tokens = 0
 
 
-def blocks_for_one_request(
-    groups: KVGroups, max_model_len: int, block_size: int, max_step_tokens: int
-) -> int:
-    """Blocks one request of ``max_model_len`` tokens may hold at once: every block of a
-    full-attention group; in a sliding-window group, those of its window and of one step's
-    new tokens."""
-    full = cdiv(max_model_len, block_size)
-    total = 0
-    for window in groups.windows:
-        if window is None:
-            total += full
-        else:
-            total += min(full, cdiv(window - 1 + max_step_tokens, block_size) + 1)
-    return total
-
-
-def _describe_groups(groups: KVGroups, num_blocks: int, block_size: int) -> str:
-    """E.g. ``"KV cache: 6 groups of 3 layers (5 freeing blocks behind a window), 21845
-    blocks of 16 tokens"``."""
-    windowed = sum(1 for window in groups.windows if window is not None)
-    count = len(groups.windows)
-    text = f"KV cache: {count} group{'s' if count > 1 else ''} of {groups.group_size} layers"
-    if windowed:
-        text += f" ({windowed} freeing blocks behind a window)"
-    return f"{text}, {num_blocks} blocks of {block_size} tokens"
-
-
-def _describe_layers(layers: list[LayerSpec]) -> str:
-    """E.g. ``"18 attention layers (15 with a 512-token window), 1 KV heads of 256"``."""
-    windows = sorted({spec.sliding_window for spec in layers if spec.sliding_window})
-    windowed = sum(1 for spec in layers if spec.sliding_window)
-    parts = [f"{len(layers)} attention layers"]
-    if windowed:
-        sizes = "/".join(str(w) for w in windows)
-        parts[0] += f" ({windowed} with a {sizes}-token window)"
-    if any(spec.softcap for spec in layers):
-        parts.append("softcapped attention")
-    shapes = sorted({(spec.num_kv_heads, spec.head_dim) for spec in layers})
-    parts.append(", ".join(f"{h} KV heads of {d}" for h, d in shapes))
-    return ", ".join(parts)
+def _model_runner(model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig) -> ModelRunner:
+    """The runner of ``model`` over ``kv_cache`` with the configuration's forward options."""
+    model_config = config.model
+    return ModelRunner(
+        model,
+        kv_cache,
+        model_impl=model_config.model_impl,
+        attention_backend=model_config.attention_backend,
+        quantization=model_config.quantization,
+        cuda_graphs=not model_config.enforce_eager,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        gguf_file=_gguf_file(config) if model_config.quantization == "gguf" else None,
+    )
 
 
 def _gguf_file(config: EngineConfig) -> Path | None:
@@ -498,11 +414,3 @@ def _gguf_file(config: EngineConfig) -> Path | None:
         return gguf_file_of(config.model.model, config.cache_dir())
     except ModelNotFoundError:
         return None
-
-
-def _as_list(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return list(value)

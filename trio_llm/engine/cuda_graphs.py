@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trio_llm.engine.attention import PagedAttentionMetadata
+from trio_llm.engine.attention_metadata import PagedAttentionMetadata
 
 if TYPE_CHECKING:
     from trio_llm.engine.model_runner import ModelRunner, StepInputs

@@ -23,18 +23,17 @@ from pathlib import Path
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from trio_llm.engine.attention import (
-    KVCache,
+from trio_llm.engine.attention import use_native_attention
+from trio_llm.engine.attention_metadata import (
     PagedAttentionMetadata,
     PrefillBatch,
     PrefillSpan,
-    context_slots,
     step_metadata,
-    use_native_attention,
 )
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.engine.cuda_graphs import DecodeGraphs
 from trio_llm.engine.gguf_linear import GGUFWeights, kernel_available
+from trio_llm.engine.kv_cache import KVCache, context_slots
 from trio_llm.engine.native import native_decoder
 from trio_llm.engine.quantization import QuantizedLinear, can_quantize, quantize_linears
 from trio_llm.engine.request import Request

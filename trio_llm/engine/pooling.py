@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from trio_llm.config import EngineConfig, ModelConfig
-from trio_llm.engine.core import ModelInfo
+from trio_llm.engine.model_info import ModelInfo
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutputs, StepStats
 

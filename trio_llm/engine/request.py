@@ -98,7 +98,7 @@ class Request:
         self.queue_time_reported = False
         self.num_cached_tokens: int | None = None
         self.next_prompt_logprob = 1
-        #: The llguidance matcher of a constrained output (`trio_llm.engine.structured`).
+        #: The llguidance matcher of a constrained output (`trio_llm.engine.grammar_compiler`).
         self.matcher: Any = None
         #: The compile of its grammar while it runs (a ``concurrent.futures.Future``): the
         #: scheduler leaves the request waiting, unscheduled, until the engine core sets
