@@ -74,7 +74,8 @@ def uses_pooling(model: ModelConfig) -> bool:
     its folder is a sentence-transformers folder)."""
     if model.runner != "auto":
         return model.runner == "pooling"
-    from trio_llm.model_loader import ModelNotFoundError, locate_model
+    from trio_llm.errors import ModelNotFoundError
+    from trio_llm.model_loader import locate_model
 
     try:
         path = locate_model(model.model)
@@ -268,12 +269,13 @@ class PoolingCore:
         """Load the model named in ``config`` as an embedding model.
 
         Raises:
-            trio_llm.model_loader.ModelNotFoundError: nothing loadable at ``config.model``.
+            trio_llm.errors.ModelNotFoundError: nothing loadable at ``config.model``.
             EngineConfigError: a pooling this core does not implement, or bad settings.
         """
         from transformers import AutoModel
 
-        from trio_llm.model_loader import resolve_dtype, resolve_model_dir
+        from trio_llm.dtype_choice import resolve_dtype
+        from trio_llm.model_loader import resolve_model_dir
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
