@@ -228,7 +228,7 @@ class ModelRunner:
         """Float32 logits ``[rows, vocab]`` of final hidden states ``[rows, hidden_size]``.
 
         On the model's device; the sampler moves them to the CPU where it needs to. The
-        model's own final processing is applied (see the module docstring).
+        model's own final processing is applied (`trio_llm.engine.output_head`).
         """
         if self.quantized_head is not None:
             return self.quantized_head(hidden).float()
