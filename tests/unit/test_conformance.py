@@ -270,7 +270,8 @@ def _use_gpu_paths(core: EngineCore, run: EngineRun) -> None:
 
     def counting_prepare(batch: Any) -> Any:
         step = prepare(batch)
-        if step.prefill_batch is not None and step.prefill_batch.query_pos.shape[0] >= 2:
+        batched = step.attention.prefill_batch
+        if batched is not None and batched.query_pos.shape[0] >= 2:
             run.batched_prefill_steps += 1
         return step
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trio_llm import model_loader
+from trio_llm import dtype_choice
 from trio_llm.config import EngineConfig, ModelConfig
-from trio_llm.model_loader import resolve_dtype
+from trio_llm.dtype_choice import resolve_dtype
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
 
@@ -39,7 +39,7 @@ def test_native_bf16_is_chosen_by_timing_at_the_model_shapes(
     time faster than float32's."""
     timed = []
     monkeypatch.setattr(
-        model_loader, "bf16_speedup", lambda *shapes: timed.append(shapes) or speedup
+        dtype_choice, "bf16_speedup", lambda *shapes: timed.append(shapes) or speedup
     )
     native = AVX2_ONLY | {"avx512f", "avx512_bf16"}
     assert resolve_dtype("auto", "cpu", native, shapes=(576, 1536)) == expected
@@ -50,7 +50,7 @@ def test_native_bf16_is_chosen_by_timing_at_the_model_shapes(
 
 
 def test_bf16_speedup_times_both_dtypes() -> None:
-    assert 0 < model_loader.bf16_speedup(64, 128, rows=4) < 1000
+    assert 0 < dtype_choice.bf16_speedup(64, 128, rows=4) < 1000
 
 
 def test_unknown_devices_are_rejected() -> None:
@@ -70,8 +70,8 @@ def test_unknown_devices_are_rejected() -> None:
 def test_dtype_is_timed_only_for_auto_on_a_cpu_with_native_bf16(
     dtype: str, device: str, flags: frozenset[str], timed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_loader, "cpu_flags", lambda: flags)
-    assert model_loader.dtype_is_timed(ModelConfig(dtype=dtype, device=device)) is timed
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: flags)
+    assert dtype_choice.dtype_is_timed(ModelConfig(dtype=dtype, device=device)) is timed
 
 
 def test_an_engine_config_keeps_the_dtype_auto_resolved_to() -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trio_llm.config import engine_config
-from trio_llm.engine.pooling import PoolingCore, PoolingSpec, pool, uses_pooling
+from trio_llm.engine.pooler import PoolingSpec, pool
+from trio_llm.engine.pooling import PoolingCore, uses_pooling
 from trio_llm.errors import EngineConfigError
 from trio_llm.messages import AddRequest, SamplingParams
 from trio_llm.text.tokenizer import Tokenizer

@@ -27,19 +27,36 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from trio_llm.engine.attention_metadata import PagedAttentionMetadata
-
-if TYPE_CHECKING:
-    from trio_llm.engine.model_runner import ModelRunner, StepInputs
+from trio_llm.engine.kv_cache import KVCache
+from trio_llm.engine.native import NativeLlama
+from trio_llm.engine.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
 #: The narrowest block-table width captured (blocks of the longest context).
 MIN_COLUMNS = 4
+
+
+class GraphedRunner(Protocol):
+    """What `DecodeGraphs` uses of its model runner (`trio_llm.engine.model_runner.ModelRunner`)."""
+
+    kv_cache: KVCache
+    device: torch.device
+    dtype: torch.dtype
+    #: The engine's own forward pass (`trio_llm.engine.native`), or None.
+    native: NativeLlama | None
+    num_groups: int
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """The decoder's final hidden states ``[T, hidden]`` of int64 ``[1, T]`` inputs."""
+        ...
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -85,7 +102,7 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """Runs decode-only batches of a `ModelRunner` through padded static buffers, replayed
+    """Runs decode-only batches of a model runner through padded static buffers, replayed
     from CUDA graphs (module docstring).
 
     Args:
@@ -97,7 +114,7 @@ class DecodeGraphs:
             padded path eagerly.
     """
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: bool) -> None:
+    def __init__(self, runner: GraphedRunner, max_num_seqs: int, capture: bool) -> None:
         self.runner = runner
         self.kv_cache = runner.kv_cache
         self.device = runner.device
@@ -113,7 +130,7 @@ class DecodeGraphs:
         self.num_runs = 0
 
     @staticmethod
-    def unsupported(runner: ModelRunner) -> str | None:
+    def unsupported(runner: GraphedRunner) -> str | None:
         """Why ``runner``'s decode steps cannot be captured, or None when they can."""
         if runner.native is None:
             return "CUDA graphs need the engine's own forward pass (--model-impl trio_llm)"
@@ -130,14 +147,16 @@ class DecodeGraphs:
 
     def takes(self, step: StepInputs) -> bool:
         """Whether ``step`` runs here: decodes only, at most `max_num_seqs` of them."""
-        return not step.prefills and 0 < step.num_decode <= self.max_num_seqs
+        attention = step.attention
+        return not attention.prefills and 0 < attention.num_decode <= self.max_num_seqs
 
     def run(self, step: StepInputs) -> torch.Tensor:
         """The final hidden states ``[num_decode, hidden]`` of a decode-only step (a view
         of a static buffer: valid until the next run)."""
-        n = step.num_decode
-        assert step.decode_blocks is not None and step.decode_lengths is not None
-        blocks = step.decode_blocks[0]
+        attention = step.attention
+        n = attention.num_decode
+        assert attention.decode_blocks is not None and attention.decode_lengths is not None
+        blocks = attention.decode_blocks[0]
         key = (_bucket(self.batch_sizes, n), _bucket(self.widths, blocks.shape[1]))
         entry = self._graphs.get(key)
         if entry is None:
@@ -146,11 +165,11 @@ class DecodeGraphs:
         entry.input_ids[n:].zero_()
         entry.positions[:n].copy_(step.positions)
         entry.positions[n:].zero_()
-        entry.slots[:n].copy_(step.slot_mapping[0])
+        entry.slots[:n].copy_(attention.slot_mapping[0])
         entry.slots[n:].fill_(self.kv_cache.scratch_slot)
         entry.tables.zero_()
         entry.tables[:n, : blocks.shape[1]].copy_(blocks)
-        entry.lengths[:n].copy_(step.decode_lengths)
+        entry.lengths[:n].copy_(attention.decode_lengths)
         entry.lengths[n:].fill_(1)
         self.num_runs += 1
         if entry.graph is None and self.capture:

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from trio_llm.engine import kernels
+from trio_llm.engine.support import describe
+from trio_llm.errors import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -244,3 +246,31 @@ def _linear(tensor: object, file_name: str) -> GGUFLinear:
     in_features = int(tensor.shape[0])  # GGUF shapes are [K, N]
     blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
     return GGUFLinear(blocks.view(int(tensor.shape[1]), -1), ggml_type, in_features)
+
+
+def read_gguf_weights(
+    model: torch.nn.Module, gguf_file: Path | None, device: torch.device
+) -> GGUFWeights:
+    """The GGUF file's blocks for ``--quantization gguf``, checked against ``model``.
+
+    Raises:
+        EngineConfigError: why this model or file cannot be served that way.
+    """
+    name = describe(model.config)
+    if device.type != "cpu":
+        raise EngineConfigError(f"{name}: --quantization gguf runs on the CPU only")
+    if gguf_file is None:
+        raise EngineConfigError(
+            f"{name}: --quantization gguf needs a GGUF model (a .gguf file or a model "
+            "shipped as one); this one was loaded from a Hugging Face folder"
+        )
+    reason = kernel_available()
+    if reason is not None:
+        raise EngineConfigError(f"{name}: --quantization gguf: {reason}")
+    try:
+        weights = GGUFWeights.read(gguf_file, model.config)
+        weights.check_against(model)
+    except ValueError as exc:
+        raise EngineConfigError(f"{name}: --quantization gguf: {exc}") from exc
+    logger.info("--quantization gguf: the decoder multiplies %s's own blocks", gguf_file.name)
+    return weights
