@@ -15,14 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from trio_llm.config_fields import (
-    AT_LEAST_ONE,
-    NON_NEGATIVE,
-    POSITIVE,
-    Range,
-    check_fields,
-    setting,
-)
+from trio_llm.config_fields import CheckedFields, Range, setting
 
 #: The name under which the bundled SmolLM2 GGUF file is served when no --model is given.
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -89,7 +82,7 @@ def default_cache_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(CheckedFields):
     """Which model to run and how.
 
     Attributes:
@@ -125,13 +118,13 @@ class ModelConfig:
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
     runner: str = setting("auto", choices=RUNNERS)
     enforce_eager: bool = False
-    max_model_len: int | None = setting(None, range=AT_LEAST_ONE)
+    max_model_len: int | None = setting(None, range=Range(1))
     download_dir: str | None = None
     seed: int = 0
     device: str = setting("cpu", choices=DEVICES)
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        super().__post_init__()
         if self.quantization is not None and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization!r} runs on the CPU only")
         if self.attention_backend == "CPU_ATTN" and self.device != "cpu":
@@ -139,7 +132,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(CheckedFields):
     """Size of the paged KV cache.
 
     Attributes:
@@ -157,8 +150,8 @@ class CacheConfig:
             by default they free the blocks behind their window).
     """
 
-    block_size: int = setting(16, range=AT_LEAST_ONE)
-    num_kv_blocks: int | None = setting(None, range=AT_LEAST_ONE)
+    block_size: int = setting(16, range=Range(1))
+    num_kv_blocks: int | None = setting(None, range=Range(1))
     kv_cache_memory: int | None = setting(None, range=Range(1, unit="byte"))
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
@@ -166,11 +159,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give either num_kv_blocks or kv_cache_memory, not both")
-        check_fields(self)
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(CheckedFields):
     """Continuous-batching limits for one engine step.
 
     Attributes:
@@ -184,13 +177,10 @@ class SchedulerConfig:
             wait their turn (short prompts are not counted).
     """
 
-    max_num_seqs: int = setting(128, range=AT_LEAST_ONE)
-    max_num_batched_tokens: int = setting(1024, range=AT_LEAST_ONE)
-    long_prefill_token_threshold: int | None = setting(None, range=NON_NEGATIVE)
-    max_num_partial_prefills: int = setting(1, range=AT_LEAST_ONE)
-
-    def __post_init__(self) -> None:
-        check_fields(self)
+    max_num_seqs: int = setting(128, range=Range(1))
+    max_num_batched_tokens: int = setting(1024, range=Range(1))
+    long_prefill_token_threshold: int | None = setting(None, range=Range(0))
+    max_num_partial_prefills: int = setting(1, range=Range(1))
 
     def resolved_long_prefill_token_threshold(self, device: str) -> int:
         """The threshold in tokens (0: off), with None resolved for ``device``."""
@@ -200,7 +190,7 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(CheckedFields):
     """Everything the engine-core child needs; sent to it once, pickled, at start-up.
 
     Attributes:
@@ -227,11 +217,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
     adaptive_threads: bool | None = None
-    heartbeat_interval: float = setting(1.0, range=POSITIVE)
-    data_parallel_rank: int = setting(0, range=NON_NEGATIVE)
+    heartbeat_interval: float = setting(1.0, range=Range(0, exclusive=True))
+    data_parallel_rank: int = setting(0, range=Range(0))
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        super().__post_init__()
         if self.adaptive_threads and self.num_threads is not None:
             raise ValueError("give either num_threads or adaptive_threads, not both")
 

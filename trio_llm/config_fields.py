@@ -1,10 +1,11 @@
 """Configuration dataclass fields that declare their own constraints.
 
 A field made by `setting` carries its allowed ``choices`` or numeric `Range` in its
-metadata; `check_fields` checks every such field of a dataclass instance, in field order,
-and raises the `ValueError` the configuration has always raised (its message names the
-field). Checks that involve two fields stay in the dataclass's ``__post_init__``.
-The command line (`trio_llm.cli`) reads the same metadata: its ``choices`` are these.
+metadata; `check_fields` checks every such field of a dataclass instance, in field order
+(a dataclass deriving from `CheckedFields` runs it after ``__init__``), and raises a
+`ValueError` whose message names the field. Checks that involve two fields stay in the
+dataclass's ``__post_init__``. The command line (`trio_llm.cli`) reads the same metadata:
+its ``choices`` are these.
 """
 
 from __future__ import annotations
@@ -45,12 +46,6 @@ class Range:
         return f"must be at least {self.low}{unit}"
 
 
-#: The ranges most fields use.
-AT_LEAST_ONE = Range(1)
-NON_NEGATIVE = Range(0)
-POSITIVE = Range(0, exclusive=True)
-
-
 def setting(
     default: Any = dataclasses.MISSING,
     *,
@@ -63,8 +58,8 @@ def setting(
     """A `dataclasses.field` whose value `check_fields` checks.
 
     Args:
-        choices: the values allowed (None is allowed too when ``default`` is None).
-        range: the numbers allowed (None is allowed too when ``default`` is None).
+        choices: the values allowed (and None, where the field's type is ``X | None``).
+        range: the numbers allowed (and None, where the field's type is ``X | None``).
         none_means: what None stands for, named in the range message
             (``"... (or None for no limit)"``).
         repr: as `dataclasses.field`'s.
@@ -77,7 +72,7 @@ def setting(
 
 def check_fields(config: Any) -> None:
     """Check each `setting` field of the dataclass instance ``config`` against its declared
-    ``choices`` or `Range`; None passes where the field allows it (its default is None).
+    ``choices`` or `Range`; None passes where the field's type allows it (``X | None``).
 
     Raises:
         ValueError: the first field out of range, e.g. ``"dtype must be one of ('auto',
@@ -85,7 +80,7 @@ def check_fields(config: Any) -> None:
     """
     for spec in dataclasses.fields(config):
         value = getattr(config, spec.name)
-        if value is None and spec.default is None:
+        if value is None and str(spec.type).endswith("| None"):
             continue
         choices = spec.metadata.get("choices")
         if choices is not None and value not in choices:
@@ -95,3 +90,11 @@ def check_fields(config: Any) -> None:
             none_means = spec.metadata.get("none_means")
             suffix = f" (or None for {none_means})" if none_means else ""
             raise ValueError(f"{spec.name} {allowed.requirement()}{suffix}")
+
+
+class CheckedFields:
+    """Base of the configuration dataclasses: `check_fields` runs after ``__init__``
+    (a subclass with rules over two fields calls ``super().__post_init__()`` first)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)

@@ -18,14 +18,7 @@ from trio_llm.config import (
     TOOL_CALL_PARSERS,
     EngineConfig,
 )
-from trio_llm.config_fields import (
-    AT_LEAST_ONE,
-    NON_NEGATIVE,
-    POSITIVE,
-    Range,
-    check_fields,
-    setting,
-)
+from trio_llm.config_fields import CheckedFields, Range, setting
 
 #: Environment variable holding the API key when --api-key is not given.
 API_KEY_ENV = "TRIO_LLM_API_KEY"
@@ -53,7 +46,7 @@ def default_api_key() -> str | None:
 
 
 @dataclass(frozen=True)
-class RestartPolicy:
+class RestartPolicy(CheckedFields):
     """How the supervisor replaces a failed engine child (``--engine-restart on-failure``).
 
     The n-th failure within ``window`` seconds is followed by a wait of
@@ -68,14 +61,11 @@ class RestartPolicy:
         wait: seconds a new request waits for the restarted engine before it gets 503.
     """
 
-    max_restarts: int = setting(5, range=AT_LEAST_ONE)
-    window: float = setting(60.0, range=NON_NEGATIVE)
-    initial_backoff: float = setting(0.5, range=NON_NEGATIVE)
-    max_backoff: float = setting(10.0, range=NON_NEGATIVE)
-    wait: float = setting(30.0, range=NON_NEGATIVE)
-
-    def __post_init__(self) -> None:
-        check_fields(self)
+    max_restarts: int = setting(5, range=Range(1))
+    window: float = setting(60.0, range=Range(0))
+    initial_backoff: float = setting(0.5, range=Range(0))
+    max_backoff: float = setting(10.0, range=Range(0))
+    wait: float = setting(30.0, range=Range(0))
 
     def backoff(self, num_recent_failures: int) -> float:
         """Seconds to wait before restarting after the n-th recent failure (n >= 1)."""
@@ -84,7 +74,7 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True)
-class RequestLimits:
+class RequestLimits(CheckedFields):
     """Limits on what one request may ask for, checked before any work that grows with it.
 
     Each is checked on the raw JSON (counting list items, measuring strings), cheapest
@@ -100,17 +90,14 @@ class RequestLimits:
         max_stop_string_length: longest ``stop`` string, in characters.
     """
 
-    max_choices: int = setting(1024, range=AT_LEAST_ONE)
-    max_chat_messages: int = setting(2048, range=AT_LEAST_ONE)
-    max_stop_strings: int = setting(64, range=AT_LEAST_ONE)
-    max_stop_string_length: int = setting(256, range=AT_LEAST_ONE)
-
-    def __post_init__(self) -> None:
-        check_fields(self)
+    max_choices: int = setting(1024, range=Range(1))
+    max_chat_messages: int = setting(2048, range=Range(1))
+    max_stop_strings: int = setting(64, range=Range(1))
+    max_stop_string_length: int = setting(256, range=Range(1))
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(CheckedFields):
     """The API server's own settings.
 
     Attributes:
@@ -180,10 +167,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_names: tuple[str, ...] = ()
-    shutdown_timeout: float = setting(5.0, range=NON_NEGATIVE)
+    shutdown_timeout: float = setting(5.0, range=Range(0))
     engine_restart: str = setting("never", choices=RESTART_MODES)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    engine_step_timeout: float | None = setting(60.0, range=POSITIVE, none_means="no limit")
+    engine_step_timeout: float | None = setting(
+        60.0, range=Range(0, exclusive=True), none_means="no limit"
+    )
     api_key: str | None = field(default=None, repr=False)
     chat_template: str | None = field(default=None, repr=False)
     allowed_origins: tuple[str, ...] = ()
@@ -193,11 +182,11 @@ class ServerConfig:
     max_request_body_bytes: int = setting(
         DEFAULT_MAX_REQUEST_BODY_BYTES, range=Range(1, unit="byte")
     )
-    max_num_waiting_requests: int | None = setting(None, range=AT_LEAST_ONE, none_means="no limit")
+    max_num_waiting_requests: int | None = setting(None, range=Range(1), none_means="no limit")
     stream_interval: int = setting(1, range=Range(1, MAX_STREAM_INTERVAL))
-    max_logprobs: int = setting(20, range=NON_NEGATIVE)
+    max_logprobs: int = setting(20, range=Range(0))
     limits: RequestLimits = field(default_factory=RequestLimits)
-    request_body_timeout: float = setting(30.0, range=POSITIVE)
+    request_body_timeout: float = setting(30.0, range=Range(0, exclusive=True))
     detokenizer_mode: str = setting("inline", choices=DETOKENIZER_MODES)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = setting(None, choices=TOOL_CALL_PARSERS)
@@ -207,10 +196,10 @@ class ServerConfig:
     max_tokens_policy: str = setting("clamp", choices=MAX_TOKENS_POLICIES)
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
-    data_parallel_size: int = setting(1, range=AT_LEAST_ONE)
+    data_parallel_size: int = setting(1, range=Range(1))
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        super().__post_init__()
         cores = available_cores()
         if self.engine.model.device == "cpu" and self.data_parallel_size > cores:
             raise ValueError(
