@@ -84,7 +84,7 @@ def _additional_properties(value: dict[str, bool]) -> bool:
 
 def _auto_is_none(value: int | str | None) -> int | None:
     """``--num-threads auto`` fixes no count (`EngineConfig.adaptive_threads` is set)."""
-    return None if value == "auto" else value  # type: ignore[return-value]
+    return value if isinstance(value, int) else None
 
 
 _SECONDS = {"type": parse.parse_seconds, "metavar": "SECONDS"}
