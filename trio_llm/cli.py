@@ -30,7 +30,7 @@ from trio_llm.logging_setup import (
 from trio_llm.serve_flags import FIELD_DEFAULT, SERVE_FLAGS, Flag
 from trio_llm.server_config import RequestLimits, RestartPolicy, ServerConfig
 
-#: The parsers of int fields that name no `Flag.type`.
+#: Annotations of the fields whose flag parses with ``int`` when the `Flag` names no type.
 _INT_TYPES = ("int", "int | None")
 
 
@@ -68,13 +68,13 @@ def add_dataclass_arguments(
     parser: argparse.ArgumentParser, cls: type, flags: dict[str, Flag]
 ) -> None:
     """Add a flag for each field of the dataclass ``cls`` named in ``flags``, in a group
-    titled by the class (its docstring's first line), in ``flags``' order.
+    titled by the class's name, in ``flags``' order.
 
     Raises:
         KeyError: ``flags`` names a field ``cls`` does not have.
     """
     specs = {spec.name: spec for spec in dataclasses.fields(cls)}
-    group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").split("\n")[0])
+    group = parser.add_argument_group(cls.__name__)
     exclusive: dict[str, Any] = {}
     for name, flag in flags.items():
         spec = specs[name]
