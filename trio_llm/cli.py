@@ -125,20 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Turn parsed arguments into a `ServerConfig` (raises ValueError on bad combinations)."""
-    values = {cls: dataclass_values(args, cls, flags) for cls, flags in SERVE_FLAGS.items()}
-    values[ModelConfig]["model"] = args.model or args.model_tag or DEFAULT_MODEL
+
+    def values(cls: type) -> dict[str, Any]:
+        return dataclass_values(args, cls, SERVE_FLAGS[cls])
+
+    # The engine's fields first: their errors come before the server's (as they always did).
+    model = values(ModelConfig) | {"model": args.model or args.model_tag or DEFAULT_MODEL}
     engine = engine_config(
-        **values[ModelConfig],
-        **values[CacheConfig],
-        **values[SchedulerConfig],
-        **values[EngineConfig],
+        **model,
+        **values(CacheConfig),
+        **values(SchedulerConfig),
+        **values(EngineConfig),
         adaptive_threads=True if args.num_threads == "auto" else None,
     )
     return ServerConfig(
         engine=engine,
-        restart=RestartPolicy(**values[RestartPolicy]),
-        limits=RequestLimits(**values[RequestLimits]),
-        **values[ServerConfig],
+        restart=RestartPolicy(**values(RestartPolicy)),
+        limits=RequestLimits(**values(RequestLimits)),
+        **values(ServerConfig),
     )
 
 
