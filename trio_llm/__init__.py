@@ -10,14 +10,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _package_version
 from typing import TYPE_CHECKING, Any
 
-from trio_llm.config import (
-    DEFAULT_MODEL,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    ServerConfig,
-)
+from trio_llm.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.errors import (
     ChatTemplateError,
     ContextLengthError,
@@ -36,6 +29,7 @@ from trio_llm.errors import (
     RequestRejectedError,
 )
 from trio_llm.messages import SamplingParams, StructuredOutput
+from trio_llm.server_config import ServerConfig
 
 if TYPE_CHECKING:
     from trio_llm.async_engine import AsyncEngine, GenerationOutput, open_engine

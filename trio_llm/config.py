@@ -1,9 +1,11 @@
-"""Frozen configuration objects.
+"""Frozen configuration of the engine: which model, its KV cache, its scheduler.
 
 `trio_llm.cli` is the only place that reads argv; the environment is read here, in
-`default_cache_dir` (``$TRIO_LLM_CACHE_DIR``) and `default_api_key` (``$TRIO_LLM_API_KEY``),
-and nowhere else. Everything downstream receives these dataclasses.
-The engine configuration crosses into the engine-core child once, at start-up, pickled.
+`default_cache_dir` (``$TRIO_LLM_CACHE_DIR``), and in `trio_llm.server_config`'s
+`default_api_key` (``$TRIO_LLM_API_KEY``), and nowhere else. Everything downstream receives
+these dataclasses. The engine configuration crosses into the engine-core child once, at
+start-up, pickled. The choice tuples below are shared by the engine, the server
+(`trio_llm.server_config`) and the command line.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from trio_llm.config_fields import CheckedFields, Range, setting
+
 #: The name under which the bundled SmolLM2 GGUF file is served when no --model is given.
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -21,15 +25,6 @@ GEMMA3_270M_MODEL = "gemma-3-270m"
 
 #: Environment variable that overrides the folder where converted models are cached.
 CACHE_DIR_ENV = "TRIO_LLM_CACHE_DIR"
-
-#: Environment variable holding the API key when --api-key is not given.
-API_KEY_ENV = "TRIO_LLM_API_KEY"
-
-#: Largest request body accepted by default (bytes).
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
-#: Largest ``--stream-interval`` (tokens): a stream's unread tokens are held in memory, and
-#: longer pieces stop looking like streaming.
-MAX_STREAM_INTERVAL = 64
 
 #: KV cache size used when neither --num-kv-blocks nor --kv-cache-memory is given (bytes).
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
@@ -71,9 +66,6 @@ MAX_TOKENS_POLICIES = ("clamp", "strict")
 #: Where output tokens become text: in the API server, or in a third process.
 DETOKENIZER_MODES = ("inline", "process")
 
-#: What the supervisor does when an engine child dies or hangs (``--engine-restart``).
-RESTART_MODES = ("never", "on-failure")
-
 #: ``--tool-call-parser`` names (`trio_llm.api.tools`).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
@@ -89,20 +81,8 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "trio_llm"
 
 
-def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def default_api_key() -> str | None:
-    """The API key from $TRIO_LLM_API_KEY, or None when it is unset or empty."""
-    return os.environ.get(API_KEY_ENV) or None
-
-
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(CheckedFields):
     """Which model to run and how.
 
     Attributes:
@@ -132,45 +112,27 @@ class ModelConfig:
     """
 
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    quantization: str | None = None
-    model_impl: str = "auto"
-    attention_backend: str = "auto"
-    runner: str = "auto"
+    dtype: str = setting("auto", choices=DTYPES)
+    quantization: str | None = setting(None, choices=QUANTIZATION_METHODS)
+    model_impl: str = setting("auto", choices=MODEL_IMPLS)
+    attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
+    runner: str = setting("auto", choices=RUNNERS)
     enforce_eager: bool = False
-    max_model_len: int | None = None
+    max_model_len: int | None = setting(None, range=Range(1))
     download_dir: str | None = None
     seed: int = 0
-    device: str = "cpu"
+    device: str = setting("cpu", choices=DEVICES)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError("max_model_len must be at least 1")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}"
-            )
+        super().__post_init__()
         if self.quantization is not None and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization!r} runs on the CPU only")
-        if self.model_impl not in MODEL_IMPLS:
-            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
         if self.attention_backend == "CPU_ATTN" and self.device != "cpu":
             raise ValueError("attention_backend CPU_ATTN runs on the CPU only")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
 
 
 @dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(CheckedFields):
     """Size of the paged KV cache.
 
     Attributes:
@@ -188,25 +150,20 @@ class CacheConfig:
             by default they free the blocks behind their window).
     """
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
+    block_size: int = setting(16, range=Range(1))
+    num_kv_blocks: int | None = setting(None, range=Range(1))
+    kv_cache_memory: int | None = setting(None, range=Range(1, unit="byte"))
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError("block_size must be at least 1")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give either num_kv_blocks or kv_cache_memory, not both")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("num_kv_blocks must be at least 1")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError("kv_cache_memory must be at least 1 byte")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(CheckedFields):
     """Continuous-batching limits for one engine step.
 
     Attributes:
@@ -220,21 +177,10 @@ class SchedulerConfig:
             wait their turn (short prompts are not counted).
     """
 
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    long_prefill_token_threshold: int | None = None
-    max_num_partial_prefills: int = 1
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be at least 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be at least 1")
-        threshold = self.long_prefill_token_threshold
-        if threshold is not None and threshold < 0:
-            raise ValueError("long_prefill_token_threshold must not be negative")
-        if self.max_num_partial_prefills < 1:
-            raise ValueError("max_num_partial_prefills must be at least 1")
+    max_num_seqs: int = setting(128, range=Range(1))
+    max_num_batched_tokens: int = setting(1024, range=Range(1))
+    long_prefill_token_threshold: int | None = setting(None, range=Range(0))
+    max_num_partial_prefills: int = setting(1, range=Range(1))
 
     def resolved_long_prefill_token_threshold(self, device: str) -> int:
         """The threshold in tokens (0: off), with None resolved for ``device``."""
@@ -244,7 +190,7 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(CheckedFields):
     """Everything the engine-core child needs; sent to it once, pickled, at start-up.
 
     Attributes:
@@ -271,14 +217,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
     adaptive_threads: bool | None = None
-    heartbeat_interval: float = 1.0
-    data_parallel_rank: int = 0
+    heartbeat_interval: float = setting(1.0, range=Range(0, exclusive=True))
+    data_parallel_rank: int = setting(0, range=Range(0))
 
     def __post_init__(self) -> None:
-        if self.data_parallel_rank < 0:
-            raise ValueError("data_parallel_rank must not be negative")
-        if not self.heartbeat_interval > 0:
-            raise ValueError("heartbeat_interval must be positive")
+        super().__post_init__()
         if self.adaptive_threads and self.num_threads is not None:
             raise ValueError("give either num_threads or adaptive_threads, not both")
 
@@ -354,267 +297,3 @@ def engine_config(
 def _fields_of(cls: type, args: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``args`` named like a field of the dataclass ``cls``."""
     return {f.name: args[f.name] for f in fields(cls) if f.name in args}
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How the supervisor replaces a failed engine child (``--engine-restart on-failure``).
-
-    The n-th failure within ``window`` seconds is followed by a wait of
-    ``min(max_backoff, initial_backoff * 2 ** (n - 1))`` seconds, then a new child. More
-    than ``max_restarts`` failures within ``window`` seconds end the server (exit 1).
-
-    Attributes:
-        max_restarts: restarts allowed within ``window`` seconds.
-        window: seconds over which failures are counted.
-        initial_backoff: seconds before the first restart.
-        max_backoff: longest wait before a restart (seconds).
-        wait: seconds a new request waits for the restarted engine before it gets 503.
-    """
-
-    max_restarts: int = 5
-    window: float = 60.0
-    initial_backoff: float = 0.5
-    max_backoff: float = 10.0
-    wait: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 1:
-            raise ValueError("max_restarts must be at least 1")
-        for name in ("window", "initial_backoff", "max_backoff", "wait"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must not be negative")
-
-    def backoff(self, num_recent_failures: int) -> float:
-        """Seconds to wait before restarting after the n-th recent failure (n >= 1)."""
-        exponent = min(max(num_recent_failures, 1) - 1, 30)
-        return min(self.max_backoff, self.initial_backoff * 2**exponent)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Limits on what one request may ask for, checked before any work that grows with it.
-
-    Each is checked on the raw JSON (counting list items, measuring strings), cheapest
-    first, so an oversized request costs the server almost nothing before its 400, which
-    names the field at fault. The request body size (``max_request_body_bytes``) comes
-    before all of them. The context length limits prompts on top of these.
-
-    Attributes:
-        max_choices: most choices (prompts times ``n``) in one request; each is an engine
-            request.
-        max_chat_messages: most ``messages`` in one chat request.
-        max_stop_strings: most ``stop`` strings in one request (OpenAI allows 4).
-        max_stop_string_length: longest ``stop`` string, in characters.
-    """
-
-    max_choices: int = 1024
-    max_chat_messages: int = 2048
-    max_stop_strings: int = 64
-    max_stop_string_length: int = 256
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_choices",
-            "max_chat_messages",
-            "max_stop_strings",
-            "max_stop_string_length",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The API server's own settings.
-
-    Attributes:
-        served_model_names: names accepted in the ``model`` field; the first is listed
-            first by /v1/models. Empty means the ``--model`` string.
-        port: TCP port; 0 picks a free one (the bound address is printed).
-        shutdown_timeout: on SIGTERM, seconds in-flight requests get to finish before
-            they are aborted with an error; also the seconds the children get to exit
-            after being told to stop before they are sent SIGTERM, then SIGKILL.
-        engine_restart: "never" (an engine failure stops the server, exit 1) or
-            "on-failure" (fail in-flight requests, start a new engine child).
-        restart: backoff and limits of ``engine_restart="on-failure"``.
-        engine_step_timeout: seconds without a heartbeat from the engine, or of one step,
-            after which the engine counts as hung (killed, and restarted or the server
-            stops); None turns hang detection off.
-        api_key: when set, every request to a path under ``/v1`` must carry
-            ``Authorization: Bearer <api_key>`` (401 otherwise); /health, /metrics,
-            /version, /tokenize and /detokenize stay open. Not shown in ``repr``.
-        allowed_origins: CORS origins allowed to call the API from a browser (``"*"`` for
-            any); empty turns CORS off.
-        allowed_methods: HTTP methods allowed in CORS requests (``"*"`` for any).
-        allowed_headers: request headers allowed in CORS requests (``"*"`` for any).
-        allow_credentials: whether CORS responses allow cookies and Authorization headers.
-        max_request_body_bytes: largest request body accepted (bytes); larger ones get 413.
-        max_num_waiting_requests: most requests waiting for the engine at once before new
-            ones are refused; ``None`` means no limit.
-        max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for.
-        limits: per-request limits on choices, messages and stop strings.
-        request_body_timeout: seconds a request body may take to arrive before a 408 (and
-            the connection is closed).
-        detokenizer_mode: "inline" detokenizes in the API server; "process" runs a third
-            process (the detokenizer) between the API server and the engine core.
-        chat_template: the Jinja chat template text to use instead of the model's own
-            (``--chat-template``); None keeps the model's.
-        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (the default when a request
-            has tools), reading calls out of the text with ``tool_call_parser``.
-        tool_call_parser: the format of the model's tool calls (`TOOL_CALL_PARSERS`);
-            required by ``enable_auto_tool_choice``.
-        reasoning_parser: how the model marks its reasoning (`REASONING_PARSERS`,
-            ``--reasoning-parser``): responses carry it apart from the answer; None
-            leaves the text as generated.
-        disable_additional_properties: an object schema of a request's output constraint
-            or tool generates only the properties it lists unless it allows others itself
-            (vLLM's ``--structured-outputs-config`` key; its default backend's reading);
-            False reads schemas as JSON Schema does, except ``strict`` ones.
-        vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
-            prefix (for routers and autoscalers that read vLLM's names).
-        stream_interval: output tokens a stream gathers before it sends them, after its
-            first token (vLLM's ``--stream-interval``): larger values send fewer, bigger
-            events and cost the API server less per token; 1 sends every token at once.
-        max_tokens_policy: a ``max_tokens`` larger than the room the prompt leaves in the
-            context is lowered to that room (``"clamp"``, as llama.cpp and Ollama do) or
-            refused with a 400 (``"strict"``, vLLM's behaviour); `MAX_TOKENS_POLICIES`.
-        generation_config: ``"auto"`` takes sampling defaults from the model folder's
-            ``generation_config.json``, ``"vllm"`` ignores it, any other value is a folder
-            holding one (vLLM's ``--generation-config``;
-            `trio_llm.frontend.generation_defaults`).
-        override_generation_config: generation-config keys laid over it
-            (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
-            ``max_new_tokens``; vLLM's ``--override-generation-config``).
-        data_parallel_size: engine-core children, each with its own model copy and KV
-            cache (`trio_llm.frontend.data_parallel`): on CUDA one GPU each, on the CPU
-            an equal share of the cores each unless ``engine.num_threads`` says otherwise.
-    """
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: tuple[str, ...] = ()
-    shutdown_timeout: float = 5.0
-    engine_restart: str = "never"
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
-    engine_step_timeout: float | None = 60.0
-    api_key: str | None = field(default=None, repr=False)
-    chat_template: str | None = field(default=None, repr=False)
-    allowed_origins: tuple[str, ...] = ()
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    max_num_waiting_requests: int | None = None
-    stream_interval: int = 1
-    max_logprobs: int = 20
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    request_body_timeout: float = 30.0
-    detokenizer_mode: str = "inline"
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    disable_additional_properties: bool = True
-    vllm_metric_names: bool = False
-    max_tokens_policy: str = "clamp"
-    generation_config: str = "auto"
-    override_generation_config: dict[str, Any] = field(default_factory=dict)
-    data_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.data_parallel_size < 1:
-            raise ValueError("data_parallel_size must be at least 1")
-        cores = available_cores()
-        if self.engine.model.device == "cpu" and self.data_parallel_size > cores:
-            raise ValueError(
-                f"--data-parallel-size {self.data_parallel_size} needs a CPU core per engine; "
-                f"this machine has {cores}"
-            )
-        if self.api_key is not None:
-            if not self.api_key:
-                raise ValueError("api_key must not be empty (leave it unset to turn keys off)")
-            # It travels in an HTTP header: visible ASCII only, no spaces.
-            if not all(33 <= ord(char) <= 126 for char in self.api_key):
-                raise ValueError(
-                    "api_key may only hold visible ASCII characters (no spaces or control "
-                    "characters)"
-                )
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-            values = getattr(self, name)
-            if isinstance(values, str):
-                raise ValueError(f"{name} must be a tuple of strings, not one string")
-            if any(not isinstance(v, str) or not v.strip() for v in values):
-                raise ValueError(f"{name} must hold non-empty strings, got {values!r}")
-        for name in ("allowed_methods", "allowed_headers"):
-            if not getattr(self, name):
-                raise ValueError(f"{name} must not be empty (use '*' to allow any)")
-        if self.max_request_body_bytes < 1:
-            raise ValueError("max_request_body_bytes must be at least 1 byte")
-        if self.max_num_waiting_requests is not None and self.max_num_waiting_requests < 1:
-            raise ValueError("max_num_waiting_requests must be at least 1 (or None for no limit)")
-        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
-            raise ValueError(f"stream_interval must be between 1 and {MAX_STREAM_INTERVAL}")
-        if not self.request_body_timeout > 0:
-            raise ValueError("request_body_timeout must be positive")
-        if self.max_logprobs < 0:
-            raise ValueError("max_logprobs must not be negative")
-        if self.engine_restart not in RESTART_MODES:
-            raise ValueError(
-                f"engine_restart must be one of {RESTART_MODES}, got {self.engine_restart!r}"
-            )
-        if self.engine_step_timeout is not None and not self.engine_step_timeout > 0:
-            raise ValueError("engine_step_timeout must be positive (or None for no limit)")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError("shutdown_timeout must not be negative")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
-                f"got {self.tool_call_parser!r}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"reasoning_parser must be one of {REASONING_PARSERS}, "
-                f"got {self.reasoning_parser!r}"
-            )
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError(
-                "--enable-auto-tool-choice needs --tool-call-parser (one of "
-                f"{', '.join(TOOL_CALL_PARSERS)})"
-            )
-        if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
-            raise ValueError(
-                f"max_tokens_policy must be one of {MAX_TOKENS_POLICIES}, "
-                f"got {self.max_tokens_policy!r}"
-            )
-        if not isinstance(self.override_generation_config, dict):
-            raise ValueError("override_generation_config must be a JSON object (a dict)")
-        if self.detokenizer_mode not in DETOKENIZER_MODES:
-            raise ValueError(
-                f"detokenizer_mode must be one of {DETOKENIZER_MODES}, "
-                f"got {self.detokenizer_mode!r}"
-            )
-
-    def restart_policy(self) -> RestartPolicy | None:
-        """The restart policy, or None when ``engine_restart`` is "never"."""
-        return self.restart if self.engine_restart == "on-failure" else None
-
-    def engine_for_rank(self, rank: int) -> EngineConfig:
-        """The `EngineConfig` of data-parallel engine ``rank``: its rank, and on the CPU
-        (when ``num_threads`` is unset and ``--num-threads auto`` not asked for) an
-        equal fixed share of the cores, at least one thread each: engines that each adapt
-        to the others' load do not settle on a fair split (docs/benchmarks.md)."""
-        config = replace(self.engine, data_parallel_rank=rank)
-        if (
-            self.data_parallel_size > 1
-            and config.model.device == "cpu"
-            and config.num_threads is None
-            and config.adaptive_threads is not True
-        ):
-            share = available_cores() // self.data_parallel_size
-            config = replace(config, num_threads=max(1, share))
-        return config
-
-    def model_names(self) -> tuple[str, ...]:
-        """The served model names, defaulting to the ``--model`` string."""
-        return self.served_model_names or (self.engine.model.model,)

@@ -35,7 +35,7 @@ import trio
 from trio_llm.api import connection_guard
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.config import EngineConfig, ServerConfig
+from trio_llm.config import EngineConfig
 from trio_llm.connections import shutdown_client_connections
 from trio_llm.dtype_choice import dtype_is_timed
 from trio_llm.errors import EngineDeadError, EngineStartupError
@@ -43,6 +43,7 @@ from trio_llm.frontend.data_parallel import DataParallelClient, EngineHandle
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.generation_defaults import load_generation_defaults
+from trio_llm.server_config import ServerConfig
 from trio_llm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

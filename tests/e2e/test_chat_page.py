@@ -28,7 +28,7 @@ from fastapi import FastAPI
 from trio_llm.api.chat_page import STATIC_FILES, install_chat_page
 from trio_llm.api.errors import install_error_handlers
 from trio_llm.api.middleware import install_middleware
-from trio_llm.config import ServerConfig
+from trio_llm.server_config import ServerConfig
 
 try:
     from playwright.sync_api import expect, sync_playwright

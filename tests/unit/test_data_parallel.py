@@ -19,7 +19,7 @@ from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
 from trio_llm import supervisor
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.config import EngineConfig, RestartPolicy, ServerConfig, engine_config
+from trio_llm.config import EngineConfig, engine_config
 from trio_llm.engine.loop import select_gpu
 from trio_llm.errors import (
     EngineDeadError,
@@ -31,6 +31,7 @@ from trio_llm.frontend import engine_process
 from trio_llm.frontend.data_parallel import PREFIX_SLACK, DataParallelClient, prefix_block_hashes
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import SamplingParams
+from trio_llm.server_config import RestartPolicy, ServerConfig
 
 PARAMS = SamplingParams(max_tokens=5)
 BLOCK = INFO.block_size

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from trio_llm.cli import build_parser, config_from_args
-from trio_llm.config import CACHE_DIR_ENV, ServerConfig
+from trio_llm.config import CACHE_DIR_ENV
+from trio_llm.server_config import ServerConfig
 from trio_llm.supervisor import FINAL_WRITE_GRACE
 
 yaml = pytest.importorskip("yaml")

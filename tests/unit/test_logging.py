@@ -12,13 +12,13 @@ from collections.abc import Iterator
 import pytest
 
 from trio_llm.cli import build_parser, main
-from trio_llm.config import ServerConfig
 from trio_llm.logging_setup import (
     LOG_LEVEL_ENV,
     configure_logging,
     line_prefix,
     resolve_log_level,
 )
+from trio_llm.server_config import ServerConfig
 from trio_llm.supervisor import _hypercorn_config
 
 

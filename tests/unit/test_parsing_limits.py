@@ -19,7 +19,7 @@ from trio_llm.api.parsing import (
     validate,
 )
 from trio_llm.api.protocol import ChatCompletionRequest
-from trio_llm.config import RequestLimits
+from trio_llm.server_config import RequestLimits
 from trio_llm.text.chat_template import TemplateError, render_chat
 
 LIMITS = RequestLimits(max_chat_messages=3, max_stop_strings=2)

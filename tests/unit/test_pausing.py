@@ -15,7 +15,6 @@ import trio.testing
 
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.cli import build_parser, config_from_args
-from trio_llm.config import MAX_STREAM_INTERVAL, ServerConfig
 from trio_llm.frontend.engine_client import PAUSE_AFTER_UNREAD_TOKENS, EngineClient, RequestStream
 from trio_llm.messages import (
     AddRequest,
@@ -24,6 +23,7 @@ from trio_llm.messages import (
     ResumeRequests,
     SamplingParams,
 )
+from trio_llm.server_config import MAX_STREAM_INTERVAL, ServerConfig
 
 INFO = EngineReady("/model", 4096, 64, 16, [2], 49152, "float32", 1)
 

@@ -14,7 +14,6 @@ import trio.testing
 
 from tests.unit.conftest import INFO, STATS, FakeEngine, engine_client_pair
 from trio_llm import ipc
-from trio_llm.config import RestartPolicy
 from trio_llm.errors import (
     EngineDeadError,
     EngineHungError,
@@ -23,6 +22,7 @@ from trio_llm.errors import (
 )
 from trio_llm.frontend.engine_client import UNANSWERED_LIMIT, EngineClient
 from trio_llm.messages import HealthReply, Heartbeat, SamplingParams, StepOutputs
+from trio_llm.server_config import RestartPolicy
 
 PARAMS = SamplingParams(max_tokens=5)
 

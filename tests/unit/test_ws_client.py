@@ -31,7 +31,6 @@ from trio_llm.client import (
     WSClient,
     open_ws_client,
 )
-from trio_llm.config import ServerConfig
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import (
     AbortRequests,
@@ -39,6 +38,7 @@ from trio_llm.messages import (
     RequestOutput,
     StepOutputs,
 )
+from trio_llm.server_config import ServerConfig
 from trio_llm.supervisor import _hypercorn_config
 
 #: Requests with at most this many max_tokens finish; longer ones run until aborted.

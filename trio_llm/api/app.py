@@ -22,8 +22,8 @@ from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.tokenize_routes import tokenize_router
 from trio_llm.api.websocket import install_websocket
-from trio_llm.config import ServerConfig
 from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.server_config import ServerConfig
 
 
 def build_app(

@@ -23,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trio_llm.api.errors import ANTHROPIC_PREFIX, anthropic_error_body, error_body
-from trio_llm.config import ServerConfig
+from trio_llm.server_config import ServerConfig
 
 #: Paths under this prefix need the API key when one is configured (as in vLLM).
 PROTECTED_PREFIX = "/v1"

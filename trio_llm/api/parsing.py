@@ -35,8 +35,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from trio_llm.api.errors import APIError, bad_request, invalid_request, validation_message
-from trio_llm.config import RequestLimits
 from trio_llm.errors import ContextLengthError
+from trio_llm.server_config import RequestLimits
 
 #: Bodies up to this size (bytes) are parsed and validated on the event loop (well under
 #: a millisecond); larger ones in a worker thread.

@@ -49,7 +49,6 @@ from trio_llm.api.protocol import (
 from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
-from trio_llm.config import RequestLimits
 from trio_llm.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     ContextLengthError,
@@ -61,6 +60,7 @@ from trio_llm.frontend.engine_client import Admission
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
+from trio_llm.server_config import RequestLimits
 from trio_llm.structured_output.grammar_check import default_compile_workers
 from trio_llm.text.choice import Choice
 from trio_llm.text.reasoning import ReasoningFormat, reasoning_format

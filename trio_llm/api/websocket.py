@@ -50,8 +50,8 @@ from trio_llm.api.parsing import (
 from trio_llm.api.plan import OnDelta, Plan, run_choices
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.config import ServerConfig
 from trio_llm.errors import EngineDeadError, EngineError
+from trio_llm.server_config import ServerConfig
 from trio_llm.text.choice import Choice, ChoiceDelta
 
 logger = logging.getLogger(__name__)

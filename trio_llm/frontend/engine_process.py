@@ -32,11 +32,12 @@ import cloudpickle
 import trio
 
 from trio_llm import ipc
-from trio_llm.config import DETOKENIZER_MODES, EngineConfig, RestartPolicy
+from trio_llm.config import DETOKENIZER_MODES, EngineConfig
 from trio_llm.errors import EngineDeadError, EngineHungError, EngineStartupError
 from trio_llm.frontend.child_process import ChildProcess
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import EngineFailed, EngineReady
+from trio_llm.server_config import RestartPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,115 @@
+"""The value types of ``trio-llm serve``'s flags: text -> a checked value, or an
+`argparse.ArgumentTypeError` whose message argparse prints after the flag's name."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+from trio_llm.server_config import MAX_STREAM_INTERVAL
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"4294967296"``, ``"4GiB"``, ``"512M"`` -> bytes (suffixes are powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def _bounded_int(text: str, low: int, high: int | None, what: str) -> int:
+    """``int(text)`` if it lies in ``[low, high]``, else an argparse error naming ``what``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
+    return value
+
+
+def parse_port(text: str) -> int:
+    """A TCP port number, 0 to 65535 (0 picks a free one)."""
+    return _bounded_int(text, 0, 65535, "a TCP port (0-65535)")
+
+
+def parse_positive_int(text: str) -> int:
+    """An integer of at least 1."""
+    return _bounded_int(text, 1, None, "a positive integer")
+
+
+def parse_stream_interval(text: str) -> int:
+    """A stream interval: an integer from 1 to `MAX_STREAM_INTERVAL` (tokens)."""
+    return _bounded_int(text, 1, MAX_STREAM_INTERVAL, f"an integer from 1 to {MAX_STREAM_INTERVAL}")
+
+
+def parse_num_threads(text: str) -> int | str:
+    """A positive thread count, or ``auto``."""
+    if text == "auto":
+        return text
+    return _bounded_int(text, 1, None, "a positive integer or auto")
+
+
+def parse_non_negative_int(text: str) -> int:
+    """An integer of at least 0."""
+    return _bounded_int(text, 0, None, "a non-negative integer")
+
+
+def parse_seconds(text: str) -> float:
+    """A non-negative, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}")
+    return value
+
+
+#: The keys of ``--structured-outputs-config`` this server takes (vLLM's names).
+STRUCTURED_OUTPUTS_KEYS = ("disable_additional_properties",)
+
+
+def parse_structured_outputs_config(text: str) -> dict[str, bool]:
+    """vLLM's ``--structured-outputs-config``: a JSON object of `STRUCTURED_OUTPUTS_KEYS`
+    (true or false each).
+
+    Raises:
+        argparse.ArgumentTypeError: not such an object (says which key or value).
+    """
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    for key, setting in value.items():
+        if key not in STRUCTURED_OUTPUTS_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"{key!r} is not supported here; supported: {list(STRUCTURED_OUTPUTS_KEYS)}"
+            )
+        if not isinstance(setting, bool):
+            raise argparse.ArgumentTypeError(f"{key} must be true or false, got {setting!r}")
+    return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object (``--override-generation-config``), its values checked."""
+    from trio_llm.frontend.generation_defaults import check_overrides
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    try:
+        check_overrides(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value

@@ -1,0 +1,265 @@
+"""Frozen configuration of the API server: its address, limits, engine supervision and
+the request-level options (CORS, API key, tool and reasoning parsers).
+
+`ServerConfig` holds the `trio_llm.config.EngineConfig` its engines run;
+`default_api_key` is where ``$TRIO_LLM_API_KEY`` is read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from trio_llm.config import (
+    DETOKENIZER_MODES,
+    MAX_TOKENS_POLICIES,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+)
+from trio_llm.config_fields import CheckedFields, Range, setting
+
+#: Environment variable holding the API key when --api-key is not given.
+API_KEY_ENV = "TRIO_LLM_API_KEY"
+
+#: Largest request body accepted by default (bytes).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
+#: Largest ``--stream-interval`` (tokens): a stream's unread tokens are held in memory, and
+#: longer pieces stop looking like streaming.
+MAX_STREAM_INTERVAL = 64
+
+#: What the supervisor does when an engine child dies or hangs (``--engine-restart``).
+RESTART_MODES = ("never", "on-failure")
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_api_key() -> str | None:
+    """The API key from $TRIO_LLM_API_KEY, or None when it is unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
+@dataclass(frozen=True)
+class RestartPolicy(CheckedFields):
+    """How the supervisor replaces a failed engine child (``--engine-restart on-failure``).
+
+    The n-th failure within ``window`` seconds is followed by a wait of
+    ``min(max_backoff, initial_backoff * 2 ** (n - 1))`` seconds, then a new child. More
+    than ``max_restarts`` failures within ``window`` seconds end the server (exit 1).
+
+    Attributes:
+        max_restarts: restarts allowed within ``window`` seconds.
+        window: seconds over which failures are counted.
+        initial_backoff: seconds before the first restart.
+        max_backoff: longest wait before a restart (seconds).
+        wait: seconds a new request waits for the restarted engine before it gets 503.
+    """
+
+    max_restarts: int = setting(5, range=Range(1))
+    window: float = setting(60.0, range=Range(0))
+    initial_backoff: float = setting(0.5, range=Range(0))
+    max_backoff: float = setting(10.0, range=Range(0))
+    wait: float = setting(30.0, range=Range(0))
+
+    def backoff(self, num_recent_failures: int) -> float:
+        """Seconds to wait before restarting after the n-th recent failure (n >= 1)."""
+        exponent = min(max(num_recent_failures, 1) - 1, 30)
+        return min(self.max_backoff, self.initial_backoff * 2**exponent)
+
+
+@dataclass(frozen=True)
+class RequestLimits(CheckedFields):
+    """Limits on what one request may ask for, checked before any work that grows with it.
+
+    Each is checked on the raw JSON (counting list items, measuring strings), cheapest
+    first, so an oversized request costs the server almost nothing before its 400, which
+    names the field at fault. The request body size (``max_request_body_bytes``) comes
+    before all of them. The context length limits prompts on top of these.
+
+    Attributes:
+        max_choices: most choices (prompts times ``n``) in one request; each is an engine
+            request.
+        max_chat_messages: most ``messages`` in one chat request.
+        max_stop_strings: most ``stop`` strings in one request (OpenAI allows 4).
+        max_stop_string_length: longest ``stop`` string, in characters.
+    """
+
+    max_choices: int = setting(1024, range=Range(1))
+    max_chat_messages: int = setting(2048, range=Range(1))
+    max_stop_strings: int = setting(64, range=Range(1))
+    max_stop_string_length: int = setting(256, range=Range(1))
+
+
+@dataclass(frozen=True)
+class ServerConfig(CheckedFields):
+    """The API server's own settings.
+
+    Attributes:
+        served_model_names: names accepted in the ``model`` field; the first is listed
+            first by /v1/models. Empty means the ``--model`` string.
+        port: TCP port; 0 picks a free one (the bound address is printed).
+        shutdown_timeout: on SIGTERM, seconds in-flight requests get to finish before
+            they are aborted with an error; also the seconds the children get to exit
+            after being told to stop before they are sent SIGTERM, then SIGKILL.
+        engine_restart: "never" (an engine failure stops the server, exit 1) or
+            "on-failure" (fail in-flight requests, start a new engine child).
+        restart: backoff and limits of ``engine_restart="on-failure"``.
+        engine_step_timeout: seconds without a heartbeat from the engine, or of one step,
+            after which the engine counts as hung (killed, and restarted or the server
+            stops); None turns hang detection off.
+        api_key: when set, every request to a path under ``/v1`` must carry
+            ``Authorization: Bearer <api_key>`` (401 otherwise); /health, /metrics,
+            /version, /tokenize and /detokenize stay open. Not shown in ``repr``.
+        allowed_origins: CORS origins allowed to call the API from a browser (``"*"`` for
+            any); empty turns CORS off.
+        allowed_methods: HTTP methods allowed in CORS requests (``"*"`` for any).
+        allowed_headers: request headers allowed in CORS requests (``"*"`` for any).
+        allow_credentials: whether CORS responses allow cookies and Authorization headers.
+        max_request_body_bytes: largest request body accepted (bytes); larger ones get 413.
+        max_num_waiting_requests: most requests waiting for the engine at once before new
+            ones are refused; ``None`` means no limit.
+        max_logprobs: largest ``logprobs`` / ``top_logprobs`` a request may ask for.
+        limits: per-request limits on choices, messages and stop strings.
+        request_body_timeout: seconds a request body may take to arrive before a 408 (and
+            the connection is closed).
+        detokenizer_mode: "inline" detokenizes in the API server; "process" runs a third
+            process (the detokenizer) between the API server and the engine core.
+        chat_template: the Jinja chat template text to use instead of the model's own
+            (``--chat-template``); None keeps the model's.
+        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (the default when a request
+            has tools), reading calls out of the text with ``tool_call_parser``.
+        tool_call_parser: the format of the model's tool calls (`TOOL_CALL_PARSERS`);
+            required by ``enable_auto_tool_choice``.
+        reasoning_parser: how the model marks its reasoning (`REASONING_PARSERS`,
+            ``--reasoning-parser``): responses carry it apart from the answer; None
+            leaves the text as generated.
+        disable_additional_properties: an object schema of a request's output constraint
+            or tool generates only the properties it lists unless it allows others itself
+            (vLLM's ``--structured-outputs-config`` key; its default backend's reading);
+            False reads schemas as JSON Schema does, except ``strict`` ones.
+        vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
+            prefix (for routers and autoscalers that read vLLM's names).
+        stream_interval: output tokens a stream gathers before it sends them, after its
+            first token (vLLM's ``--stream-interval``): larger values send fewer, bigger
+            events and cost the API server less per token; 1 sends every token at once.
+        max_tokens_policy: a ``max_tokens`` larger than the room the prompt leaves in the
+            context is lowered to that room (``"clamp"``, as llama.cpp and Ollama do) or
+            refused with a 400 (``"strict"``, vLLM's behaviour); `MAX_TOKENS_POLICIES`.
+        generation_config: ``"auto"`` takes sampling defaults from the model folder's
+            ``generation_config.json``, ``"vllm"`` ignores it, any other value is a folder
+            holding one (vLLM's ``--generation-config``;
+            `trio_llm.frontend.generation_defaults`).
+        override_generation_config: generation-config keys laid over it
+            (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+            ``max_new_tokens``; vLLM's ``--override-generation-config``).
+        data_parallel_size: engine-core children, each with its own model copy and KV
+            cache (`trio_llm.frontend.data_parallel`): on CUDA one GPU each, on the CPU
+            an equal share of the cores each unless ``engine.num_threads`` says otherwise.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    shutdown_timeout: float = setting(5.0, range=Range(0))
+    engine_restart: str = setting("never", choices=RESTART_MODES)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    engine_step_timeout: float | None = setting(
+        60.0, range=Range(0, exclusive=True), none_means="no limit"
+    )
+    api_key: str | None = field(default=None, repr=False)
+    chat_template: str | None = field(default=None, repr=False)
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    max_request_body_bytes: int = setting(
+        DEFAULT_MAX_REQUEST_BODY_BYTES, range=Range(1, unit="byte")
+    )
+    max_num_waiting_requests: int | None = setting(None, range=Range(1), none_means="no limit")
+    stream_interval: int = setting(1, range=Range(1, MAX_STREAM_INTERVAL))
+    max_logprobs: int = setting(20, range=Range(0))
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    request_body_timeout: float = setting(30.0, range=Range(0, exclusive=True))
+    detokenizer_mode: str = setting("inline", choices=DETOKENIZER_MODES)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = setting(None, choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = setting(None, choices=REASONING_PARSERS)
+    disable_additional_properties: bool = True
+    vllm_metric_names: bool = False
+    max_tokens_policy: str = setting("clamp", choices=MAX_TOKENS_POLICIES)
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    data_parallel_size: int = setting(1, range=Range(1))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cores = available_cores()
+        if self.engine.model.device == "cpu" and self.data_parallel_size > cores:
+            raise ValueError(
+                f"--data-parallel-size {self.data_parallel_size} needs a CPU core per engine; "
+                f"this machine has {cores}"
+            )
+        if self.api_key is not None:
+            _check_api_key(self.api_key)
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            _check_strings(name, getattr(self, name), empty_ok=name == "allowed_origins")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser (one of "
+                f"{', '.join(TOOL_CALL_PARSERS)})"
+            )
+        if not isinstance(self.override_generation_config, dict):
+            raise ValueError("override_generation_config must be a JSON object (a dict)")
+
+    def restart_policy(self) -> RestartPolicy | None:
+        """The restart policy, or None when ``engine_restart`` is "never"."""
+        return self.restart if self.engine_restart == "on-failure" else None
+
+    def engine_for_rank(self, rank: int) -> EngineConfig:
+        """The `EngineConfig` of data-parallel engine ``rank``: its rank, and on the CPU
+        (when ``num_threads`` is unset and ``--num-threads auto`` not asked for) an
+        equal fixed share of the cores, at least one thread each: engines that each adapt
+        to the others' load do not settle on a fair split (docs/benchmarks.md)."""
+        config = replace(self.engine, data_parallel_rank=rank)
+        if (
+            self.data_parallel_size > 1
+            and config.model.device == "cpu"
+            and config.num_threads is None
+            and config.adaptive_threads is not True
+        ):
+            share = available_cores() // self.data_parallel_size
+            config = replace(config, num_threads=max(1, share))
+        return config
+
+    def model_names(self) -> tuple[str, ...]:
+        """The served model names, defaulting to the ``--model`` string."""
+        return self.served_model_names or (self.engine.model.model,)
+
+
+def _check_api_key(api_key: str) -> None:
+    """Raise ValueError unless ``api_key`` can travel in an HTTP header: visible ASCII,
+    no spaces, not empty."""
+    if not api_key:
+        raise ValueError("api_key must not be empty (leave it unset to turn keys off)")
+    if not all(33 <= ord(char) <= 126 for char in api_key):
+        raise ValueError(
+            "api_key may only hold visible ASCII characters (no spaces or control characters)"
+        )
+
+
+def _check_strings(name: str, values: tuple[str, ...], *, empty_ok: bool) -> None:
+    """Raise ValueError unless ``values`` (the field ``name``) is a tuple of non-empty
+    strings, and not empty unless ``empty_ok``."""
+    if isinstance(values, str):
+        raise ValueError(f"{name} must be a tuple of strings, not one string")
+    if any(not isinstance(v, str) or not v.strip() for v in values):
+        raise ValueError(f"{name} must hold non-empty strings, got {values!r}")
+    if not empty_ok and not values:
+        raise ValueError(f"{name} must not be empty (use '*' to allow any)")
