@@ -33,12 +33,14 @@ import trio
 
 from trio_llm.config import DEFAULT_MODEL, DETOKENIZER_MODES, EngineConfig, engine_config
 from trio_llm.errors import EngineDeadError, first_leaf
-from trio_llm.frontend.engine_client import EngineClient, RequestStream, TokenDelta
+from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.preprocess import InputPreprocessor
+from trio_llm.frontend.request_stream import RequestStream
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
 from trio_llm.text.chat_template import read_chat_template
 from trio_llm.text.choice import Choice
+from trio_llm.text.token_delta import TokenDelta
 from trio_llm.text.tokenizer import Tokenizer
 
 #: One prompt: a text (tokenized with the tokenizer's special tokens, like

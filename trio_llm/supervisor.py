@@ -38,10 +38,11 @@ from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import EngineConfig, ServerConfig
 from trio_llm.connections import shutdown_client_connections
 from trio_llm.errors import EngineDeadError, EngineStartupError
-from trio_llm.frontend.data_parallel import DataParallelClient, EngineHandle
+from trio_llm.frontend.data_parallel import DataParallelClient
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.generation_defaults import load_generation_defaults
+from trio_llm.frontend.handle import EngineHandle
 from trio_llm.model_loader import dtype_is_timed
 from trio_llm.text.tokenizer import Tokenizer
 

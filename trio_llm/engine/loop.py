@@ -64,7 +64,7 @@ async def run_engine_core(stream: trio.abc.Stream) -> int:
     try:
         return await _run(channel)
     except BaseException as exc:
-        if _server_gone(exc):
+        if ipc.channel_closed(exc):
             return 1  # the server closed the channel; nobody to tell
         raise
 
@@ -85,14 +85,6 @@ def select_gpu(rank: int, environ: dict[str, str] | os._Environ[str]) -> str | N
         )
     environ["CUDA_VISIBLE_DEVICES"] = ids[rank]
     return None
-
-
-def _server_gone(exc: BaseException) -> bool:
-    """True if ``exc`` (or every leaf of an exception group) says the channel is closed."""
-    closed = (trio.BrokenResourceError, trio.ClosedResourceError)
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(closed)[1] is None
-    return isinstance(exc, closed)
 
 
 async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
@@ -118,7 +110,7 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
             share = CpuShare(torch.get_num_threads())
         await _serve(core, _Outbox(channel, share), config.heartbeat_interval)
     except Exception as exc:
-        if _server_gone(exc):
+        if ipc.channel_closed(exc):
             raise
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         await _report_failure(channel, message, exc_info=True)
@@ -155,7 +147,7 @@ async def _report_failure(
     logger.error(message, exc_info=exc_info)
     try:
         await channel.send(EngineFailed(message))
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
+    except ipc.CHANNEL_CLOSED:
         pass
 
 

@@ -326,7 +326,7 @@ async def _start(
     try:
         await channel.framed.send_frame(cloudpickle.dumps(config))
         message = await channel.receive()
-    except (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError):
+    except ipc.CHANNEL_BROKEN:
         message = None
     if isinstance(message, EngineReady):
         return message
