@@ -121,7 +121,6 @@ class EngineClient(AdmissionControl):
         #: reader that keeps up is never paused whatever the interval.
         self.stream_interval = 1
         self.stats = EngineStats()
-        self.step_timeout = step_timeout
         #: A dead child will be replaced (requests then wait); off after `give_up`.
         self.restart_enabled = restart_wait is not None
         #: Seconds a new request waits for a restarting engine before a 503.
@@ -149,6 +148,11 @@ class EngineClient(AdmissionControl):
         self._health = HealthWatch(step_timeout)
 
     # ------------------------------------------------------------ state
+
+    @property
+    def step_timeout(self) -> float | None:
+        """Seconds after which a silent engine, or a step, counts as hung (None: never)."""
+        return self._health.step_timeout
 
     @property
     def is_alive(self) -> bool:
