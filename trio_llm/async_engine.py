@@ -32,6 +32,7 @@ from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.generation import Generation
 from trio_llm.messages import EngineReady, SamplingParams
 from trio_llm.text.chat_template import read_chat_template
+from trio_llm.text.choice import Choice
 from trio_llm.text.tokenizer import Tokenizer
 
 #: One prompt: a text (tokenized with the tokenizer's special tokens, like
@@ -164,9 +165,8 @@ class AsyncEngine:
         token_ids = self._prompt_token_ids(prompt)
         self._inputs.resolve_max_tokens(params.max_tokens, len(token_ids))
         request_id = request_id or f"gen-{next(self._ids)}"
-        return Generation(
-            self._client, self._tokenizer, self._eos_token_ids, token_ids, params, request_id
-        )
+        choice = Choice(0, self._tokenizer, token_ids, params, self._eos_token_ids)
+        return Generation(self._client, choice, token_ids, request_id)
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

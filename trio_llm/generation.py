@@ -17,10 +17,9 @@ from types import TracebackType
 
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.request_stream import RequestStream
-from trio_llm.messages import SamplingParams, TokenLogprobs
+from trio_llm.messages import TokenLogprobs
 from trio_llm.text.choice import Choice
 from trio_llm.text.token_delta import TokenDelta
-from trio_llm.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -95,26 +94,23 @@ class Generation:
     def __init__(
         self,
         client: EngineClient,
-        tokenizer: Tokenizer,
-        eos_token_ids: frozenset[int],
+        choice: Choice,
         prompt_token_ids: list[int],
-        params: SamplingParams,
         request_id: str,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.params = params
+        self.params = choice.params
         self.entered = False
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self._client = client
-        self._tokenizer = tokenizer
-        self._eos_token_ids = eos_token_ids
         self._state = _State.NEW
         self._request: AbstractAsyncContextManager[RequestStream] | None = None
         self._stream: RequestStream | None = None
-        self._choice: Choice | None = None
+        #: Turns the engine's deltas into text (stop strings, logprobs aligned with it).
+        self._choice = choice
         self._held_token_ids: list[int] = []
 
     def __repr__(self) -> str:
@@ -154,9 +150,6 @@ class Generation:
             self._state = _State.CLOSED
             raise
         self._request = request
-        self._choice = Choice(
-            0, self._tokenizer, self.prompt_token_ids, self.params, self._eos_token_ids
-        )
 
     async def _close(self) -> None:
         """Abort the request in the engine unless it finished (the abort is shielded)."""
@@ -214,7 +207,6 @@ class Generation:
     def _take(self, delta: TokenDelta) -> GenerationOutput | None:
         """The output for one engine delta, or None while all of its text is held back."""
         choice = self._choice
-        assert choice is not None
         before = choice.num_output_tokens
         # Several tokens at once are taken one by one (`RequestDetokenizer.process`), so
         # a stop string ends the output at the token that completes it; later ones are

@@ -20,6 +20,10 @@ from trio_llm.messages import SamplingParams
 if TYPE_CHECKING:
     from trio_llm.frontend.request_stream import RequestStream
 
+#: Requests to open together (the choices of one API request): ``(prompt_token_ids,
+#: params)`` each.
+Requests = Sequence[tuple[list[int], SamplingParams]]
+
 
 @dataclass
 class Admission:
@@ -109,9 +113,7 @@ class AdmissionControl:
             self._idle.set()
 
     def open_requests(
-        self,
-        requests: Sequence[tuple[list[int], SamplingParams]],
-        admission: Admission | None = None,
+        self, requests: Requests, admission: Admission | None = None
     ) -> AbstractAsyncContextManager[list[RequestStream]]:
         """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams
         (see `trio_llm.frontend.engine_client.EngineClient.open_requests`)."""

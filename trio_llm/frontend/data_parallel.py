@@ -35,10 +35,10 @@ from contextlib import asynccontextmanager
 import trio
 
 from trio_llm.errors import EngineDeadError, EngineError, EngineShutdownError
-from trio_llm.frontend.admission import Admission, AdmissionControl
+from trio_llm.frontend.admission import Admission, AdmissionControl, Requests
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.request_stream import RequestStream
-from trio_llm.messages import EngineReady, SamplingParams
+from trio_llm.messages import EngineReady
 
 #: Open requests by which the engine holding a prompt's prefix may exceed the least-loaded
 #: one and still be chosen for it.
@@ -229,9 +229,7 @@ class DataParallelClient(AdmissionControl):
 
     @asynccontextmanager
     async def open_requests(
-        self,
-        requests: Sequence[tuple[list[int], SamplingParams]],
-        admission: Admission | None = None,
+        self, requests: Requests, admission: Admission | None = None
     ) -> AsyncIterator[list[RequestStream]]:
         """Submit requests to one engine (`route` on the first prompt) and yield their
         streams; as `EngineClient.open_requests`.

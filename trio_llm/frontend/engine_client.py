@@ -25,12 +25,12 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import trio
 
-from trio_llm import ipc
+from trio_llm import ipc, messages
 from trio_llm.errors import (
     EngineDeadError,
     EngineError,
@@ -38,30 +38,24 @@ from trio_llm.errors import (
     EngineRestartingError,
     EngineShutdownError,
 )
-from trio_llm.frontend.admission import Admission, AdmissionControl
-from trio_llm.frontend.liveness import UNANSWERED_LIMIT, HealthWatch
-from trio_llm.frontend.request_stream import Mailbox, RequestStream
+from trio_llm.frontend.admission import Admission, AdmissionControl, Requests
+from trio_llm.frontend.liveness import HealthWatch
+from trio_llm.frontend.request_stream import Mailbox, RequestStream, deliver
 from trio_llm.frontend.request_timing import (
     EngineStats,
     RequestObserver,
     RequestRecord,
-    count_tokens,
     record_finished,
 )
 from trio_llm.messages import (
-    AbortRequests,
     AddRequest,
     EngineFailed,
     EngineReady,
     FromEngine,
-    HealthCheck,
     HealthReply,
     Heartbeat,
-    PauseRequests,
-    ResumeRequests,
-    SamplingParams,
-    Shutdown,
     StepOutputs,
+    ToEngine,
 )
 
 #: Engine request numbers, shared by every client in this process.
@@ -71,9 +65,6 @@ _REQUEST_IDS = itertools.count()
 #: which a request is paused in the engine (see the module doc): 64 with the default
 #: interval of 1.
 PAUSE_AFTER_UNREAD_TOKENS = 64
-
-#: Sent to the engine; a send fails once the channel is closed.
-_Message = AddRequest | AbortRequests | PauseRequests | ResumeRequests | HealthCheck | Shutdown
 
 
 class EngineClient(AdmissionControl):
@@ -169,10 +160,7 @@ class EngineClient(AdmissionControl):
     def error(self) -> EngineError | None:
         """Why the engine is not serving (the last failure while restarting), if it is not."""
         if self._error is None and self._health.stalled:
-            return EngineHungError(
-                f"the engine core has left a health check unanswered for "
-                f"{UNANSWERED_LIMIT:g} s while no step ran"
-            )
+            return self._health.stalled_error()
         return self._error
 
     @property
@@ -222,9 +210,7 @@ class EngineClient(AdmissionControl):
 
     @asynccontextmanager
     async def open_requests(
-        self,
-        requests: Sequence[tuple[list[int], SamplingParams]],
-        admission: Admission | None = None,
+        self, requests: Requests, admission: Admission | None = None
     ) -> AsyncIterator[list[RequestStream]]:
         """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams.
 
@@ -263,39 +249,36 @@ class EngineClient(AdmissionControl):
                 await self._send(AddRequest(stream.request_id, prompt_token_ids, params, group))
             yield streams
         finally:
-            unfinished = []
-            for stream in streams:
-                mailbox = self._mailboxes.pop(stream.request_id, None)
-                if mailbox is None:
-                    continue
-                unfinished.append(stream.request_id)
-                record_finished(mailbox.record, stream.finish_reason or "abort", self.observer)
-            self._check_idle()
-            if unfinished and self._error is None:
-                with trio.CancelScope(shield=True):
-                    await self._send_quietly(AbortRequests(unfinished))
+            await self._abort([(s.request_id, s.finish_reason or "abort") for s in streams])
 
     async def _end_early(self, request_id: str, reason: str) -> None:
-        mailbox = self._mailboxes.pop(request_id, None)
-        if mailbox is None:
-            return
-        record_finished(mailbox.record, reason, self.observer)
+        await self._abort([(request_id, reason)])
+
+    async def _abort(self, ends: list[tuple[str, str]]) -> None:
+        """End requests here, each ``(request_id, reason)`` counted as finished with its
+        reason, and abort the ones still open in the engine (in one shielded message)."""
+        unfinished = []
+        for request_id, reason in ends:
+            mailbox = self._mailboxes.pop(request_id, None)
+            if mailbox is not None:
+                unfinished.append(request_id)
+                record_finished(mailbox.record, reason, self.observer)
         self._check_idle()
-        if self._error is None:
+        if unfinished and self._error is None:
             with trio.CancelScope(shield=True):
-                await self._send_quietly(AbortRequests([request_id]))
+                await self._send_quietly(messages.AbortRequests(unfinished))
 
     async def _resume(self, request_id: str) -> None:
-        await self._send_quietly(ResumeRequests([request_id]))
+        await self._send_quietly(messages.ResumeRequests([request_id]))
 
-    async def _send(self, message: _Message) -> None:
+    async def _send(self, message: ToEngine) -> None:
         try:
             async with self._send_lock:
                 await self._channel.send(message)
         except ipc.CHANNEL_CLOSED as exc:
             raise self._error or EngineDeadError("the engine connection is closed") from exc
 
-    async def _send_quietly(self, message: _Message) -> None:
+    async def _send_quietly(self, message: ToEngine) -> None:
         try:
             await self._send(message)
         except EngineError:
@@ -340,7 +323,7 @@ class EngineClient(AdmissionControl):
                         watch.busy()
                         unread = self._deliver(message)
                         if unread and self._error is None:
-                            await self._send_quietly(PauseRequests(unread))
+                            await self._send_quietly(messages.PauseRequests(unread))
                     elif isinstance(message, HealthReply):
                         watch.answered(message.seq)
                     elif isinstance(message, EngineFailed):
@@ -368,24 +351,10 @@ class EngineClient(AdmissionControl):
     def _deliver(self, message: StepOutputs) -> list[str]:
         """Hand each output to its mailbox; returns the ids of requests to pause (their
         consumer left `PAUSE_AFTER_UNREAD_TOKENS` or more tokens unread)."""
-        to_pause: list[str] = []
         self.stats.add_step(message.stats)
-        now = time.monotonic()
-        for output in message.outputs:
-            box = self._mailboxes.get(output.request_id)
-            if box is None:
-                continue  # aborted by us already
-            box.add(output)
-            if output.new_token_ids:
-                count_tokens(box.record, len(output.new_token_ids), now, self.observer)
-            if output.finish_reason is not None:
-                del self._mailboxes[output.request_id]
-                record_finished(box.record, output.finish_reason, self.observer)
-            elif not box.paused and len(box.token_ids) >= self._pause_after:
-                box.paused = True
-                self.num_pauses += 1
-                to_pause.append(output.request_id)
-            box.wakeup.set()
+        pause_after = PAUSE_AFTER_UNREAD_TOKENS + self.stream_interval - 1  # past a piece
+        to_pause = deliver(self._mailboxes, message.outputs, pause_after, self.observer)
+        self.num_pauses += len(to_pause)
         return to_pause
 
     def fail_all(self, error: EngineError) -> None:
@@ -406,12 +375,6 @@ class EngineClient(AdmissionControl):
         """No child will be started any more: fail everything with ``error`` for good."""
         self.restart_enabled = False
         self.fail_all(error)
-
-    @property
-    def _pause_after(self) -> int:
-        """Unread tokens at which a request is paused: `PAUSE_AFTER_UNREAD_TOKENS` past a
-        full piece of `stream_interval` tokens (less one)."""
-        return PAUSE_AFTER_UNREAD_TOKENS + self.stream_interval - 1
 
     def attach(self, channel: ipc.MessageChannel[FromEngine], info: EngineReady) -> None:
         """Serve through a restarted child from now on (requests waiting for it go ahead)."""
@@ -440,7 +403,7 @@ class EngineClient(AdmissionControl):
             # fail_all set _error; a Shutdown message still has to go out.
             try:
                 async with self._send_lock:
-                    await self._channel.send(Shutdown())
+                    await self._channel.send(messages.Shutdown())
             except ipc.CHANNEL_CLOSED:
                 pass
             if self._on_stop is not None:

@@ -9,14 +9,13 @@ AdmissionControl`); a handler never needs to know which it has.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from trio_llm.errors import EngineError
-from trio_llm.frontend.admission import Admission
+from trio_llm.frontend.admission import Admission, Requests
 from trio_llm.frontend.request_stream import RequestStream
 from trio_llm.messages import EngineReady, SamplingParams
 
@@ -90,9 +89,7 @@ class EngineHandle(Protocol):
         ...
 
     def open_requests(
-        self,
-        requests: Sequence[tuple[list[int], SamplingParams]],
-        admission: Admission | None = None,
+        self, requests: Requests, admission: Admission | None = None
     ) -> AbstractAsyncContextManager[list[RequestStream]]:
         """Submit requests (``(prompt_token_ids, params)`` each); yield their streams.
         Leaving the block aborts the unfinished ones in the engine."""

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from trio_llm.errors import EngineHungError
 from trio_llm.messages import HealthCheck, Heartbeat
 
 #: Seconds between the `HealthCheck` round trips through the engine's loop (at most; a
@@ -101,6 +102,13 @@ class HealthWatch:
         return (
             f"engine core hung: its loop left a health check unanswered for "
             f"{self.unanswered_limit:g} s while no step ran"
+        )
+
+    def stalled_error(self) -> EngineHungError:
+        """What ``/health`` reports while ``stalled``."""
+        return EngineHungError(
+            f"the engine core has left a health check unanswered for "
+            f"{UNANSWERED_LIMIT:g} s while no step ran"
         )
 
     async def send_checks(self, send: Callable[[HealthCheck], Awaitable[None]]) -> None:

@@ -1,7 +1,7 @@
 """One engine request's output on the API server's side: its `Mailbox` and `RequestStream`.
 
 The engine handle's reader task puts each request's outputs into that request's mailbox
-(`Mailbox.add`) and wakes its consumer; the consumer iterates the `RequestStream`, which
+(`deliver`) and wakes its consumer; the consumer iterates the `RequestStream`, which
 takes what gathered as one `TokenDelta` (`Mailbox.take_delta`). A mailbox coalesces
 tokens, so a slow consumer never blocks the reader (and with it every other request);
 the handle pauses a request whose consumer leaves too much unread, and the stream
@@ -10,12 +10,18 @@ resumes it once its consumer reads again (see `trio_llm.frontend.engine_client`)
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import trio
 
 from trio_llm.errors import EngineError, RequestRejectedError
-from trio_llm.frontend.request_timing import RequestRecord
+from trio_llm.frontend.request_timing import (
+    RequestObserver,
+    RequestRecord,
+    count_tokens,
+    record_finished,
+)
 from trio_llm.messages import RequestOutput, TokenLogprobs
 from trio_llm.text.token_delta import TokenDelta
 
@@ -100,6 +106,34 @@ class Mailbox:
         if self.text is not None:
             self.text = ""
         return delta
+
+
+def deliver(
+    mailboxes: dict[str, Mailbox],
+    outputs: list[RequestOutput],
+    pause_after: int,
+    observer: RequestObserver | None,
+) -> list[str]:
+    """Hand each output to its request's mailbox and wake its consumer; a finished
+    request leaves ``mailboxes``. Returns the ids of requests to pause: their mailbox
+    came to hold ``pause_after`` unread tokens (they are marked paused)."""
+    to_pause: list[str] = []
+    now = time.monotonic()
+    for output in outputs:
+        box = mailboxes.get(output.request_id)
+        if box is None:
+            continue  # aborted by us already
+        box.add(output)
+        if output.new_token_ids:
+            count_tokens(box.record, len(output.new_token_ids), now, observer)
+        if output.finish_reason is not None:
+            del mailboxes[output.request_id]
+            record_finished(box.record, output.finish_reason, observer)
+        elif not box.paused and len(box.token_ids) >= pause_after:
+            box.paused = True
+            to_pause.append(output.request_id)
+        box.wakeup.set()
+    return to_pause
 
 
 class StreamOwner(Protocol):
