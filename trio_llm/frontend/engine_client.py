@@ -1,17 +1,13 @@
 """EngineClient: the API server's handle on one engine core.
 
-One reader task (`EngineClient.route_outputs`) receives every `StepOutputs` message and
-hands each request's tokens to that request's mailbox
-(`trio_llm.frontend.request_stream`); handlers consume them through
-`EngineClient.open_requests`. Once a mailbox holds `PAUSE_AFTER_UNREAD_TOKENS` unread
-tokens beyond the ``stream_interval`` its consumer waits for, the request is paused in
-the engine (`PauseRequests`: it leaves the batch and frees its KV blocks) until its
-consumer reads them (`ResumeRequests`), so a client that stops reading costs a bounded
-buffer here and no batch slot there.
-
-Timing (time to first token, inter-token latency, end-to-end latency) is measured here,
-when outputs arrive (`trio_llm.frontend.request_timing`). Liveness: heartbeats and health
-checks (`trio_llm.frontend.liveness`) tell a hung engine from a busy one.
+One reader task (`EngineClient.route_outputs`) hands each request's outputs to its
+mailbox (`trio_llm.frontend.request_stream`), timing them as they arrive
+(`trio_llm.frontend.request_timing`), and watches the engine's liveness
+(`trio_llm.frontend.liveness`); handlers consume them through `open_requests`. Once a
+mailbox holds `PAUSE_AFTER_UNREAD_TOKENS` unread tokens beyond the ``stream_interval``
+its consumer waits for, the request is paused in the engine (`PauseRequests`: it leaves
+the batch and frees its KV blocks) until its consumer reads them (`ResumeRequests`), so
+a client that stops reading costs a bounded buffer here and no batch slot there.
 
 The client outlives the engine child it talks to when the supervisor restarts children
 (``--engine-restart on-failure``): when a child dies or hangs, every open request fails at
@@ -22,6 +18,7 @@ new ones are refused.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -112,6 +109,7 @@ class EngineClient(AdmissionControl):
         #: reader that keeps up is never paused whatever the interval.
         self.stream_interval = 1
         self.stats = EngineStats()
+        self.step_timeout = step_timeout
         #: A dead child will be replaced (requests then wait); off after `give_up`.
         self.restart_enabled = restart_wait is not None
         #: Seconds a new request waits for a restarting engine before a 503.
@@ -139,11 +137,6 @@ class EngineClient(AdmissionControl):
         self._health = HealthWatch(step_timeout)
 
     # ------------------------------------------------------------ state
-
-    @property
-    def step_timeout(self) -> float | None:
-        """Seconds after which a silent engine, or a step, counts as hung (None: never)."""
-        return self._health.step_timeout
 
     @property
     def is_alive(self) -> bool:
@@ -251,9 +244,6 @@ class EngineClient(AdmissionControl):
         finally:
             await self._abort([(s.request_id, s.finish_reason or "abort") for s in streams])
 
-    async def _end_early(self, request_id: str, reason: str) -> None:
-        await self._abort([(request_id, reason)])
-
     async def _abort(self, ends: list[tuple[str, str]]) -> None:
         """End requests here, each ``(request_id, reason)`` counted as finished with its
         reason, and abort the ones still open in the engine (in one shielded message)."""
@@ -343,10 +333,8 @@ class EngineClient(AdmissionControl):
             if error_type is EngineHungError:
                 self.num_hangs += 1
             if self._error is None:
-                if self.stopping:
-                    self.fail_all(EngineShutdownError("the server is shutting down"))
-                else:
-                    self.fail_all(error_type(reason))
+                stopped = EngineShutdownError("the server is shutting down")
+                self.fail_all(stopped if self.stopping else error_type(reason))
 
     def _deliver(self, message: StepOutputs) -> list[str]:
         """Hand each output to its mailbox; returns the ids of requests to pause (their
@@ -401,11 +389,9 @@ class EngineClient(AdmissionControl):
         if self._error is None:
             self.fail_all(EngineShutdownError("the server is shutting down"))
             # fail_all set _error; a Shutdown message still has to go out.
-            try:
+            with contextlib.suppress(*ipc.CHANNEL_CLOSED):
                 async with self._send_lock:
                     await self._channel.send(messages.Shutdown())
-            except ipc.CHANNEL_CLOSED:
-                pass
             if self._on_stop is not None:
                 self._on_stop(grace_period)
         elif self._on_stop is not None:

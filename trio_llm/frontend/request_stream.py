@@ -142,8 +142,9 @@ class StreamOwner(Protocol):
     #: Tokens each stream gathers before it yields a delta, after its first one.
     stream_interval: int
 
-    async def _end_early(self, request_id: str, reason: str) -> None:
-        """Abort the request in the engine and count it as finished with ``reason``."""
+    async def _abort(self, ends: list[tuple[str, str]]) -> None:
+        """End requests, each ``(request_id, reason)`` counted as finished with its
+        reason, and abort the ones still open in the engine."""
         ...
 
     async def _resume(self, request_id: str) -> None:
@@ -177,7 +178,7 @@ class RequestStream:
             return
         self.finished = True
         self.finish_reason = reason
-        await self._client._end_early(self.request_id, reason)
+        await self._client._abort([(self.request_id, reason)])
 
     def __aiter__(self) -> RequestStream:
         return self
