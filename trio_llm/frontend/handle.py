@@ -1,7 +1,8 @@
 """`EngineHandle`: what the request path uses of the engine, however many engines serve.
 
-The API server, the supervisor and `trio_llm.async_engine` talk to one handle: an
-`trio_llm.frontend.engine_client.EngineClient` (one engine core), or a
+The API server and the supervisor talk to one handle: an
+`trio_llm.frontend.engine_client.EngineClient` (one engine core; the embedding API's
+`trio_llm.async_engine` always has one), or a
 `trio_llm.frontend.data_parallel.DataParallelClient` routing over several. Both
 implement this protocol (their shared code is `trio_llm.frontend.admission.
 AdmissionControl`); a handler never needs to know which it has.
