@@ -133,8 +133,8 @@ class WSGeneration:
         self.kind = kind
         self.id = id
         self.params = params
-        self.started = False
-        self.finished = False
+        #: Sent to the server, and ended (its ``done`` or an error arrived).
+        self.started = self.finished = False
         self._send, self._receive = trio.open_memory_channel[dict[str, Any]](EVENT_BUFFER)
 
     async def start(self) -> None:

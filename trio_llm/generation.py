@@ -92,11 +92,7 @@ class Generation:
     """
 
     def __init__(
-        self,
-        client: EngineClient,
-        choice: Choice,
-        prompt_token_ids: list[int],
-        request_id: str,
+        self, client: EngineClient, choice: Choice, prompt_token_ids: list[int], request_id: str
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
