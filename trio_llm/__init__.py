@@ -32,7 +32,8 @@ from trio_llm.messages import SamplingParams, StructuredOutput
 from trio_llm.server_config import ServerConfig
 
 if TYPE_CHECKING:
-    from trio_llm.async_engine import AsyncEngine, GenerationOutput, open_engine
+    from trio_llm.async_engine import AsyncEngine, open_engine
+    from trio_llm.generation import GenerationOutput
     from trio_llm.llm import LLM, CompletionResult
 
 try:
@@ -77,7 +78,7 @@ __all__ = [
 #: Public names imported on first use: name -> module.
 _LAZY = {
     "AsyncEngine": "trio_llm.async_engine",
-    "GenerationOutput": "trio_llm.async_engine",
+    "GenerationOutput": "trio_llm.generation",
     "open_engine": "trio_llm.async_engine",
     "LLM": "trio_llm.llm",
     "CompletionResult": "trio_llm.llm",

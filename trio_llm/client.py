@@ -133,8 +133,8 @@ class WSGeneration:
         self.kind = kind
         self.id = id
         self.params = params
-        self.started = False
-        self.finished = False
+        #: Sent to the server, and ended (its ``done`` or an error arrived).
+        self.started = self.finished = False
         self._send, self._receive = trio.open_memory_channel[dict[str, Any]](EVENT_BUFFER)
 
     async def start(self) -> None:
@@ -336,6 +336,44 @@ async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
+async def _connect(
+    hostname: str, port: int | None, *, secure: bool
+) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
+    """A TCP connection (TLS with ``secure``) to ``hostname``, on its default port if None."""
+    if secure:
+        return await trio.open_ssl_over_tcp_stream(hostname, port or 443, https_compatible=True)
+    return await trio.open_tcp_stream(hostname, port or 80)
+
+
+async def _handshake(
+    nursery: trio.Nursery,
+    stream: trio.abc.Stream,
+    host: str,
+    resource: str,
+    *,
+    headers: list[tuple[bytes, bytes]] | None,
+    max_message_size: int,
+) -> trio_websocket.WebSocketConnection | None:
+    """The opening handshake over ``stream`` (the connection's tasks run in ``nursery``);
+    None when the server closed the connection before answering it."""
+    watched = _EndWatchingStream(stream)
+    # trio-websocket waits for the opening handshake forever if the server closes the
+    # connection before answering it; the end of the stream ends that wait here.
+    with trio.CancelScope() as handshake:
+        async with trio.open_nursery() as watch:
+            watch.start_soon(_cancel_when_set, watched.ended, handshake)
+            websocket = await trio_websocket.wrap_client_stream(
+                nursery,
+                watched,
+                host,
+                resource,
+                extra_headers=headers,
+                max_message_size=max_message_size,
+            )
+            watch.cancel_scope.cancel()
+    return None if handshake.cancelled_caught else websocket
+
+
 @asynccontextmanager
 async def open_ws_client(
     url: str,
@@ -360,34 +398,17 @@ async def open_ws_client(
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
         raise ValueError(f"not a ws:// or wss:// URL: {url!r}")
-    secure = parts.scheme == "wss"
-    port = parts.port or (443 if secure else 80)
     resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else None
-    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
-    if secure:
-        stream = await trio.open_ssl_over_tcp_stream(parts.hostname, port, https_compatible=True)
-    else:
-        stream = await trio.open_tcp_stream(parts.hostname, port)
+    stream = await _connect(parts.hostname, parts.port, secure=parts.scheme == "wss")
     error: BaseException | None = None
-    watched = _EndWatchingStream(stream)
     # The stream is ours to close: trio-websocket leaves it open when the server closes.
     async with stream, trio.open_nursery() as nursery:
-        # trio-websocket waits for the opening handshake forever if the server closes the
-        # connection before answering it; the end of the stream ends that wait here.
-        with trio.CancelScope() as handshake:
-            async with trio.open_nursery() as watch:
-                watch.start_soon(_cancel_when_set, watched.ended, handshake)
-                websocket = await trio_websocket.wrap_client_stream(
-                    nursery,
-                    watched,
-                    parts.netloc.rpartition("@")[2],
-                    resource,
-                    extra_headers=headers,
-                    max_message_size=max_message_size,
-                )
-                watch.cancel_scope.cancel()
-        if handshake.cancelled_caught:
+        host = parts.netloc.rpartition("@")[2]
+        websocket = await _handshake(
+            nursery, stream, host, resource, headers=headers, max_message_size=max_message_size
+        )
+        if websocket is None:
             nursery.cancel_scope.cancel()
             error = ConnectionClosedError(
                 1006, "the server closed the connection during the opening handshake"

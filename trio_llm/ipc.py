@@ -31,6 +31,23 @@ class ProtocolError(Exception):
     """The peer sent bytes that are not a valid frame or message."""
 
 
+#: What a send or receive raises once the peer is gone or the channel was closed.
+CHANNEL_CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+#: `CHANNEL_CLOSED`, or the peer sent bytes that are no message: the channel is unusable.
+CHANNEL_BROKEN = (*CHANNEL_CLOSED, ProtocolError)
+
+
+def channel_closed(
+    exc: BaseException, kinds: tuple[type[BaseException], ...] = CHANNEL_CLOSED
+) -> bool:
+    """True if ``exc`` (or every leaf of an exception group) is one of ``kinds``: the
+    channel is gone, which ends a process quietly rather than as a failure."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(kinds)[1] is None
+    return isinstance(exc, kinds)
+
+
 class FramedStream:
     """Sends and receives whole frames over a `trio.abc.Stream`.
 

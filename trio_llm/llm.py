@@ -28,17 +28,12 @@ from typing import Any
 
 import trio
 
-from trio_llm.async_engine import (
-    AsyncEngine,
-    Generation,
-    Prompt,
-    open_engine,
-    resolve_engine_config,
-)
+from trio_llm.async_engine import AsyncEngine, Prompt, open_engine, resolve_engine_config
 from trio_llm.config import DEFAULT_MODEL
 from trio_llm.errors import EngineDeadError, EngineError
 from trio_llm.frontend.preprocess import run_all
 from trio_llm.frontend.request_timing import EngineStats
+from trio_llm.generation import Generation
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs
 from trio_llm.text.chat_template import read_chat_template
 from trio_llm.text.tokenizer import Tokenizer

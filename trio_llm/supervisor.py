@@ -39,10 +39,11 @@ from trio_llm.config import EngineConfig
 from trio_llm.connections import shutdown_client_connections
 from trio_llm.dtype_choice import dtype_is_timed
 from trio_llm.errors import EngineDeadError, EngineStartupError
-from trio_llm.frontend.data_parallel import DataParallelClient, EngineHandle
+from trio_llm.frontend.data_parallel import DataParallelClient
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.generation_defaults import load_generation_defaults
+from trio_llm.frontend.handle import EngineHandle
 from trio_llm.server_config import ServerConfig
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -97,42 +98,8 @@ async def serve(
         root.start_soon(_handle_signals, lifecycle, root.cancel_scope)
         async with trio.open_nursery() as engine_nursery:
             engine: EngineHandle = await engine_nursery.start(_supervise_engines, config, lifecycle)
-            for rank, client in enumerate(engine.engines):
-                client.stream_interval = config.stream_interval
-                info = client.info
-                name = "engine" if len(engine.engines) == 1 else f"engine {rank}"
-                logger.info(
-                    f"{name} ready (pid {info.pid}, {info.dtype}, "
-                    f"detokenizer {config.detokenizer_mode}, "
-                    f"max_model_len {info.max_model_len}, "
-                    f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
-                    f"engine restart {config.engine_restart})"
-                )
-            tokenizer = await trio.to_thread.run_sync(
-                Tokenizer.load, engine.info.model_dir, config.chat_template
-            )
-            generation_defaults = await trio.to_thread.run_sync(
-                load_generation_defaults,
-                config.generation_config,
-                engine.info.model_dir,
-                config.override_generation_config,
-            )
-            serving = OpenAIServing(
-                engine,
-                tokenizer,
-                config.model_names(),
-                max_tokens_policy=config.max_tokens_policy,
-                generation_defaults=generation_defaults,
-                max_logprobs=config.max_logprobs,
-                max_num_waiting_requests=config.max_num_waiting_requests,
-                limits=config.limits,
-                request_body_timeout=config.request_body_timeout,
-                tool_call_parser=config.tool_call_parser
-                if config.enable_auto_tool_choice
-                else None,
-                reasoning_parser=config.reasoning_parser,
-                disable_additional_properties=config.disable_additional_properties,
-            )
+            _engines_ready(engine, config)
+            serving = await _open_serving(engine, config)
             app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
             connection_guard.install()  # one connection's protocol error ends only it
             async with trio.open_nursery() as http_nursery:
@@ -154,6 +121,48 @@ async def serve(
             await engine.stop(config.shutdown_timeout)
         root.cancel_scope.cancel()
     return lifecycle
+
+
+def _engines_ready(engine: EngineHandle, config: ServerConfig) -> None:
+    """Give every engine the stream interval, and log that it is ready."""
+    for rank, client in enumerate(engine.engines):
+        client.stream_interval = config.stream_interval
+        info = client.info
+        name = "engine" if len(engine.engines) == 1 else f"engine {rank}"
+        logger.info(
+            f"{name} ready (pid {info.pid}, {info.dtype}, "
+            f"detokenizer {config.detokenizer_mode}, "
+            f"max_model_len {info.max_model_len}, "
+            f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
+            f"engine restart {config.engine_restart})"
+        )
+
+
+async def _open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServing:
+    """The request handlers over ``engine``: load the tokenizer and generation defaults."""
+    tokenizer = await trio.to_thread.run_sync(
+        Tokenizer.load, engine.info.model_dir, config.chat_template
+    )
+    generation_defaults = await trio.to_thread.run_sync(
+        load_generation_defaults,
+        config.generation_config,
+        engine.info.model_dir,
+        config.override_generation_config,
+    )
+    return OpenAIServing(
+        engine,
+        tokenizer,
+        config.model_names(),
+        max_tokens_policy=config.max_tokens_policy,
+        generation_defaults=generation_defaults,
+        max_logprobs=config.max_logprobs,
+        max_num_waiting_requests=config.max_num_waiting_requests,
+        limits=config.limits,
+        request_body_timeout=config.request_body_timeout,
+        tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        reasoning_parser=config.reasoning_parser,
+        disable_additional_properties=config.disable_additional_properties,
+    )
 
 
 async def _shut_down(
@@ -239,34 +248,13 @@ async def _supervise_engines(
     """
     size = config.data_parallel_size
     clients: list[EngineClient | None] = [None] * size
-    group: DataParallelClient | None = None
-    started = False
-
-    def ended(rank: int, error: EngineDeadError | None) -> None:
-        if not started and error is not None:
-            # Ready, then failed while the others were still starting: a failed start-up.
-            raise EngineStartupError(f"engine core {rank} failed during start-up: {error}")
-        if group is None:
-            if error is not None:
-                lifecycle.request_stop(f"engine core died: {error}", exit_code=1)
-            return
-        group.engine_ended()
-        if error is None:
-            return
-        left = group.num_serving + sum(e.is_restarting for e in group.engines)
-        if left == 0:
-            lifecycle.request_stop(
-                f"engine core {rank} died: {error} (no engine left)", exit_code=1
-            )
-        else:
-            logger.error(f"engine core {rank} died: {error}; {left} of {size} engines left")
-
+    fleet = _Fleet(size, lifecycle)
     configs = [config.engine_for_rank(rank) for rank in range(size)]
     async with trio.open_nursery() as nursery:
 
         async def start(rank: int) -> None:
             clients[rank] = await nursery.start(
-                _supervise_engine, configs[rank], config, rank, ended
+                _supervise_engine, configs[rank], config, rank, fleet.ended
             )
 
         async with trio.open_nursery() as starting:
@@ -281,15 +269,49 @@ async def _supervise_engines(
             for rank in range(first, size):
                 starting.start_soon(start, rank)
         ready = [client for client in clients if client is not None]
-        started = True
+        fleet.started = True
         if size == 1:
             task_status.started(ready[0])
         else:
             caches = config.engine.cache.enable_prefix_caching
-            group = DataParallelClient(
+            fleet.group = DataParallelClient(
                 ready, prefix_aware=caches and ready[0].info.task == "generate"
             )
-            task_status.started(group)
+            task_status.started(fleet.group)
+
+
+class _Fleet:
+    """How `_supervise_engines` learns that an engine stopped for good (`ended`), and
+    what follows: a failed start-up, a logged loss, or the server's stop."""
+
+    def __init__(self, size: int, lifecycle: Lifecycle) -> None:
+        self.size = size
+        self.lifecycle = lifecycle
+        #: Every engine was ready once.
+        self.started = False
+        #: The handle over several engines (None with one).
+        self.group: DataParallelClient | None = None
+
+    def ended(self, rank: int, error: EngineDeadError | None) -> None:
+        """Engine ``rank`` stopped for good: after `EngineClient.stop` (None) or failed."""
+        if not self.started and error is not None:
+            # Ready, then failed while the others were still starting: a failed start-up.
+            raise EngineStartupError(f"engine core {rank} failed during start-up: {error}")
+        group, lifecycle = self.group, self.lifecycle
+        if group is None:
+            if error is not None:
+                lifecycle.request_stop(f"engine core died: {error}", exit_code=1)
+            return
+        group.engine_ended()
+        if error is None:
+            return
+        left = group.num_serving + sum(e.is_restarting for e in group.engines)
+        if left == 0:
+            lifecycle.request_stop(
+                f"engine core {rank} died: {error} (no engine left)", exit_code=1
+            )
+        else:
+            logger.error(f"engine core {rank} died: {error}; {left} of {self.size} engines left")
 
 
 async def _supervise_engine(

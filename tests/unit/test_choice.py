@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from trio_llm.frontend.engine_client import TokenDelta
 from trio_llm.messages import SamplingParams, TokenLogprobs
 from trio_llm.text.choice import Choice
+from trio_llm.text.token_delta import TokenDelta
 
 EOS = 2
 

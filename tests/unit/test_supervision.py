@@ -20,7 +20,8 @@ from trio_llm.errors import (
     EngineRestartingError,
     EngineShutdownError,
 )
-from trio_llm.frontend.engine_client import UNANSWERED_LIMIT, EngineClient
+from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.liveness import UNANSWERED_LIMIT
 from trio_llm.messages import HealthReply, Heartbeat, SamplingParams, StepOutputs
 from trio_llm.server_config import RestartPolicy
 

@@ -21,8 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trio_llm.frontend.data_parallel import EngineHandle
 from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.request_timing import RequestRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

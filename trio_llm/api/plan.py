@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from trio_llm.api.formats import ResponseFormat
-from trio_llm.frontend.data_parallel import EngineHandle
-from trio_llm.frontend.engine_client import Admission, RequestStream
+from trio_llm.frontend.admission import Admission
+from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.preprocess import run_all
+from trio_llm.frontend.request_stream import RequestStream
 from trio_llm.messages import SamplingParams
 from trio_llm.text.choice import Choice, ChoiceDelta
 

@@ -55,9 +55,9 @@ from trio_llm.errors import (
     EngineError,
     InvalidRequest,
 )
-from trio_llm.frontend.data_parallel import EngineHandle
-from trio_llm.frontend.engine_client import Admission
+from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.generation_defaults import GenerationDefaults
+from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
 from trio_llm.server_config import RequestLimits

@@ -28,8 +28,8 @@ from trio_llm.api.errors import APIError, engine_error
 from trio_llm.api.formats import Event
 from trio_llm.api.plan import Plan, run_choices
 from trio_llm.errors import EngineError, first_leaf
-from trio_llm.frontend.data_parallel import EngineHandle
-from trio_llm.frontend.engine_client import Admission
+from trio_llm.frontend.admission import Admission
+from trio_llm.frontend.handle import EngineHandle
 from trio_llm.text.choice import Choice, ChoiceDelta
 
 logger = logging.getLogger(__name__)

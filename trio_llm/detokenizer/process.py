@@ -40,8 +40,6 @@ from trio_llm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError)
-
 
 class Detokenizers:
     """The `RequestDetokenizer` of every request in flight (pure; no I/O).
@@ -107,20 +105,13 @@ async def run_detokenizer(api_stream: trio.abc.Stream, engine_stream: trio.abc.S
     try:
         return await _run(api, engine)
     except BaseException as exc:
-        if _closed(exc):
+        if ipc.channel_closed(exc, ipc.CHANNEL_BROKEN):
             return 1
         raise
     finally:
         with trio.CancelScope(shield=True):
             await engine.aclose()
             await api.aclose()
-
-
-def _closed(exc: BaseException) -> bool:
-    """True if ``exc`` (or every leaf of an exception group) says a channel is closed."""
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(_CLOSED)[1] is None
-    return isinstance(exc, _CLOSED)
 
 
 async def _run(api: ipc.MessageChannel[ToEngine], engine: ipc.MessageChannel[FromEngine]) -> int:
@@ -176,7 +167,7 @@ class _Relay:
                 elif isinstance(message, Shutdown):
                     self.shutting_down = True
                 await self.send_to_engine(message)
-        except _CLOSED:
+        except ipc.CHANNEL_BROKEN:
             pass
         done.cancel()  # the server is gone: closing B tells the engine to exit
 
@@ -189,7 +180,7 @@ class _Relay:
                     if stopped:
                         await self.send_to_engine(AbortRequests(stopped))
                 await self.api.send(message)
-        except _CLOSED as exc:
+        except ipc.CHANNEL_BROKEN as exc:
             logger.warning(f"a connection broke: {exc}")
         else:
             self.exit_code = 0 if self.shutting_down else 1

@@ -35,6 +35,7 @@ from trio_llm import ipc
 from trio_llm.config import EngineConfig
 from trio_llm.engine.core import EngineCore
 from trio_llm.engine.cpu_share import CpuShare
+from trio_llm.engine.interface import EngineCoreProtocol
 from trio_llm.engine.pooling import PoolingCore, uses_pooling
 from trio_llm.messages import (
     AbortRequests,
@@ -64,7 +65,7 @@ async def run_engine_core(stream: trio.abc.Stream) -> int:
     try:
         return await _run(channel)
     except BaseException as exc:
-        if _server_gone(exc):
+        if ipc.channel_closed(exc):
             return 1  # the server closed the channel; nobody to tell
         raise
 
@@ -85,14 +86,6 @@ def select_gpu(rank: int, environ: dict[str, str] | os._Environ[str]) -> str | N
         )
     environ["CUDA_VISIBLE_DEVICES"] = ids[rank]
     return None
-
-
-def _server_gone(exc: BaseException) -> bool:
-    """True if ``exc`` (or every leaf of an exception group) says the channel is closed."""
-    closed = (trio.BrokenResourceError, trio.ClosedResourceError)
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(closed)[1] is None
-    return isinstance(exc, closed)
 
 
 async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
@@ -118,7 +111,7 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
             share = CpuShare(torch.get_num_threads())
         await _serve(core, _Outbox(channel, share), config.heartbeat_interval)
     except Exception as exc:
-        if _server_gone(exc):
+        if ipc.channel_closed(exc):
             raise
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         await _report_failure(channel, message, exc_info=True)
@@ -141,7 +134,7 @@ def _build_core(config: EngineConfig) -> EngineCore | PoolingCore:
     return core
 
 
-def _step(core: EngineCore, threads: int | None) -> StepOutputs:
+def _step(core: EngineCoreProtocol, threads: int | None) -> StepOutputs:
     """One step in a worker thread, on ``threads`` torch threads (OpenMP's thread count is
     per calling thread, so it is set here)."""
     if threads is not None and torch.get_num_threads() != threads:
@@ -155,7 +148,7 @@ async def _report_failure(
     logger.error(message, exc_info=exc_info)
     try:
         await channel.send(EngineFailed(message))
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
+    except ipc.CHANNEL_CLOSED:
         pass
 
 
@@ -176,7 +169,7 @@ class _Outbox:
         async with self._lock:
             await self.channel.send(message)
 
-    async def run_step(self, core: EngineCore) -> None:
+    async def run_step(self, core: EngineCoreProtocol) -> None:
         self.step_started = time.monotonic()
         threads = None
         if self.share is not None:
@@ -245,7 +238,7 @@ class _Wakeup:
         return None
 
 
-async def _serve(core: EngineCore, outbox: _Outbox, heartbeat_interval: float) -> None:
+async def _serve(core: EngineCoreProtocol, outbox: _Outbox, heartbeat_interval: float) -> None:
     channel = outbox.channel
     inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
     wakeup = _Wakeup()
@@ -288,7 +281,7 @@ async def _read_messages(
 
 
 async def _apply_pending(
-    core: EngineCore, outbox: _Outbox, inbox: trio.MemoryReceiveChannel[ToEngine]
+    core: EngineCoreProtocol, outbox: _Outbox, inbox: trio.MemoryReceiveChannel[ToEngine]
 ) -> bool:
     """Apply every message already received; False once it is time to exit."""
     while True:
@@ -302,7 +295,7 @@ async def _apply_pending(
             return False
 
 
-async def _apply(core: EngineCore, outbox: _Outbox, message: ToEngine) -> bool:
+async def _apply(core: EngineCoreProtocol, outbox: _Outbox, message: ToEngine) -> bool:
     if isinstance(message, AddRequest):
         rejected = core.add_request(message)
         if rejected is not None:

@@ -1,4 +1,5 @@
-"""DataParallelClient: N engine cores behind the interface of one `EngineClient`.
+"""DataParallelClient: N engine cores behind the interface of one `EngineClient`
+(`trio_llm.frontend.handle.EngineHandle`).
 
 ``--data-parallel-size N`` starts N engine-core children, each with its own model copy and
 KV cache, each supervised by its own `trio_llm.frontend.engine_process.run_engine_process`
@@ -34,13 +35,10 @@ from contextlib import asynccontextmanager
 import trio
 
 from trio_llm.errors import EngineDeadError, EngineError, EngineShutdownError
-from trio_llm.frontend.engine_client import (
-    Admission,
-    AdmissionControl,
-    EngineClient,
-    RequestStream,
-)
-from trio_llm.messages import EngineReady, SamplingParams
+from trio_llm.frontend.admission import Admission, AdmissionControl, Requests
+from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.request_stream import RequestStream
+from trio_llm.messages import EngineReady
 
 #: Open requests by which the engine holding a prompt's prefix may exceed the least-loaded
 #: one and still be chosen for it.
@@ -129,11 +127,6 @@ class DataParallelClient(AdmissionControl):
         """The first engine's `EngineReady` (model, context length and vocabulary are the
         same for every engine)."""
         return self._engines[0].info
-
-    @property
-    def detokenizes(self) -> bool:
-        """True in 3-process mode (every engine has its detokenizer child)."""
-        return self._engines[0].detokenizes
 
     @property
     def num_serving(self) -> int:
@@ -235,18 +228,8 @@ class DataParallelClient(AdmissionControl):
     # ------------------------------------------------------------ requests
 
     @asynccontextmanager
-    async def open_request(
-        self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestStream]:
-        """Submit one request and yield its `RequestStream` (see `open_requests`)."""
-        async with self.open_requests([(prompt_token_ids, params)]) as (stream,):
-            yield stream
-
-    @asynccontextmanager
     async def open_requests(
-        self,
-        requests: Sequence[tuple[list[int], SamplingParams]],
-        admission: Admission | None = None,
+        self, requests: Requests, admission: Admission | None = None
     ) -> AsyncIterator[list[RequestStream]]:
         """Submit requests to one engine (`route` on the first prompt) and yield their
         streams; as `EngineClient.open_requests`.
@@ -284,7 +267,3 @@ class DataParallelClient(AdmissionControl):
         async with trio.open_nursery() as nursery:
             for engine in self._engines:
                 nursery.start_soon(engine.stop, grace_period)
-
-
-#: What the API server talks to: one engine's client, or N of them behind one handle.
-EngineHandle = EngineClient | DataParallelClient

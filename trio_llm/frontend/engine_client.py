@@ -1,26 +1,13 @@
-"""EngineClient: the API server's handle on the engine core.
+"""EngineClient: the API server's handle on one engine core.
 
-One reader task (`EngineClient.route_outputs`) receives every `StepOutputs` message and
-hands each request's tokens to that request's mailbox; handlers consume them through
-`EngineClient.open_request`. A mailbox coalesces tokens, so a slow consumer never blocks
-the reader (and with it every other request). Once a mailbox holds
-`PAUSE_AFTER_UNREAD_TOKENS` unread tokens beyond the ``stream_interval`` its consumer
-waits for, the request is paused in the engine
-(`PauseRequests`: it leaves the batch and frees its KV blocks) until its consumer reads
-them (`ResumeRequests`), so a client that stops reading costs a bounded buffer here and
-no batch slot there.
-
-Timing (time to first token, inter-token latency, end-to-end latency) is measured here,
-when outputs arrive, with this process's monotonic clock, and reported to an optional
-`RequestObserver` (the Prometheus metrics). The queue time is measured by the engine
-process with its own clock and shipped as a duration.
-
-Liveness. The engine sends a `Heartbeat` every second from a task of its own, saying how
-long the step under way has run; `route_outputs` also sends a `HealthCheck` every second
-and the engine's main loop answers it between steps. The engine is hung when it is silent
-for ``step_timeout`` seconds, when a step runs longer, or when a health check stays
-unanswered that long while no step runs (its reader or its loop is stuck while its
-heartbeats go on).
+One reader task (`EngineClient.route_outputs`) hands each request's outputs to its
+mailbox (`trio_llm.frontend.request_stream`), timing them as they arrive
+(`trio_llm.frontend.request_timing`), and watches the engine's liveness
+(`trio_llm.frontend.liveness`); handlers consume them through `open_requests`. Once a
+mailbox holds `PAUSE_AFTER_UNREAD_TOKENS` unread tokens beyond the ``stream_interval``
+its consumer waits for, the request is paused in the engine (`PauseRequests`: it leaves
+the batch and frees its KV blocks) until its consumer reads them (`ResumeRequests`), so
+a client that stops reading costs a bounded buffer here and no batch slot there.
 
 The client outlives the engine child it talks to when the supervisor restarts children
 (``--engine-restart on-failure``): when a child dies or hangs, every open request fails at
@@ -31,42 +18,41 @@ new ones are refused.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import trio
 
-from trio_llm import ipc
+from trio_llm import ipc, messages
 from trio_llm.errors import (
     EngineDeadError,
     EngineError,
     EngineHungError,
-    EngineOverloadedError,
     EngineRestartingError,
     EngineShutdownError,
-    RequestRejectedError,
 )
-from trio_llm.frontend.request_timing import EngineStats, RequestObserver, RequestRecord
+from trio_llm.frontend.admission import Admission, AdmissionControl, Requests
+from trio_llm.frontend.liveness import HealthWatch
+from trio_llm.frontend.request_stream import Mailbox, RequestStream, deliver
+from trio_llm.frontend.request_timing import (
+    EngineStats,
+    RequestObserver,
+    RequestRecord,
+    record_finished,
+)
 from trio_llm.messages import (
-    AbortRequests,
     AddRequest,
     EngineFailed,
     EngineReady,
     FromEngine,
-    HealthCheck,
     HealthReply,
     Heartbeat,
-    PauseRequests,
-    ResumeRequests,
-    SamplingParams,
-    Shutdown,
     StepOutputs,
-    TokenLogprobs,
+    ToEngine,
 )
 
 #: Engine request numbers, shared by every client in this process.
@@ -76,246 +62,6 @@ _REQUEST_IDS = itertools.count()
 #: which a request is paused in the engine (see the module doc): 64 with the default
 #: interval of 1.
 PAUSE_AFTER_UNREAD_TOKENS = 64
-
-#: Seconds between the `HealthCheck` round trips through the engine's loop (at most; a
-#: quarter of the step timeout when that is shorter).
-HEALTH_CHECK_INTERVAL = 1.0
-
-#: Without hang detection (no step timeout): seconds a health check may stay unanswered,
-#: while no step runs, before the engine is reported unhealthy (``/health`` answers 503).
-UNANSWERED_LIMIT = 60.0
-
-
-@dataclass
-class TokenDelta:
-    """Output of one request that arrived since the consumer last looked.
-
-    Attributes:
-        token_ids: new output token ids, oldest first (may be empty on the final delta).
-        finish_reason: None while running, else "stop", "length" or "abort".
-        logprobs: one entry per new token when the request asked for logprobs, else None.
-        prompt_logprobs: new prompt-position entries when asked for, else None.
-        text: None when the API server detokenizes (inline mode). In 3-process mode the
-            text the detokenizer child released for these tokens; ``logprobs`` are then
-            those of the tokens behind that text, and ``stop_reason`` is set.
-        stop_reason: with ``text``: the matched stop string or stop token id.
-        embedding: an embedding model's vector, on the finishing delta.
-        num_cached_tokens: on the request's first delta: prompt tokens that came from
-            the prefix cache (`trio_llm.messages.RequestOutput.num_cached_tokens`).
-    """
-
-    token_ids: list[int]
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    text: str | None = None
-    stop_reason: str | int | None = None
-    embedding: list[float] | None = None
-    num_cached_tokens: int | None = None
-
-
-class _Mailbox:
-    __slots__ = (
-        "embedding",
-        "error",
-        "finish_reason",
-        "logprobs",
-        "num_cached_tokens",
-        "paused",
-        "prompt_logprobs",
-        "record",
-        "started",
-        "stop_reason",
-        "text",
-        "token_ids",
-        "wakeup",
-    )
-
-    def __init__(self, record: RequestRecord) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] | None = None
-        self.prompt_logprobs: list[TokenLogprobs] | None = None
-        self.finish_reason: str | None = None
-        self.text: str | None = None
-        self.stop_reason: str | int | None = None
-        self.embedding: list[float] | None = None
-        self.num_cached_tokens: int | None = None
-        self.error: EngineError | None = None
-        self.wakeup = trio.Event()
-        self.started = False
-        self.paused = False
-        self.record = record
-
-
-@dataclass
-class Admission:
-    """Places reserved in the waiting line by `EngineClient.admit` (see there)."""
-
-    count: int
-    released: bool = field(default=False)
-
-
-class AdmissionControl:
-    """The waiting line's bookkeeping, shared by `EngineClient` and
-    `trio_llm.frontend.data_parallel.DataParallelClient`: places reserved by `admit`
-    until `release`, draining (`close_admissions`), and `wait_idle`.
-
-    A subclass calls `_init_admissions` and defines `_check_open` (raise when no
-    request can be served), `num_waiting` and `_num_open` (requests open now).
-    """
-
-    draining: bool
-    _num_reserved: int
-    _idle: trio.Event
-
-    def _init_admissions(self) -> None:
-        self.draining = False
-        self._num_reserved = 0
-        #: Set while no request is open or admitted (see `wait_idle`).
-        self._idle = trio.Event()
-        self._idle.set()
-
-    def _check_open(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests admitted or sent that have produced no output yet."""
-        raise NotImplementedError
-
-    def _num_open(self) -> int:
-        raise NotImplementedError
-
-    def admit(self, count: int, limit: int | None) -> Admission:
-        """Reserve ``count`` places among the waiting requests, or refuse at once.
-
-        Checking and reserving happen in one synchronous call, so concurrent handlers can
-        never overshoot ``limit`` together. Hand the result to ``open_requests``, which
-        turns it into real requests; `release` it if the requests are never opened.
-
-        Raises:
-            EngineOverloadedError: ``limit`` is set and would be exceeded.
-            EngineError: no engine serves or will, the server is stopping, or it is
-                draining.
-        """
-        self._check_open()
-        if self.draining:
-            raise EngineShutdownError("the server is shutting down")
-        waiting = self.num_waiting
-        if limit is not None and waiting + count > limit:
-            raise EngineOverloadedError(
-                f"{waiting} requests are already waiting (limit {limit}); retry later"
-            )
-        self._num_reserved += count
-        self._busy()
-        return Admission(count)
-
-    def release(self, admission: Admission) -> None:
-        """Give back an `Admission` that was not (or no longer needs to be) used."""
-        if not admission.released:
-            admission.released = True
-            self._num_reserved -= admission.count
-            self._check_idle()
-
-    def close_admissions(self) -> None:
-        """Start draining: `admit` refuses from now on; admitted and open requests go on."""
-        self.draining = True
-        self._check_idle()
-
-    async def wait_idle(self) -> None:
-        """Wait until no request is open or admitted (every accepted request has ended)."""
-        self._check_idle()
-        await self._idle.wait()
-
-    def _check_idle(self) -> None:
-        if self._num_open() == 0 and self._num_reserved == 0:
-            self._idle.set()
-
-    def _busy(self) -> None:
-        """A request was admitted or opened: not idle (waiters keep the same event)."""
-        if self._idle.is_set():
-            self._idle = trio.Event()
-
-
-class RequestStream:
-    """Async iterator over one request's `TokenDelta`s; ends after the finishing delta.
-
-    Raises:
-        EngineError: the engine died, the server is shutting down, or the engine rejected
-            the request — raised from ``__anext__`` as soon as it is known.
-    """
-
-    def __init__(self, request_id: str, mailbox: _Mailbox, client: EngineClient) -> None:
-        self.request_id = request_id
-        self._mailbox = mailbox
-        self._client = client
-        self.finished = False
-        self.finish_reason: str | None = None
-        self._yielded = False
-
-    async def finish(self, reason: str) -> None:
-        """End the request early on the server's side (e.g. a stop string matched).
-
-        The engine request is aborted at once (nothing more is delivered or counted),
-        and it is counted as finished with ``reason`` rather than as aborted.
-        """
-        if self.finished:
-            return
-        self.finished = True
-        self.finish_reason = reason
-        await self._client._end_early(self.request_id, reason)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> TokenDelta:
-        box = self._mailbox
-        if self.finished:
-            raise StopAsyncIteration
-        # The first delta as soon as there is one; later ones gather `stream_interval`
-        # tokens (fewer at the end), as vLLM's --stream-interval.
-        # The engine's first output for a request may come before its first token (the
-        # request was scheduled: its prefix-cache hits are known); it is yielded at once
-        # as a delta without tokens, and the first token still comes alone.
-        needed = self._client.stream_interval if self._yielded else 1
-        while (
-            len(box.token_ids) < needed
-            and not (needed == 1 and box.text)
-            and box.finish_reason is None
-            and box.error is None
-            and box.num_cached_tokens is None
-        ):
-            await box.wakeup.wait()
-            box.wakeup = trio.Event()
-        self._yielded = self._yielded or bool(box.token_ids) or bool(box.text)
-        if box.error is not None:
-            self.finished = True
-            raise box.error
-        delta = TokenDelta(
-            box.token_ids,
-            box.finish_reason,
-            box.logprobs,
-            box.prompt_logprobs,
-            box.text,
-            box.stop_reason,
-            box.embedding,
-            box.num_cached_tokens,
-        )
-        box.num_cached_tokens = None
-        box.token_ids = []
-        box.logprobs = box.prompt_logprobs = None
-        if box.text is not None:
-            box.text = ""
-        if delta.finish_reason is not None:
-            self.finished = True
-            self.finish_reason = delta.finish_reason
-        elif box.paused:
-            box.paused = False
-            # Shielded: a consumer that goes on reading after a cancelled wait must not
-            # find its request paused for ever.
-            with trio.CancelScope(shield=True):
-                await self._client._send_quietly(ResumeRequests([self.request_id]))
-        return delta
 
 
 class EngineClient(AdmissionControl):
@@ -377,7 +123,7 @@ class EngineClient(AdmissionControl):
         self.num_pauses = 0
         self._channel = channel
         self._send_lock = trio.Lock()
-        self._mailboxes: dict[str, _Mailbox] = {}
+        self._mailboxes: dict[str, Mailbox] = {}
         self._ids = _REQUEST_IDS  # unique across the clients of data-parallel engines
         self._prefix = f"{os.getpid()}-"
         self._error: EngineError | None = None
@@ -388,16 +134,7 @@ class EngineClient(AdmissionControl):
         #: Set once the engine stopped serving for good (died, or `stop` was called).
         self.ended = trio.Event()
         self.observer: RequestObserver | None = None
-        #: The last `HealthCheck` sent, and when (trio's clock; None once answered).
-        self._health_seq = 0
-        self._unanswered_since: float | None = None
-        #: When the engine was last seen in or just after a step (trio's clock): an
-        #: unanswered health check counts from then, since a step delays the answer.
-        self._last_busy = -math.inf
-        #: A health check has been unanswered for `UNANSWERED_LIMIT` (no hang detection).
-        self._stalled = False
-        #: The cancel scope of `route_outputs`' wait for the next message.
-        self._receive_scope = trio.CancelScope()
+        self._health = HealthWatch(step_timeout)
 
     # ------------------------------------------------------------ state
 
@@ -405,7 +142,7 @@ class EngineClient(AdmissionControl):
     def is_alive(self) -> bool:
         """True while an engine child is serving (it answers health checks) and the client
         is not stopping."""
-        return self._error is None and not self.stopping and not self._stalled
+        return self._error is None and not self.stopping and not self._health.stalled
 
     @property
     def is_restarting(self) -> bool:
@@ -415,11 +152,8 @@ class EngineClient(AdmissionControl):
     @property
     def error(self) -> EngineError | None:
         """Why the engine is not serving (the last failure while restarting), if it is not."""
-        if self._error is None and self._stalled:
-            return EngineHungError(
-                f"the engine core has left a health check unanswered for "
-                f"{UNANSWERED_LIMIT:g} s while no step ran"
-            )
+        if self._error is None and self._health.stalled:
+            return self._health.stalled_error()
         return self._error
 
     @property
@@ -468,18 +202,8 @@ class EngineClient(AdmissionControl):
     # ------------------------------------------------------------ requests
 
     @asynccontextmanager
-    async def open_request(
-        self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestStream]:
-        """Submit one request and yield its `RequestStream` (see `open_requests`)."""
-        async with self.open_requests([(prompt_token_ids, params)]) as (stream,):
-            yield stream
-
-    @asynccontextmanager
     async def open_requests(
-        self,
-        requests: Sequence[tuple[list[int], SamplingParams]],
-        admission: Admission | None = None,
+        self, requests: Requests, admission: Admission | None = None
     ) -> AsyncIterator[list[RequestStream]]:
         """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams.
 
@@ -502,7 +226,7 @@ class EngineClient(AdmissionControl):
             streams: list[RequestStream] = []
             for prompt_token_ids, _ in requests:
                 request_id = f"{self._prefix}{next(self._ids)}"
-                mailbox = _Mailbox(RequestRecord(len(prompt_token_ids), now))
+                mailbox = Mailbox(RequestRecord(len(prompt_token_ids), now))
                 self._mailboxes[request_id] = mailbox
                 streams.append(RequestStream(request_id, mailbox, self))
             if streams:
@@ -518,46 +242,33 @@ class EngineClient(AdmissionControl):
                 await self._send(AddRequest(stream.request_id, prompt_token_ids, params, group))
             yield streams
         finally:
-            unfinished = []
-            for stream in streams:
-                mailbox = self._mailboxes.pop(stream.request_id, None)
-                if mailbox is None:
-                    continue
-                unfinished.append(stream.request_id)
-                self._finished(mailbox, stream.finish_reason or "abort")
-            self._check_idle()
-            if unfinished and self._error is None:
-                with trio.CancelScope(shield=True):
-                    await self._send_quietly(AbortRequests(unfinished))
+            await self._abort([(s.request_id, s.finish_reason or "abort") for s in streams])
 
-    async def _end_early(self, request_id: str, reason: str) -> None:
-        mailbox = self._mailboxes.pop(request_id, None)
-        if mailbox is None:
-            return
-        self._finished(mailbox, reason)
+    async def _abort(self, ends: list[tuple[str, str]]) -> None:
+        """End requests here, each ``(request_id, reason)`` counted as finished with its
+        reason, and abort the ones still open in the engine (in one shielded message)."""
+        unfinished = []
+        for request_id, reason in ends:
+            mailbox = self._mailboxes.pop(request_id, None)
+            if mailbox is not None:
+                unfinished.append(request_id)
+                record_finished(mailbox.record, reason, self.observer)
         self._check_idle()
-        if self._error is None:
+        if unfinished and self._error is None:
             with trio.CancelScope(shield=True):
-                await self._send_quietly(AbortRequests([request_id]))
+                await self._send_quietly(messages.AbortRequests(unfinished))
 
-    async def _send(
-        self,
-        message: AddRequest
-        | AbortRequests
-        | PauseRequests
-        | ResumeRequests
-        | HealthCheck
-        | Shutdown,
-    ) -> None:
+    async def _resume(self, request_id: str) -> None:
+        await self._send_quietly(messages.ResumeRequests([request_id]))
+
+    async def _send(self, message: ToEngine) -> None:
         try:
             async with self._send_lock:
                 await self._channel.send(message)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except ipc.CHANNEL_CLOSED as exc:
             raise self._error or EngineDeadError("the engine connection is closed") from exc
 
-    async def _send_quietly(
-        self, message: AbortRequests | PauseRequests | ResumeRequests | HealthCheck | Shutdown
-    ) -> None:
+    async def _send_quietly(self, message: ToEngine) -> None:
         try:
             await self._send(message)
         except EngineError:
@@ -573,12 +284,10 @@ class EngineClient(AdmissionControl):
         (`EngineHungError` when it stopped answering for ``step_timeout`` seconds), and
         the channel is closed, which also ends any write to it still under way.
         """
-        self._unanswered_since = None
-        self._stalled = False
-        interval = min(HEALTH_CHECK_INTERVAL, self._unanswered_limit / 4)
+        self._health.start()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_health_checks, interval)
+                nursery.start_soon(self._health.send_checks, self._send_quietly)
                 try:
                     await self._route()
                 finally:
@@ -586,150 +295,55 @@ class EngineClient(AdmissionControl):
                     with trio.CancelScope(shield=True):
                         await self._channel.aclose()
         finally:
-            self._stalled = False
+            self._health.stalled = False
 
     async def _route(self) -> None:
         """`route_outputs`' loop: returns once the child is gone, every request failed."""
         reason = "the engine core process exited unexpectedly"
         error_type: type[EngineDeadError] = EngineDeadError
-        timeout = math.inf if self.step_timeout is None else self.step_timeout
-        limit = self._unanswered_limit
+        watch = self._health
         try:
             while True:
                 heard = trio.current_time()
-                deadline = heard + timeout
-                if self._unanswered_since is not None and not self._stalled:
-                    deadline = min(deadline, max(self._unanswered_since, self._last_busy) + limit)
-                # `_send_health_checks` brings the deadline forward when it sends a check.
-                with trio.move_on_at(deadline) as self._receive_scope:
+                with trio.move_on_at(watch.receive_deadline(heard)) as watch.receive_scope:
                     message = await self._channel.receive()
                     if message is None:
                         break
                     if isinstance(message, StepOutputs):
-                        self._last_busy = trio.current_time()
+                        watch.busy()
                         unread = self._deliver(message)
                         if unread and self._error is None:
-                            await self._send_quietly(PauseRequests(unread))
+                            await self._send_quietly(messages.PauseRequests(unread))
                     elif isinstance(message, HealthReply):
-                        if message.seq == self._health_seq:
-                            self._unanswered_since = None
-                            self._stalled = False
+                        watch.answered(message.seq)
                     elif isinstance(message, EngineFailed):
                         reason = message.message
-                    elif isinstance(message, Heartbeat):
-                        if message.step_seconds > 0:
-                            self._last_busy = trio.current_time()
-                        if message.step_seconds > timeout:
-                            seconds = message.step_seconds
-                            reason = f"engine core hung: a step has run for {seconds:.1f} s"
-                            error_type = EngineHungError
-                            break
+                    elif isinstance(message, Heartbeat) and (hang := watch.heartbeat(message)):
+                        reason, error_type = hang, EngineHungError
+                        break
                     continue
-                if trio.current_time() < heard + timeout:  # a health check went unanswered
-                    if self.step_timeout is None:
-                        self._stalled = True  # reported by /health; nothing is ended
-                        continue
-                    reason = (
-                        f"engine core hung: its loop left a health check unanswered for "
-                        f"{limit:g} s while no step ran"
-                    )
-                else:
-                    reason = f"engine core hung: no heartbeat for {timeout:g} s"
-                error_type = EngineHungError
+                hang = watch.silence(heard)
+                if hang is None:
+                    continue  # reported by /health; nothing is ended
+                reason, error_type = hang, EngineHungError
                 break
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError) as exc:
+        except ipc.CHANNEL_BROKEN as exc:
             reason = f"the engine connection broke: {exc}"
         finally:
             if error_type is EngineHungError:
                 self.num_hangs += 1
             if self._error is None:
-                if self.stopping:
-                    self.fail_all(EngineShutdownError("the server is shutting down"))
-                else:
-                    self.fail_all(error_type(reason))
-
-    async def _send_health_checks(self, interval: float) -> None:
-        """Every ``interval`` seconds, a `HealthCheck` unless the last one is unanswered."""
-        while True:
-            await trio.sleep(interval)
-            if self._unanswered_since is None:
-                self._health_seq += 1
-                self._unanswered_since = now = trio.current_time()
-                scope = self._receive_scope
-                scope.deadline = min(scope.deadline, now + self._unanswered_limit)
-                await self._send_quietly(HealthCheck(self._health_seq))
-
-    @property
-    def _unanswered_limit(self) -> float:
-        """Seconds a health check may stay unanswered while no step runs."""
-        return UNANSWERED_LIMIT if self.step_timeout is None else self.step_timeout
+                stopped = EngineShutdownError("the server is shutting down")
+                self.fail_all(stopped if self.stopping else error_type(reason))
 
     def _deliver(self, message: StepOutputs) -> list[str]:
         """Hand each output to its mailbox; returns the ids of requests to pause (their
         consumer left `PAUSE_AFTER_UNREAD_TOKENS` or more tokens unread)."""
-        to_pause: list[str] = []
-        stats = self.stats
-        step = message.stats
-        stats.last = step
-        if step.num_scheduled_reqs:
-            stats.num_steps += 1
-            stats.num_multi_request_steps += step.num_scheduled_reqs > 1
-            stats.num_preemptions += step.num_preemptions
-        now = time.monotonic()
-        for output in message.outputs:
-            box = self._mailboxes.get(output.request_id)
-            if box is None:
-                continue  # aborted by us already
-            box.started = True
-            record = box.record
-            if output.queue_seconds is not None:
-                record.queue_seconds = output.queue_seconds
-            if output.num_cached_tokens is not None:
-                box.num_cached_tokens = output.num_cached_tokens
-            if output.error is not None:
-                box.error = RequestRejectedError(output.error)
-            if output.new_token_ids:
-                self._count_tokens(record, len(output.new_token_ids), now)
-                box.token_ids.extend(output.new_token_ids)
-            if output.logprobs is not None:
-                box.logprobs = (box.logprobs or []) + output.logprobs
-            if output.prompt_logprobs is not None:
-                box.prompt_logprobs = (box.prompt_logprobs or []) + output.prompt_logprobs
-            if output.text is not None:
-                box.text = (box.text or "") + output.text
-                box.stop_reason = output.stop_reason
-            if output.embedding is not None:
-                box.embedding = output.embedding
-            if output.finish_reason is not None:
-                box.finish_reason = output.finish_reason
-                del self._mailboxes[output.request_id]
-                self._finished(box, output.finish_reason)
-            elif not box.paused and len(box.token_ids) >= self._pause_after:
-                box.paused = True
-                self.num_pauses += 1
-                to_pause.append(output.request_id)
-            box.wakeup.set()
+        self.stats.add_step(message.stats)
+        pause_after = PAUSE_AFTER_UNREAD_TOKENS + self.stream_interval - 1  # past a piece
+        to_pause = deliver(self._mailboxes, message.outputs, pause_after, self.observer)
+        self.num_pauses += len(to_pause)
         return to_pause
-
-    def _count_tokens(self, record: RequestRecord, count: int, now: float) -> None:
-        previous = record.last_token_time
-        record.num_output_tokens += count
-        record.last_token_time = now
-        if previous is None:
-            record.first_token_seconds = now - record.arrival
-            if self.observer is not None:
-                self.observer.on_first_token(record)
-            count -= 1  # the first token has no interval before it
-            previous = now
-        if count > 0 and self.observer is not None:
-            self.observer.on_tokens(now - previous, count)
-
-    def _finished(self, box: _Mailbox, reason: str) -> None:
-        record = box.record
-        record.finish_reason = reason
-        record.e2e_seconds = time.monotonic() - record.arrival
-        if self.observer is not None:
-            self.observer.on_finished(record)
 
     def fail_all(self, error: EngineError) -> None:
         """End every open request with ``error``; later requests are refused with it too,
@@ -741,7 +355,7 @@ class EngineClient(AdmissionControl):
         for box in self._mailboxes.values():
             box.error = error
             box.wakeup.set()
-            self._finished(box, "abort")
+            record_finished(box.record, "abort", self.observer)
         self._mailboxes.clear()
         self._check_idle()
 
@@ -749,12 +363,6 @@ class EngineClient(AdmissionControl):
         """No child will be started any more: fail everything with ``error`` for good."""
         self.restart_enabled = False
         self.fail_all(error)
-
-    @property
-    def _pause_after(self) -> int:
-        """Unread tokens at which a request is paused: `PAUSE_AFTER_UNREAD_TOKENS` past a
-        full piece of `stream_interval` tokens (less one)."""
-        return PAUSE_AFTER_UNREAD_TOKENS + self.stream_interval - 1
 
     def attach(self, channel: ipc.MessageChannel[FromEngine], info: EngineReady) -> None:
         """Serve through a restarted child from now on (requests waiting for it go ahead)."""
@@ -781,11 +389,9 @@ class EngineClient(AdmissionControl):
         if self._error is None:
             self.fail_all(EngineShutdownError("the server is shutting down"))
             # fail_all set _error; a Shutdown message still has to go out.
-            try:
+            with contextlib.suppress(*ipc.CHANNEL_CLOSED):
                 async with self._send_lock:
-                    await self._channel.send(Shutdown())
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+                    await self._channel.send(messages.Shutdown())
             if self._on_stop is not None:
                 self._on_stop(grace_period)
         elif self._on_stop is not None:

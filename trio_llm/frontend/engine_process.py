@@ -184,7 +184,6 @@ async def run_engine_process(
         config = dataclasses.replace(config, heartbeat_interval=heartbeat)
     supervision = _Supervision(detokenizer_mode, step_timeout, restart, task_status)
     supervision.rank = data_parallel_rank
-    failures: list[float] = []
     while True:
         try:
             await _run_children(config, grace_period, detokenizer_mode, supervision)
@@ -193,18 +192,9 @@ async def run_engine_process(
             client = supervision.client
             if client is None or restart is None or client.stopping:
                 raise
-            now = trio.current_time()
-            failures = [t for t in failures if now - t < restart.window] + [now]
-            if len(failures) > restart.max_restarts:
-                error = EngineDeadError(
-                    f"{exc}; gave up after {restart.max_restarts} restarts within "
-                    f"{restart.window:g} s"
-                )
-                client.give_up(error)
-                raise error from exc
+            delay = supervision.count_failure(exc)
             # A restarted child serves the dtype the first one chose for ``--dtype auto``.
             config = config.with_dtype(client.info.dtype)
-            delay = restart.backoff(len(failures))
             logger.warning(f"{supervision.name} failed: {exc}; restarting it in {delay:g} s")
             with supervision.new_scope():
                 await trio.sleep(delay)
@@ -233,11 +223,32 @@ class _Supervision:
         self.scope = trio.CancelScope()
         #: The engine's data-parallel rank, or None with one engine.
         self.rank: int | None = None
+        #: When the children failed (trio's clock), within the restart policy's window.
+        self.failures: list[float] = []
 
     @property
     def name(self) -> str:
         """How messages name this engine: ``engine core``, or ``engine core 1``."""
         return "engine core" if self.rank is None else f"engine core {self.rank}"
+
+    def count_failure(self, exc: EngineDeadError) -> float:
+        """The serving children failed with ``exc``: the backoff (seconds) before the next.
+
+        Raises:
+            EngineDeadError: more failures than the restart policy allows came within its
+                window; the client gave up with this error.
+        """
+        assert self.restart is not None and self.client is not None
+        restart = self.restart
+        now = trio.current_time()
+        self.failures = [t for t in self.failures if now - t < restart.window] + [now]
+        if len(self.failures) > restart.max_restarts:
+            error = EngineDeadError(
+                f"{exc}; gave up after {restart.max_restarts} restarts within {restart.window:g} s"
+            )
+            self.client.give_up(error)
+            raise error from exc
+        return restart.backoff(len(self.failures))
 
     def new_scope(self) -> trio.CancelScope:
         """A fresh scope for the next child or restart wait (cancelled if the client is
@@ -327,7 +338,7 @@ async def _start(
     try:
         await channel.framed.send_frame(cloudpickle.dumps(config))
         message = await channel.receive()
-    except (trio.BrokenResourceError, trio.ClosedResourceError, ipc.ProtocolError):
+    except ipc.CHANNEL_BROKEN:
         message = None
     if isinstance(message, EngineReady):
         return message

@@ -1,4 +1,5 @@
-"""Per-request timing for metrics: `RequestRecord`, `RequestObserver`, `EngineStats`.
+"""Per-request timing for metrics: `RequestRecord`, `RequestObserver`, `EngineStats`,
+and the two moments that update them (`count_tokens`, `record_finished`).
 
 Time to first token, inter-token latency and end-to-end latency are measured by the
 `EngineClient` when outputs arrive, with this process's monotonic clock, and reported to
@@ -8,6 +9,7 @@ engine process with its own clock and shipped as a duration.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +37,31 @@ class RequestRecord:
     e2e_seconds: float = 0.0
 
 
+def count_tokens(
+    record: RequestRecord, count: int, now: float, observer: RequestObserver | None
+) -> None:
+    """``count`` output tokens of ``record``'s request arrived at ``now`` (monotonic)."""
+    previous = record.last_token_time
+    record.num_output_tokens += count
+    record.last_token_time = now
+    if previous is None:
+        record.first_token_seconds = now - record.arrival
+        if observer is not None:
+            observer.on_first_token(record)
+        count -= 1  # the first token has no interval before it
+        previous = now
+    if count > 0 and observer is not None:
+        observer.on_tokens(now - previous, count)
+
+
+def record_finished(record: RequestRecord, reason: str, observer: RequestObserver | None) -> None:
+    """``record``'s request ended now with ``reason``."""
+    record.finish_reason = reason
+    record.e2e_seconds = time.monotonic() - record.arrival
+    if observer is not None:
+        observer.on_finished(record)
+
+
 class RequestObserver(Protocol):
     """Receives per-request timing as it happens (implemented by the metrics)."""
 
@@ -56,3 +83,11 @@ class EngineStats:
     num_multi_request_steps: int = 0
     num_preemptions: int = 0
     last: StepStats | None = None
+
+    def add_step(self, step: StepStats) -> None:
+        """Count one step's stats (``last`` is kept even for an idle report)."""
+        self.last = step
+        if step.num_scheduled_reqs:
+            self.num_steps += 1
+            self.num_multi_request_steps += step.num_scheduled_reqs > 1
+            self.num_preemptions += step.num_preemptions

@@ -8,14 +8,10 @@ whose deltas arrive with their text already set and are taken as they are.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from trio_llm.messages import SamplingParams, TokenLogprobs
 from trio_llm.text.output import RequestDetokenizer, TextDelta
+from trio_llm.text.token_delta import TokenDelta
 from trio_llm.text.tokenizer import Tokenizer
-
-if TYPE_CHECKING:  # the EngineClient's output type; text/ imports nothing of frontend/
-    from trio_llm.frontend.engine_client import TokenDelta
 
 #: New output of one choice (text, logprobs behind it, finish_reason, stop_reason).
 ChoiceDelta = TextDelta

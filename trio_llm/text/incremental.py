@@ -74,13 +74,7 @@ class IncrementalDetokenizer:
         self._tokens: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._num_context = len(context)
         self.text = ""
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """Output tokens received so far."""
-        return self._tokens[self._num_context :]
 
     def add_tokens(self, token_ids: Sequence[int], *, finished: bool = False) -> str:
         """Append output tokens and return the text that became certain.
