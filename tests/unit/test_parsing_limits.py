@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError
 from trio_llm.api.parsing import (
     MAX_JSON_DEPTH,
@@ -18,7 +19,6 @@ from trio_llm.api.parsing import (
     parse_json,
     validate,
 )
-from trio_llm.api.protocol import ChatCompletionRequest
 from trio_llm.config import RequestLimits
 from trio_llm.text.chat_template import TemplateError, render_chat
 

@@ -32,15 +32,11 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError, bad_request
 from trio_llm.api.formats import Block, BlockFormat, Event
-from trio_llm.api.protocol import (
-    INT32_MAX,
-    ChatCompletionRequest,
-    ChatTranslated,
-    FiniteFloat,
-    Text,
-)
+from trio_llm.api.request_body import INT32_MAX, FiniteFloat, Text
+from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.text.choice import Choice
 
 if TYPE_CHECKING:

@@ -14,10 +14,11 @@ from starlette.types import Receive
 from trio_llm.api import metrics
 from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
 from trio_llm.api.chat_page import install_chat_page
+from trio_llm.api.chat_request import ChatCompletionRequest
+from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError, install_error_handlers
 from trio_llm.api.middleware import install_middleware
-from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.tokenize_routes import tokenize_router

@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 import trio_llm
+from trio_llm.api.chat_messages import ChatMessage
 from trio_llm.api.errors import bad_request, invalid_request
-from trio_llm.api.protocol import ChatMessage, Text, TokenId, is_neutral
+from trio_llm.api.request_body import Text, TokenId, is_neutral
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
 
