@@ -7,17 +7,19 @@ function's schema; tools with a response format to `calls_or_answer_grammar`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt
 
 from trio_llm.api.chat_messages import ChatMessage
 from trio_llm.api.errors import bad_request
 from trio_llm.api.generation_request import GenerationRequest
+from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import INT32_MAX, Text
 from trio_llm.api.tools import EMPTY_PARAMETERS, calls_or_answer_grammar, tool_call_grammar
 from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, close_object_schemas
@@ -85,6 +87,10 @@ class TranslatedAsks:
 
 class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``."""
+
+    COUNTED_FIELDS: ClassVar[CountedFields] = dataclasses.replace(
+        GenerationRequest.COUNTED_FIELDS, messages="messages"
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 from pydantic import Field, StrictBool, StrictInt
 
 from trio_llm.api.errors import bad_request
 from trio_llm.api.generation_request import GenerationRequest
+from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import INT32_MAX, Text, TokenId
 
 
@@ -17,6 +21,10 @@ class CompletionRequest(GenerationRequest):
     default) and may be 0 only with ``echo``. ``prompt_logprobs`` (vLLM's) reports each
     prompt token's logprob and that many alternatives in the non-streamed response.
     """
+
+    COUNTED_FIELDS: ClassVar[CountedFields] = dataclasses.replace(
+        GenerationRequest.COUNTED_FIELDS, prompt="prompt"
+    )
 
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: StrictInt | None = Field(default=16, ge=0, le=INT32_MAX)

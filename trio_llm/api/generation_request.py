@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 from pydantic import BaseModel, Field, PrivateAttr, StrictBool, StrictInt
 
 from trio_llm.api.errors import bad_request
+from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import INT32_MAX, FiniteFloat, RequestBody, Text, TokenId, is_neutral
 from trio_llm.api.sampling_fields import MinP, Penalty, RepetitionPenalty, Temperature, TopK, TopP
 from trio_llm.api.structured_spec import given_constraints
@@ -69,6 +70,10 @@ class StreamOptions(BaseModel):
 
 class GenerationRequest(RequestBody):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+
+    COUNTED_FIELDS: ClassVar[CountedFields] = CountedFields(
+        samples="n", stop="stop", per_token=("logit_bias", "stop_token_ids")
+    )
 
     model: Text | None = None
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)

@@ -53,6 +53,7 @@ from pydantic import (
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError, bad_request, validation_message
 from trio_llm.api.formats import Block, BlockFormat, Event
+from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import INT32_MAX, FiniteFloat, Text, check_json_text
 from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.text.choice import Choice
@@ -202,6 +203,7 @@ class ResponsesRequest(ChatTranslated):
         (r"\bresponse_format\b", "text"),
         (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."),
     )
+    COUNTED_FIELDS: ClassVar[CountedFields] = CountedFields(messages="input")
 
     model: Text | None = None
     input: Text | list[dict[str, Any]]

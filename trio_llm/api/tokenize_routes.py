@@ -11,7 +11,7 @@ live outside ``/v1`` and so are not covered by ``--api-key``.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 import trio
 from fastapi import APIRouter, Request
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 import trio_llm
 from trio_llm.api.chat_messages import ChatMessage
 from trio_llm.api.errors import bad_request, invalid_request
+from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import Text, TokenId, is_neutral
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
@@ -45,6 +46,7 @@ class TokenizeRequest(BaseModel):
     """
 
     model_config = ConfigDict(extra="allow")
+    COUNTED_FIELDS: ClassVar[CountedFields] = CountedFields(prompt="prompt", messages="messages")
 
     model: Text | None = None
     prompt: Text | None = None
