@@ -14,13 +14,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt
+from pydantic import BaseModel, Field, PrivateAttr, StrictBool, StrictInt
 
 from trio_llm.api.chat_messages import ChatMessage
 from trio_llm.api.errors import bad_request
 from trio_llm.api.generation_request import GenerationRequest
 from trio_llm.api.parsing import CountedFields
-from trio_llm.api.request_body import INT32_MAX, Text
+from trio_llm.api.request_body import INT32_MAX, DescribedTool, Text
 from trio_llm.api.tools import EMPTY_PARAMETERS, calls_or_answer_grammar, tool_call_grammar
 from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, close_object_schemas
 from trio_llm.messages import StructuredOutput
@@ -33,14 +33,10 @@ MAX_TOOLS = 128
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(DescribedTool):
     """A tool's function: ``name``, ``description``, ``parameters`` (a JSON Schema of
     the arguments object) and ``strict`` (calls are always held to the schema here)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    name: Text
-    description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 

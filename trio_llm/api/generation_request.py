@@ -22,7 +22,7 @@ from trio_llm.api.errors import bad_request
 from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import INT32_MAX, FiniteFloat, RequestBody, Text, TokenId, is_neutral
 from trio_llm.api.sampling_fields import MinP, Penalty, RepetitionPenalty, Temperature, TopK, TopP
-from trio_llm.api.structured_spec import given_constraints
+from trio_llm.api.structured_spec import CONSTRAINT_FIELDS, given_constraints
 from trio_llm.engine.spec_checks import check_spec_limits
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
@@ -224,9 +224,7 @@ class GenerationRequest(RequestBody):
     def asks_for_structured_output(self) -> bool:
         """Whether any structured-output field is given (its check grows with the spec:
         the server runs `structured_output` in a worker thread first)."""
-        fields = (self.response_format, self.structured_outputs, self.guided_json)
-        others = (self.guided_regex, self.guided_choice, self.guided_grammar)
-        return any(value is not None for value in (*fields, *others))
+        return any(getattr(self, name) is not None for name, _ in CONSTRAINT_FIELDS)
 
     def structured_output(self) -> StructuredOutput | None:
         """The output constraint this request asks for, checked (no tokenizer needed);
@@ -276,15 +274,7 @@ class GenerationRequest(RequestBody):
         self._grammar_checks.append((spec, name, param or name))
 
     def _check_structured_output(self) -> StructuredOutput | None:
-        found = given_constraints(
-            response_format=self.response_format,
-            structured_outputs=self.structured_outputs,
-            guided_json=self.guided_json,
-            guided_regex=self.guided_regex,
-            guided_choice=self.guided_choice,
-            guided_grammar=self.guided_grammar,
-            close=self._close_schemas,
-        )
+        found = given_constraints(self, self._close_schemas)
         if not found:
             return None
         if len(found) > 1:

@@ -94,3 +94,13 @@ def check_json_text(value: Any, name: str) -> None:
         raise bad_request(
             f"{name} holds a lone surrogate (such as \\ud800), which is not valid Unicode", name
         ) from None
+
+
+class DescribedTool(BaseModel):
+    """A tool offered to the model, in any API: its ``name`` and ``description`` (unknown
+    fields allowed); each API's tool model adds its schema fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: Text
+    description: Text | None = None

@@ -10,6 +10,7 @@ the shape only (a 400 naming the field); the size limits and the grammar are che
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from trio_llm.api.errors import bad_request
@@ -105,28 +106,25 @@ def _from_structured_outputs(value: dict[str, Any] | None, close: bool) -> Struc
     return StructuredOutput(key, spec)
 
 
-def given_constraints(
-    *,
-    response_format: dict[str, Any] | None,
-    structured_outputs: dict[str, Any] | None,
-    guided_json: dict[str, Any] | str | None,
-    guided_regex: str | None,
-    guided_choice: list[str] | None,
-    guided_grammar: str | None,
-    close: bool,
-) -> list[tuple[str, StructuredOutput]]:
-    """The constraints given, as ``(field name, spec)`` in the order of the arguments;
-    JSON Schemas' objects closed with ``close`` (`close_object_schemas`).
+#: The fields that give an output constraint, each with its builder (the field's value,
+#: whether to close object schemas).
+CONSTRAINT_FIELDS: tuple[tuple[str, Callable[[Any, bool], StructuredOutput | None]], ...] = (
+    ("response_format", _from_response_format),
+    ("structured_outputs", _from_structured_outputs),
+    ("guided_json", lambda value, close: json_spec(value, "guided_json", close)),
+    ("guided_regex", lambda value, _: _plain("regex", value)),
+    ("guided_choice", lambda value, _: _choice_spec(value, "guided_choice")),
+    ("guided_grammar", lambda value, _: _plain("grammar", value)),
+)
+
+
+def given_constraints(request: object, close: bool) -> list[tuple[str, StructuredOutput]]:
+    """The constraints ``request`` gives in its `CONSTRAINT_FIELDS`, as ``(field name,
+    spec)`` in that order; JSON Schemas' objects closed with ``close``
+    (`close_object_schemas`).
 
     Raises:
         APIError: a 400 naming the field whose value is malformed.
     """
-    found = (
-        ("response_format", _from_response_format(response_format, close)),
-        ("structured_outputs", _from_structured_outputs(structured_outputs, close)),
-        ("guided_json", json_spec(guided_json, "guided_json", close)),
-        ("guided_regex", _plain("regex", guided_regex)),
-        ("guided_choice", _choice_spec(guided_choice, "guided_choice")),
-        ("guided_grammar", _plain("grammar", guided_grammar)),
-    )
+    found = [(name, build(getattr(request, name), close)) for name, build in CONSTRAINT_FIELDS]
     return [(name, spec) for name, spec in found if spec is not None]

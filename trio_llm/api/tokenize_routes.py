@@ -105,31 +105,7 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
         request = await serving.parse(TokenizeRequest, http_request)
         serving.resolve_model(request.model)
         request.check_supported()
-        inputs = serving.inputs
-        try:
-            if request.prompt is not None:
-                special = True if request.add_special_tokens is None else request.add_special_tokens
-                tokens = await inputs.tokenize_async(
-                    request.prompt, "prompt", special_tokens=special
-                )
-            else:
-                assert request.messages is not None
-                # The same dicts /v1/chat/completions renders, so the counts agree.
-                messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-                if request.continue_final_message and messages[-1]["role"] != "assistant":
-                    raise bad_request(
-                        "continue_final_message needs a final assistant message",
-                        "continue_final_message",
-                    )
-                text = await inputs.render_chat_async(
-                    messages,
-                    add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message,
-                )
-                special = bool(request.add_special_tokens)
-                tokens = await inputs.tokenize_async(text, "messages", special_tokens=special)
-        except InvalidRequest as exc:
-            raise invalid_request(exc) from exc
+        tokens = await _tokens(serving, request)
 
         def answer() -> bytes:
             token_strs = None
@@ -169,3 +145,33 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
         return JSONResponse({"version": trio_llm.__version__})
 
     return router
+
+
+async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]:
+    """The token ids of ``request``'s prompt, or of its messages rendered with the chat
+    template (the same dicts /v1/chat/completions renders, so the counts agree).
+
+    Raises:
+        APIError: 400 for a malformed request or text the tokenizer refuses.
+    """
+    inputs = serving.inputs
+    try:
+        if request.prompt is not None:
+            special = True if request.add_special_tokens is None else request.add_special_tokens
+            return await inputs.tokenize_async(request.prompt, "prompt", special_tokens=special)
+        assert request.messages is not None
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        if request.continue_final_message and messages[-1]["role"] != "assistant":
+            raise bad_request(
+                "continue_final_message needs a final assistant message",
+                "continue_final_message",
+            )
+        text = await inputs.render_chat_async(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
+        special = bool(request.add_special_tokens)
+        return await inputs.tokenize_async(text, "messages", special_tokens=special)
+    except InvalidRequest as exc:
+        raise invalid_request(exc) from exc
