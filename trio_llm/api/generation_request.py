@@ -20,7 +20,14 @@ from pydantic import BaseModel, Field, PrivateAttr, StrictBool, StrictInt
 
 from trio_llm.api.errors import bad_request
 from trio_llm.api.parsing import CountedFields
-from trio_llm.api.request_body import INT32_MAX, FiniteFloat, RequestBody, Text, TokenId, is_neutral
+from trio_llm.api.request_body import (
+    INT32_MAX,
+    FiniteFloat,
+    RequestBody,
+    Text,
+    TokenId,
+    refuse_unimplemented,
+)
 from trio_llm.api.sampling_fields import MinP, Penalty, RepetitionPenalty, Temperature, TopK, TopP
 from trio_llm.api.structured_spec import CONSTRAINT_FIELDS, given_constraints
 from trio_llm.engine.spec_checks import check_spec_limits
@@ -142,11 +149,7 @@ class GenerationRequest(RequestBody):
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
-        extra = self.model_extra or {}
-        for name, value in extra.items():
-            neutral = _NEUTRAL_VALUES.get(name)
-            if neutral is not None and not is_neutral(value, neutral):
-                raise bad_request(f"`{name}` is not supported by this server", name)
+        refuse_unimplemented(self.model_extra, _NEUTRAL_VALUES)
 
     def parsed_logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as ``(token_id, bias)`` pairs, biases clamped to ±100.

@@ -40,7 +40,7 @@ async def send_error(
     extra_headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> None:
     """Send a complete JSON response with an OpenAI-style ``invalid_request_error`` body
-    (Anthropic's error body under ``/v1/messages``).
+    (Anthropic's error body for its routes: `trio_llm.api.routes.error_style`).
 
     Args:
         scope: the request's ASGI scope.

@@ -3,13 +3,14 @@
 Every text field is `Text` (valid Unicode, so it can cross a process boundary and appear in
 a response), every float `FiniteFloat`, every token id `TokenId`. `RequestBody` ignores
 unknown fields (as OpenAI does) and reads an explicit ``null`` as the field's default;
-`is_neutral` tells whether a field this server does not implement was given only at its
-neutral value.
+`refuse_unimplemented` refuses a field this server does not implement unless it is given
+only at its neutral value (`is_neutral`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import (
@@ -59,6 +60,24 @@ def is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     """Whether ``value`` is one of the ``neutral`` values, of the same JSON type too
     (``true`` is not ``1``, ``0`` is not ``false``)."""
     return any(value == n and type(value) is type(n) for n in neutral)
+
+
+def refuse_unimplemented(
+    extra: Mapping[str, Any] | None, neutral_values: Mapping[str, tuple[Any, ...]], yet: str = ""
+) -> None:
+    """Refuse the first of the fields ``extra`` (a body's unknown fields) that
+    ``neutral_values`` lists with a value that is not one of its neutral ones.
+
+    Args:
+        yet: appended to the message ("`name` is not supported by this server").
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    for name, value in (extra or {}).items():
+        neutral = neutral_values.get(name)
+        if neutral is not None and not is_neutral(value, neutral):
+            raise bad_request(f"`{name}` is not supported by this server{yet}", name)
 
 
 class RequestBody(BaseModel):

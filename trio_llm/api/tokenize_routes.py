@@ -22,7 +22,7 @@ import trio_llm
 from trio_llm.api.chat_messages import ChatMessage
 from trio_llm.api.errors import bad_request, invalid_request
 from trio_llm.api.parsing import CountedFields
-from trio_llm.api.request_body import Text, TokenId, is_neutral
+from trio_llm.api.request_body import Text, TokenId, refuse_unimplemented
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
 
@@ -64,10 +64,7 @@ class TokenizeRequest(BaseModel):
         """
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
-        for name, value in (self.model_extra or {}).items():
-            neutral = _NEUTRAL_VALUES.get(name)
-            if neutral is not None and not is_neutral(value, neutral):
-                raise bad_request(f"`{name}` is not supported by this server yet", name)
+        refuse_unimplemented(self.model_extra, _NEUTRAL_VALUES, " yet")
 
 
 class DetokenizeRequest(BaseModel):
