@@ -39,21 +39,15 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for rank, engine in enumerate(self.engine.engines):
-            for kind, name, doc, value in _engine_samples(engine):
+            for kind, name, doc, read in ENGINE_SERIES:
                 family = families.get(name)
                 if family is None:
                     make = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                     family = families[name] = make(
                         f"trio_llm:{name}", doc, labels=["model_name", "engine"]
                     )
-                family.add_metric([self.model_name, str(rank)], value)
+                family.add_metric([self.model_name, str(rank)], read(engine))
         yield from families.values()
-
-
-def _engine_samples(engine: EngineClient) -> Iterator[tuple[str, str, str, float]]:
-    """``(kind, name, help, value)`` of one engine's series."""
-    for kind, name, doc, value in ENGINE_SERIES:
-        yield kind, name, doc, value(engine)
 
 
 def _last_step(name: str) -> Callable[[EngineClient], float]:
