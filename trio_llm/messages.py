@@ -25,6 +25,12 @@ GREEDY_TEMPERATURE = 1e-5
 #: one overflows float32 (the distribution then turns into NaNs).
 MIN_REPETITION_PENALTY = 0.01
 
+#: Presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
+MAX_PENALTY = 2
+
+#: ``logit_bias`` values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
+
 
 #: `StructuredOutput.kind` values.
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -143,14 +149,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2]")
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}]")
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2**31:
             raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2**31]")
         if any(not stop for stop in self.stop):
             raise ValueError("stop strings must not be empty")
-        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
-            raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for _, bias in self.logit_bias):
+            raise ValueError(
+                f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value < 0:

@@ -17,9 +17,9 @@ import trio
 from pydantic import ValidationError
 
 from trio_llm.api.anthropic import CLEARED_TOOL_RESULT, MessagesRequest
+from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError
 from trio_llm.api.middleware import RequestIdMiddleware
-from trio_llm.api.protocol import ChatCompletionRequest
 from trio_llm.frontend.preprocess import InputPreprocessor, fold_system_messages
 from trio_llm.messages import StructuredOutput
 from trio_llm.structured_output.grammar_check import check_structured_output

@@ -15,11 +15,11 @@ import trio.testing
 
 from tests.support.asgi import json_post_scope
 from tests.unit.conftest import FakeEngine, engine_client_pair
-from trio_llm.api import protocol
+from trio_llm.api import generation_request
 from trio_llm.api.anthropic import MessagesRequest
 from trio_llm.api.app import build_app
+from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError
-from trio_llm.api.protocol import ChatCompletionRequest
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, SMALL_GRAMMAR_CHARS, OpenAIServing
 from trio_llm.engine.grammar_compiler import GrammarCompiler
@@ -117,7 +117,7 @@ def no_grammar_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def compile_nothing(*args: object, **kwargs: object) -> None:
         raise AssertionError("a grammar was built for a spec over the limits")
 
-    monkeypatch.setattr(protocol, "check_structured_output", compile_nothing)
+    monkeypatch.setattr(generation_request, "check_structured_output", compile_nothing)
 
 
 HUGE_CHOICE = [f"choice number {i}" for i in range(100_000)]  # 2.1 MB, as issue 30's
@@ -456,7 +456,7 @@ async def test_a_client_that_leaves_abandons_its_grammar_check(
         release.wait(timeout=20)
         return ""
 
-    monkeypatch.setattr(protocol, "check_structured_output", slow_check)
+    monkeypatch.setattr(generation_request, "check_structured_output", slow_check)
     try:
         async with trio.open_nursery() as nursery:
             engine, stream = engine_client_pair(INFO)

@@ -8,9 +8,13 @@ from typing import Any
 
 import pytest
 
+from trio_llm.api.anthropic import MessagesRequest
+from trio_llm.api.chat_request import ChatCompletionRequest
+from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError
 from trio_llm.api.parsing import (
     MAX_JSON_DEPTH,
+    CountedFields,
     JSONTooDeepError,
     check_limits,
     json_depth_exceeds,
@@ -18,7 +22,7 @@ from trio_llm.api.parsing import (
     parse_json,
     validate,
 )
-from trio_llm.api.protocol import ChatCompletionRequest
+from trio_llm.api.responses import ResponsesRequest
 from trio_llm.server_config import RequestLimits
 from trio_llm.text.chat_template import TemplateError, render_chat
 
@@ -26,10 +30,12 @@ LIMITS = RequestLimits(max_chat_messages=3, max_stop_strings=2)
 TURN = {"role": "user", "content": "hi"}
 
 
-def _param(data: dict[str, Any]) -> str | None:
-    """The field a refusal names, or "ok" when the body passes."""
+def _param(data: dict[str, Any], model: type | None = None) -> str | None:
+    """The field a refusal names, or "ok" when the body passes (counting the fields
+    ``model`` declares; none without one)."""
+    fields = getattr(model, "COUNTED_FIELDS", CountedFields())
     try:
-        check_limits(data, LIMITS, max_model_len=4096, vocab_size=1000)
+        check_limits(data, LIMITS, max_model_len=4096, vocab_size=1000, fields=fields)
     except APIError as exc:
         assert exc.status == 400
         return exc.param
@@ -37,22 +43,25 @@ def _param(data: dict[str, Any]) -> str | None:
 
 
 @pytest.mark.parametrize(
-    ("data", "expected"),
+    ("model", "data", "expected"),
     [
-        ({"messages": [TURN] * 3}, "ok"),
-        ({"messages": [TURN] * 4}, "messages"),  # chat, Anthropic Messages
-        ({"input": [TURN] * 4}, "input"),  # Responses items
-        ({"input": "one text"}, "ok"),
+        (ChatCompletionRequest, {"messages": [TURN] * 3}, "ok"),
+        (ChatCompletionRequest, {"messages": [TURN] * 4}, "messages"),
+        (MessagesRequest, {"messages": [TURN] * 4}, "messages"),
+        (ResponsesRequest, {"input": [TURN] * 4}, "input"),  # Responses items
+        (ResponsesRequest, {"input": "one text"}, "ok"),
         # Embeddings: token ids of one input, or texts, are not messages.
-        ({"input": [101, 7592, 2088, 102]}, "ok"),
-        ({"input": ["a", "b", "c", "d"]}, "ok"),
-        ({"stop": ["a", "b", "c"]}, "stop"),
-        ({"stop_sequences": ["a", "b", "c"]}, "stop_sequences"),
-        ({"stop_sequences": ["x" * 300]}, "stop_sequences"),
+        (EmbeddingRequest, {"input": [101, 7592, 2088, 102]}, "ok"),
+        (EmbeddingRequest, {"input": ["a", "b", "c", "d"]}, "ok"),
+        (ChatCompletionRequest, {"stop": ["a", "b", "c"]}, "stop"),
+        (MessagesRequest, {"stop_sequences": ["a", "b", "c"]}, "stop_sequences"),
+        (MessagesRequest, {"stop_sequences": ["x" * 300]}, "stop_sequences"),
     ],
 )
-def test_each_count_is_refused_by_its_own_name(data: dict[str, Any], expected: str) -> None:
-    assert _param(data) == expected
+def test_each_count_is_refused_by_its_own_name(
+    model: type, data: dict[str, Any], expected: str
+) -> None:
+    assert _param(data, model) == expected
 
 
 # ------------------------------------------------------------------ nesting depth

@@ -14,7 +14,7 @@ import trio
 from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from tests.unit.test_tool_calls import INFO, QUESTION, TOOLS, WEATHER, _streamed
 from trio_llm.api.app import build_app
-from trio_llm.api.protocol import ChatCompletionRequest
+from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.tools import (
     ParsedDelta,

@@ -32,15 +32,12 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError, bad_request
 from trio_llm.api.formats import Block, BlockFormat, Event
-from trio_llm.api.protocol import (
-    INT32_MAX,
-    ChatCompletionRequest,
-    ChatTranslated,
-    FiniteFloat,
-    Text,
-)
+from trio_llm.api.parsing import CountedFields
+from trio_llm.api.request_body import INT32_MAX, FiniteFloat, Text
+from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.text.choice import Choice
 
 if TYPE_CHECKING:
@@ -273,6 +270,9 @@ class MessagesRequest(ChatTranslated):
         (r"\bstop\b(?= |$|:)", "stop_sequences"),
         (r"\bparallel_tool_calls\b", "tool_choice"),
         (r"\bcontinue_final_message\b", "messages"),
+    )
+    COUNTED_FIELDS: ClassVar[CountedFields] = CountedFields(
+        messages="messages", stop="stop_sequences"
     )
 
     model: Text

@@ -1,4 +1,5 @@
-"""The ASGI application: OpenAI-compatible routes plus /health."""
+"""The ASGI application: the routes of `trio_llm.api.routes` (OpenAI's, Anthropic's and
+vLLM's), ``/health``, ``/metrics``, the WebSocket and the chat page."""
 
 from __future__ import annotations
 
@@ -14,16 +15,32 @@ from starlette.types import Receive
 from trio_llm.api import metrics
 from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
 from trio_llm.api.chat_page import install_chat_page
+from trio_llm.api.chat_request import ChatCompletionRequest
+from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError, install_error_handlers
 from trio_llm.api.middleware import install_middleware
-from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest
 from trio_llm.api.responses import ResponsesRequest
+from trio_llm.api.routes import ROUTES
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.tokenize_routes import tokenize_router
 from trio_llm.api.websocket import install_websocket
 from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.handle import EngineHandle
 from trio_llm.server_config import ServerConfig
+
+#: The request models of the JSON body routes, by class name (`Route.body`).
+_BODY_MODELS: dict[str, type[BaseModel]] = {
+    model.__name__: model
+    for model in (
+        ChatCompletionRequest,
+        CompletionRequest,
+        ResponsesRequest,
+        MessagesRequest,
+        CountTokensRequest,
+        EmbeddingRequest,
+    )
+}
 
 
 def build_app(
@@ -38,13 +55,22 @@ def build_app(
         is_serving: False once the server is stopping; /health then answers 503.
         config: API key, CORS and body-size settings; None uses `ServerConfig`'s defaults.
     """
+    config = config or ServerConfig()
     app = FastAPI(title="trio_llm", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    install_middleware(app, config or ServerConfig())
+    install_middleware(app, config)
     app.include_router(tokenize_router(serving))
-    install_websocket(app, serving, config or ServerConfig())
-    engine = serving.engine
-    created = int(time.time())
+    install_websocket(app, serving, config)
+    _add_health(app, serving.engine, is_serving)
+    _add_metrics(app, serving, config)
+    _add_models(app, serving)
+    _add_body_routes(app, serving)
+    install_chat_page(app)
+    return app
+
+
+def _add_health(app: FastAPI, engine: EngineHandle, is_serving: Callable[[], bool]) -> None:
+    """``GET /health``: 200 while serving (a body when some engines do not), else 503."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -62,15 +88,24 @@ def build_app(
             reason = str(engine.error)
         return APIError(503, reason, type="service_unavailable_error").response()
 
-    registry = metrics.make_registry(engine, serving.model_names[0])
+
+def _add_metrics(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
+    """``GET /metrics``, and the middleware counting HTTP requests (the outermost so far)."""
+    registry = metrics.make_registry(serving.engine, serving.model_names[0])
     app.add_middleware(
         metrics.HTTPRequestCounter, registry=registry, model_name=serving.model_names[0]
     )
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        text = metrics.render(registry, vllm_names=(config or ServerConfig()).vllm_metric_names)
+        text = metrics.render(registry, vllm_names=config.vllm_metric_names)
         return Response(text, media_type=metrics.CONTENT_TYPE)
+
+
+def _add_models(app: FastAPI, serving: OpenAIServing) -> None:
+    """``GET /v1/models`` and ``GET /v1/models/{model}``: vLLM's model cards."""
+    engine = serving.engine
+    created = int(time.time())
 
     def model_card(name: str) -> dict:
         # vLLM's model card, field for field (clients that list models read these).
@@ -109,29 +144,27 @@ def build_app(
     async def retrieve_model(model: str) -> JSONResponse:
         return JSONResponse(model_card(serving.resolve_model(model)))
 
-    # The bodies are parsed by `serving.parse` (limits first, large ones off the event
-    # loop), not by FastAPI; the OpenAPI document still describes them.
-    routes: list[tuple[str, type[BaseModel], Callable[..., Awaitable[Response]]]] = [
-        ("/v1/completions", CompletionRequest, serving.respond),
-        ("/v1/chat/completions", ChatCompletionRequest, serving.respond),
-        ("/v1/embeddings", EmbeddingRequest, serving.embed),
-        ("/v1/responses", ResponsesRequest, serving.respond_as),
-        ("/v1/messages", MessagesRequest, serving.respond_as),
-        ("/v1/messages/count_tokens", CountTokensRequest, serving.count_tokens),
-    ]
-    for path, body_model, handler in routes:
+
+def _add_body_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """The JSON body routes of `trio_llm.api.routes.ROUTES` (those with a handler).
+
+    The bodies are parsed by `serving.parse` (limits first, large ones off the event
+    loop), not by FastAPI; the OpenAPI document still describes them.
+    """
+    body_models = []
+    for route in ROUTES:
+        if route.handler is None or route.body is None:
+            continue
+        body_model = _BODY_MODELS[route.body]
         app.add_api_route(
-            path,
-            _endpoint(serving, body_model, handler),
-            methods=["POST"],
+            route.path,
+            _endpoint(serving, body_model, getattr(serving, route.handler)),
+            methods=[route.method],
             openapi_extra=_json_body(body_model),
-            name=path.removeprefix("/v1/").replace("/", "_"),
+            name=route.path.removeprefix("/v1/").replace("/", "_"),
         )
-
-    _document_bodies(app, tuple(body_model for _, body_model, _ in routes))
-
-    install_chat_page(app)
-    return app
+        body_models.append(body_model)
+    _document_bodies(app, tuple(body_models))
 
 
 def _degraded(engines: list[EngineClient], serving: int) -> dict[str, Any]:

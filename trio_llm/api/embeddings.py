@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import Field, StrictInt
 
 from trio_llm.api.errors import bad_request
-from trio_llm.api.protocol import INT32_MAX, RequestBody, Text, TokenId
+from trio_llm.api.request_body import INT32_MAX, RequestBody, Text, TokenId
 
 #: Most inputs in one request (OpenAI's limit).
 MAX_INPUTS = 2048

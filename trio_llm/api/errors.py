@@ -6,6 +6,7 @@ for 4xx caused by the request, ``server_error`` for 5xx).
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from trio_llm.api.routes import LISTED_ENDPOINTS, error_style
 from trio_llm.errors import (
     ContextLengthError,
     EngineDeadError,
@@ -24,25 +26,16 @@ from trio_llm.errors import (
     RequestRejectedError,
 )
 
-#: The endpoints a 404 lists (the OpenAI and Anthropic routes; docs/api.md has them all).
-ENDPOINTS = (
-    "POST /v1/chat/completions",
-    "POST /v1/completions",
-    "POST /v1/responses",
-    "POST /v1/messages",
-    "POST /v1/messages/count_tokens",
-    "POST /v1/embeddings",
-    "GET /v1/models",
-)
-
 #: Seconds a client is told to wait (``Retry-After``) when the waiting line is full.
 RETRY_AFTER_SECONDS = 1
 
 
+@dataclass(eq=False, repr=False)
 class APIError(Exception):
-    """An error to answer with ``status`` and an OpenAI-style body.
+    """An error to answer with ``status`` and an OpenAI-style body (or Anthropic's, for a
+    request to one of its routes: `body_for`).
 
-    Args:
+    Attributes:
         status: HTTP status code.
         message: what went wrong, for a human.
         type: ``invalid_request_error``, ``not_found_error``, ``server_error``, ...
@@ -53,25 +46,17 @@ class APIError(Exception):
             context overflow, `trio_llm.errors.ContextLengthError`); None: ``message``.
     """
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-        anthropic_message: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.headers = headers
-        self.anthropic_message = anthropic_message
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
+    status: int
+    message: str
+    _: KW_ONLY
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+    anthropic_message: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
         """The JSON body."""
@@ -81,11 +66,14 @@ class APIError(Exception):
         """The JSON body in Anthropic's shape (`anthropic_error_body`)."""
         return anthropic_error_body(self.status, self.anthropic_message or self.message)
 
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The JSON body for a request to ``path``, in its route's error style
+        (`trio_llm.api.routes.error_style`)."""
+        return self.anthropic_body() if error_style(path) == "anthropic" else self.body()
+
     def response(self, path: str = "") -> JSONResponse:
-        """The JSON response; in Anthropic's shape for a request to ``path`` under
-        `ANTHROPIC_PREFIX`."""
-        body = self.anthropic_body() if path.startswith(ANTHROPIC_PREFIX) else self.body()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        """The JSON response for a request to ``path`` (`body_for`)."""
+        return JSONResponse(self.body_for(path), status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -99,9 +87,6 @@ def error_body(
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
-
-#: Requests under this path (the Messages API) get Anthropic's error body.
-ANTHROPIC_PREFIX = "/v1/messages"
 
 #: Anthropic's error ``type`` by HTTP status (its API reference, "Errors").
 _ANTHROPIC_TYPES = {
@@ -214,7 +199,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and exc.detail == "Not Found":
             message = (
                 f"{where} is not an endpoint of this server; it serves "
-                f"{', '.join(ENDPOINTS)} (docs/api.md)"
+                f"{', '.join(LISTED_ENDPOINTS)} (docs/api.md)"
             )
             error = APIError(404, message, type="not_found_error", code="unknown_url")
             return error.response(request.url.path)

@@ -14,13 +14,14 @@ server (from when the request was submitted to the engine), queue time in the en
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from trio_llm.api.routes import COUNTED_PATHS
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.request_timing import RequestRecord
@@ -38,96 +39,106 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for rank, engine in enumerate(self.engine.engines):
-            for kind, name, doc, value in _engine_samples(engine):
+            for kind, name, doc, read in ENGINE_SERIES:
                 family = families.get(name)
                 if family is None:
                     make = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                     family = families[name] = make(
                         f"trio_llm:{name}", doc, labels=["model_name", "engine"]
                     )
-                family.add_metric([self.model_name, str(rank)], value)
+                family.add_metric([self.model_name, str(rank)], read(engine))
         yield from families.values()
 
 
-def _engine_samples(engine: EngineClient) -> Iterator[tuple[str, str, str, float]]:
-    """``(kind, name, help, value)`` of one engine's series."""
-    stats = engine.stats
-    last = stats.last
+def _last_step(name: str) -> Callable[[EngineClient], float]:
+    """The engine's value ``name`` in its last step's statistics (0 before any step)."""
+
+    def value(engine: EngineClient) -> float:
+        last = engine.stats.last
+        return getattr(last, name) if last is not None else 0
+
+    return value
+
+
+def _kv_cache_usage(engine: EngineClient) -> float:
+    """The fraction of KV blocks in use (0 for an embedding model, which has no cache)."""
     num_blocks = engine.info.num_kv_blocks
+    last = engine.stats.last
     free = last.num_free_blocks if last is not None else num_blocks
-    yield (
-        "gauge",
-        "num_requests_running",
-        "Requests in the running batch.",
-        last.num_running if last else 0,
-    )
-    yield (
+    return 1 - free / num_blocks if num_blocks else 0.0
+
+
+#: Each engine's series: ``(kind, name, help, value of an engine client)``.
+ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineClient], float]], ...] = (
+    ("gauge", "num_requests_running", "Requests in the running batch.", _last_step("num_running")),
+    (
         "gauge",
         "num_requests_waiting",
         "Requests waiting to be scheduled.",
-        last.num_waiting if last else 0,
-    )
-    yield (
+        _last_step("num_waiting"),
+    ),
+    (
         "gauge",
         "num_requests_paused",
         "Requests paused in the engine because their client is not reading.",
-        last.num_paused if last else 0,
-    )
-    yield (
+        _last_step("num_paused"),
+    ),
+    (
         "counter",
         "request_pauses",
         "Times a request was paused because its client left output unread.",
-        engine.num_pauses,
-    )
-    yield (
-        "gauge",
-        "kv_cache_usage_perc",
-        "Fraction of KV blocks in use (0-1).",
-        1 - free / num_blocks if num_blocks else 0.0,  # an embedding model has no cache
-    )
-    yield (
+        lambda engine: engine.num_pauses,
+    ),
+    ("gauge", "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", _kv_cache_usage),
+    (
         "counter",
         "num_preemptions",
         "Requests preempted (no KV blocks, or a fair share of the batch for others).",
-        stats.num_preemptions,
-    )
-    yield ("counter", "engine_steps", "Engine steps that computed tokens.", stats.num_steps)
-    yield (
+        lambda engine: engine.stats.num_preemptions,
+    ),
+    (
+        "counter",
+        "engine_steps",
+        "Engine steps that computed tokens.",
+        lambda engine: engine.stats.num_steps,
+    ),
+    (
         "counter",
         "prefix_cache_queries",
         "Prompt tokens looked up in the prefix cache (--enable-prefix-caching).",
-        last.prefix_cache_queries if last else 0,
-    )
-    yield (
+        _last_step("prefix_cache_queries"),
+    ),
+    (
         "counter",
         "prefix_cache_hits",
         "Prompt tokens found in the prefix cache, whose KV was not recomputed.",
-        last.prefix_cache_hits if last else 0,
-    )
-    yield (
+        _last_step("prefix_cache_hits"),
+    ),
+    (
         "counter",
         "engine_restarts",
         "Engine core children started to replace a failed one (--engine-restart).",
-        engine.num_restarts,
-    )
-    yield (
+        lambda engine: engine.num_restarts,
+    ),
+    (
         "counter",
         "engine_hangs",
         "Times the engine core was found hung (--engine-step-timeout).",
-        engine.num_hangs,
-    )
-    yield (
+        lambda engine: engine.num_hangs,
+    ),
+    (
         "gauge",
         "engine_healthy",
         "1 while an engine core child is serving, else 0.",
-        float(engine.is_alive),
-    )
-    yield (
+        lambda engine: float(engine.is_alive),
+    ),
+    (
         "counter",
         "engine_steps_multi_request",
         "Engine steps that computed tokens for more than one request.",
-        stats.num_multi_request_steps,
-    )
+        lambda engine: engine.stats.num_multi_request_steps,
+    ),
+)
 
 
 #: Histogram buckets in seconds: from a fast decode step up to minutes-long requests.
@@ -221,30 +232,13 @@ class EngineRequestMetrics:
             self._aborted.inc()
 
 
-#: Routes counted by name in ``trio_llm:http_requests_total`` (any other path is counted
-#: as ``other``, so clients cannot grow the number of series).
-COUNTED_ENDPOINTS = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/responses",
-        "/v1/messages",
-        "/v1/messages/count_tokens",
-        "/v1/embeddings",
-        "/v1/models",
-        "/tokenize",
-        "/detokenize",
-        "/health",
-        "/metrics",
-    }
-)
-
-
 class HTTPRequestCounter:
     """ASGI middleware: ``trio_llm:http_requests_total{endpoint, status}`` counts each
     answered HTTP request by route and status class (``2xx``, ``4xx``, ...), as vLLM's
     ``http_requests_total`` does; a request whose client left before an answer is counted
-    as ``499``'s class, ``4xx``.
+    as ``499``'s class, ``4xx``. The ``endpoint`` is a path of `trio_llm.api.routes.ROUTES`
+    (``/v1/models/<name>`` counts as ``/v1/models``); any other path is ``other``, so
+    clients cannot grow the number of series.
 
     Args:
         app: the ASGI app (outermost, so refusals by the other middleware count too).
@@ -279,7 +273,7 @@ class HTTPRequestCounter:
             await self.app(scope, receive, counting_send)
         finally:
             path = scope["path"]
-            endpoint = path if path in COUNTED_ENDPOINTS else "other"
+            endpoint = path if path in COUNTED_PATHS else "other"
             if path.startswith("/v1/models/"):
                 endpoint = "/v1/models"
             self.counter.labels(self.model_name, endpoint, f"{status // 100}xx").inc()

@@ -22,7 +22,8 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trio_llm.api.errors import ANTHROPIC_PREFIX, anthropic_error_body, error_body
+from trio_llm.api.errors import APIError
+from trio_llm.api.routes import error_style
 from trio_llm.server_config import ServerConfig
 
 #: Paths under this prefix need the API key when one is configured (as in vLLM).
@@ -39,7 +40,7 @@ async def send_error(
     extra_headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> None:
     """Send a complete JSON response with an OpenAI-style ``invalid_request_error`` body
-    (Anthropic's error body under ``/v1/messages``).
+    (Anthropic's error body for its routes: `trio_llm.api.routes.error_style`).
 
     Args:
         scope: the request's ASGI scope.
@@ -49,10 +50,7 @@ async def send_error(
         code: the machine-readable ``error.code``.
         extra_headers: more response headers (lower-case names, latin-1 bytes).
     """
-    if scope["path"].startswith(ANTHROPIC_PREFIX):
-        body = json.dumps(anthropic_error_body(status, message)).encode()
-    else:
-        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    body = json.dumps(APIError(status, message, code=code).body_for(scope["path"])).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -275,7 +273,7 @@ class RequestIdMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on, adding the header to its response's start."""
-        if scope["type"] != "http" or not scope["path"].startswith(ANTHROPIC_PREFIX):
+        if scope["type"] != "http" or error_style(scope["path"]) != "anthropic":
             await self.app(scope, receive, send)
             return
         request_id = new_request_id()

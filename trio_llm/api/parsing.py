@@ -6,14 +6,16 @@ FastAPI's automatic validation, in this order:
 
 1. the body size (`trio_llm.api.middleware.BodySizeLimitMiddleware`, before this module);
 2. the content type, then JSON parsing;
-3. `check_limits` on the raw JSON: counts and lengths only (number of prompts times ``n``,
-   token-id prompt lengths against the context, messages, stop strings and their length)
-   and how deep arrays and objects nest (`MAX_JSON_DEPTH`), each a 400 naming the field;
+3. `check_limits` on the raw JSON: counts and lengths only, of the fields the request
+   model declares (its ``COUNTED_FIELDS``, a `CountedFields` in its API's names: number of
+   prompts times samples, token-id prompt lengths against the context, messages, stop
+   strings and their length), and how deep arrays and objects nest (`MAX_JSON_DEPTH`),
+   each a 400 naming the field;
 4. pydantic validation of every field.
 
 Every later step that walks a JSON value recursively (pydantic, ``json.dumps`` of tool-call
-arguments and schemas, the chat template's ``tojson``, the Anthropic and Responses
-translations) thus sees at most `MAX_JSON_DEPTH` levels, far from Python's recursion
+arguments and schemas, the chat template's ``tojson``, the translations of other APIs'
+requests into chat) thus sees at most `MAX_JSON_DEPTH` levels, far from Python's recursion
 limit; JSON text inside a field (tool-call arguments, a schema given as a string) is held
 to the same depth where it is decoded (`json_text_too_deep`). JSON nested too deeply
 for Python's parser itself is refused the same way, naming the field (`load_json`).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import trio
@@ -111,9 +114,41 @@ def check_json_text_depth(text: str) -> str:
     return text
 
 
-def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_size: int) -> None:
-    """Refuse a request whose size is out of bounds, looking only at counts and lengths,
-    and at how deep its arrays and objects nest (`MAX_JSON_DEPTH`, any field).
+@dataclass(frozen=True)
+class CountedFields:
+    """The fields of one API's request body that `check_limits` counts, in that API's
+    names (each request model declares its own as ``COUNTED_FIELDS``); None: the body
+    has no such field.
+
+    Attributes:
+        prompt: a prompt given as text, texts, token ids or a batch of token-id lists:
+            the number of prompts times ``samples`` is held to ``--max-choices``, a
+            token-id prompt to the context length.
+        samples: the number of samples per prompt (``n``).
+        messages: a list of turns, held to ``--max-chat-messages``.
+        stop: a stop string or a list of them, held to ``--max-stop-strings`` and
+            ``--max-stop-string-length``.
+        per_token: lists or maps by token id, held to the vocabulary's size.
+    """
+
+    prompt: str | None = None
+    samples: str | None = None
+    messages: str | None = None
+    stop: str | None = None
+    per_token: tuple[str, ...] = ()
+
+
+def check_limits(
+    data: Any,
+    limits: RequestLimits,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    fields: CountedFields,
+) -> None:
+    """Refuse a request whose size is out of bounds, looking only at counts and lengths
+    of ``fields``, and at how deep its arrays and objects nest (`MAX_JSON_DEPTH`, any
+    field).
 
     Runs before field validation; fields of the wrong type are left for it to report.
 
@@ -121,65 +156,26 @@ def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_
         data: the parsed JSON body.
         limits: the server's `RequestLimits`.
         max_model_len: context length in tokens (a token-id prompt must be shorter).
-        vocab_size: ``logit_bias`` and ``stop_token_ids`` cannot usefully hold more
-            distinct entries than this.
+        vocab_size: the ``fields.per_token`` cannot usefully hold more distinct entries
+            than this.
+        fields: the body's fields to count, in its API's names.
 
     Raises:
         APIError: 400 naming the field at fault.
     """
     if not isinstance(data, dict):
         return
-    num_prompts = 1
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt:
-        if isinstance(prompt[0], list):  # a batch of token-id prompts
-            num_prompts = len(prompt)
-            for item in prompt[: limits.max_choices]:
-                _check_token_prompt(item, max_model_len)
-        elif isinstance(prompt[0], str):  # a batch of text prompts
-            num_prompts = len(prompt)
-        else:  # one token-id prompt
-            _check_token_prompt(prompt, max_model_len)
-    n = data.get("n")
-    n = n if isinstance(n, int) and n >= 1 else 1
-    if num_prompts > limits.max_choices or num_prompts * n > limits.max_choices:
-        param = "prompt" if num_prompts > limits.max_choices else "n"
-        raise bad_request(
-            f"{num_prompts} prompts x n={n} is more than this server's limit of "
-            f"{limits.max_choices} choices per request (--max-choices)",
-            param,
+    if fields.prompt is not None or fields.samples is not None:
+        _check_choices(data, fields, limits, max_model_len)
+    messages = data.get(fields.messages) if fields.messages else None
+    if isinstance(messages, list) and len(messages) > limits.max_chat_messages:
+        count = f"{len(messages)} {fields.messages}"
+        raise _over(
+            count, limits.max_chat_messages, " messages", "--max-chat-messages", fields.messages
         )
-    # Chat and Anthropic "messages"; the Responses API's "input" items (objects: the
-    # embeddings "input" is a list of texts or token ids, limited by its own model).
-    for name in ("messages", "input"):
-        messages = data.get(name)
-        if name == "input" and not (
-            isinstance(messages, list) and messages and isinstance(messages[0], dict)
-        ):
-            continue
-        if isinstance(messages, list) and len(messages) > limits.max_chat_messages:
-            raise bad_request(
-                f"{len(messages)} {name} is more than this server's limit of "
-                f"{limits.max_chat_messages} messages (--max-chat-messages)",
-                name,
-            )
-    stop_name = "stop_sequences" if "stop_sequences" in data else "stop"  # Anthropic's name
-    stop = data.get(stop_name)
-    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-    if len(stops) > limits.max_stop_strings:
-        raise bad_request(
-            f"{len(stops)} stop strings is more than this server's limit of "
-            f"{limits.max_stop_strings} (--max-stop-strings)",
-            stop_name,
-        )
-    for item in stops:
-        if isinstance(item, str) and len(item) > limits.max_stop_string_length:
-            raise bad_request(
-                f"a stop string of {len(item)} characters is longer than this server's limit "
-                f"of {limits.max_stop_string_length} (--max-stop-string-length)",
-                stop_name,
-            )
-    for name in ("logit_bias", "stop_token_ids"):
+    if fields.stop is not None:
+        _check_stop(data.get(fields.stop), fields.stop, limits)
+    for name in fields.per_token:
         value = data.get(name)
         if isinstance(value, dict | list) and len(value) > vocab_size:
             raise bad_request(
@@ -191,10 +187,58 @@ def check_limits(data: Any, limits: RequestLimits, *, max_model_len: int, vocab_
             raise nested_too_deep(name)
 
 
+def _over(count: str, limit: int, unit: str, flag: str, param: str) -> APIError:
+    """The 400 for ``count`` (a number and what it counts) over this server's ``limit``
+    (of ``unit``, set by the option ``flag``)."""
+    return bad_request(f"{count} is more than this server's limit of {limit}{unit} ({flag})", param)
+
+
+def _check_choices(
+    data: dict[str, Any], fields: CountedFields, limits: RequestLimits, max_model_len: int
+) -> None:
+    """Hold prompts times samples to ``--max-choices``, token-id prompts to the context."""
+    num_prompts = 1
+    prompt = data.get(fields.prompt) if fields.prompt else None
+    if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], list):  # a batch of token-id prompts
+            num_prompts = len(prompt)
+            for item in prompt[: limits.max_choices]:
+                _check_token_prompt(item, max_model_len)
+        elif isinstance(prompt[0], str):  # a batch of text prompts
+            num_prompts = len(prompt)
+        else:  # one token-id prompt
+            _check_token_prompt(prompt, max_model_len)
+    n = data.get(fields.samples) if fields.samples else None
+    n = n if isinstance(n, int) and n >= 1 else 1
+    if num_prompts > limits.max_choices or num_prompts * n > limits.max_choices:
+        param = fields.prompt if num_prompts > limits.max_choices else fields.samples
+        count = f"{num_prompts} prompts x n={n}"
+        unit = " choices per request"
+        raise _over(count, limits.max_choices, unit, "--max-choices", param or "n")
+
+
+def _check_stop(stop: Any, name: str, limits: RequestLimits) -> None:
+    """Hold the stop strings ``stop`` (of the field ``name``) to the server's limits."""
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stops) > limits.max_stop_strings:
+        count = f"{len(stops)} stop strings"
+        raise _over(count, limits.max_stop_strings, "", "--max-stop-strings", name)
+    for item in stops:
+        if isinstance(item, str) and len(item) > limits.max_stop_string_length:
+            raise bad_request(
+                f"a stop string of {len(item)} characters is longer than this server's limit "
+                f"of {limits.max_stop_string_length} (--max-stop-string-length)",
+                name,
+            )
+
+
 def _check_token_prompt(item: Any, max_model_len: int) -> None:
     if isinstance(item, list) and len(item) >= max_model_len:
         error = ContextLengthError(max_model_len, len(item), "prompt", prompt_name="prompt")
         raise invalid_request(error)
+
+
+_NO_COUNTED_FIELDS = CountedFields()
 
 
 def validate(
@@ -205,12 +249,15 @@ def validate(
     max_model_len: int,
     vocab_size: int,
 ) -> _Request:
-    """`check_limits`, then ``model``'s pydantic validation of ``data`` (parsed JSON).
+    """`check_limits` of the fields ``model`` declares (its ``COUNTED_FIELDS``, a
+    `CountedFields`; none counted without), then ``model``'s pydantic validation of
+    ``data`` (parsed JSON).
 
     Raises:
         APIError: 400 naming the field at fault.
     """
-    check_limits(data, limits, max_model_len=max_model_len, vocab_size=vocab_size)
+    fields = getattr(model, "COUNTED_FIELDS", _NO_COUNTED_FIELDS)
+    check_limits(data, limits, max_model_len=max_model_len, vocab_size=vocab_size, fields=fields)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

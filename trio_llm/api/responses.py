@@ -50,16 +50,12 @@ from pydantic import (
     ValidationError,
 )
 
+from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError, bad_request, validation_message
 from trio_llm.api.formats import Block, BlockFormat, Event
-from trio_llm.api.protocol import (
-    INT32_MAX,
-    ChatCompletionRequest,
-    ChatTranslated,
-    FiniteFloat,
-    Text,
-    check_json_text,
-)
+from trio_llm.api.parsing import CountedFields
+from trio_llm.api.request_body import INT32_MAX, FiniteFloat, Text, check_json_text
+from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.text.choice import Choice
 
 if TYPE_CHECKING:
@@ -207,6 +203,7 @@ class ResponsesRequest(ChatTranslated):
         (r"\bresponse_format\b", "text"),
         (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."),
     )
+    COUNTED_FIELDS: ClassVar[CountedFields] = CountedFields(messages="input")
 
     model: Text | None = None
     input: Text | list[dict[str, Any]]

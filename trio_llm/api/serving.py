@@ -26,6 +26,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from trio_llm.api.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest
+from trio_llm.api.chat_request import ChatCompletionRequest
+from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.disconnect import Emit, EventStreamResponse, run_while_connected
 from trio_llm.api.embeddings import (
     EmbeddingRequest,
@@ -37,18 +39,14 @@ from trio_llm.api.embeddings import (
 from trio_llm.api.embeddings import response as embeddings_response
 from trio_llm.api.errors import APIError, bad_request, engine_error, invalid_request
 from trio_llm.api.formats import ChatFormat, CompletionFormat
+from trio_llm.api.generation_request import GenerationRequest
 from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
 from trio_llm.api.plan import Plan, run_choices
-from trio_llm.api.protocol import (
-    ChatCompletionRequest,
-    ChatTranslated,
-    CompletionRequest,
-    GenerationRequest,
-)
 from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
 from trio_llm.api.streaming import Stream
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
+from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     ContextLengthError,

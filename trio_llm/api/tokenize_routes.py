@@ -11,7 +11,7 @@ live outside ``/v1`` and so are not covered by ``--api-key``.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 import trio
 from fastapi import APIRouter, Request
@@ -19,8 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 import trio_llm
+from trio_llm.api.chat_messages import ChatMessage
 from trio_llm.api.errors import bad_request, invalid_request
-from trio_llm.api.protocol import ChatMessage, Text, TokenId, is_neutral
+from trio_llm.api.parsing import CountedFields
+from trio_llm.api.request_body import Text, TokenId, refuse_unimplemented
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
 
@@ -44,6 +46,7 @@ class TokenizeRequest(BaseModel):
     """
 
     model_config = ConfigDict(extra="allow")
+    COUNTED_FIELDS: ClassVar[CountedFields] = CountedFields(prompt="prompt", messages="messages")
 
     model: Text | None = None
     prompt: Text | None = None
@@ -61,10 +64,7 @@ class TokenizeRequest(BaseModel):
         """
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
-        for name, value in (self.model_extra or {}).items():
-            neutral = _NEUTRAL_VALUES.get(name)
-            if neutral is not None and not is_neutral(value, neutral):
-                raise bad_request(f"`{name}` is not supported by this server yet", name)
+        refuse_unimplemented(self.model_extra, _NEUTRAL_VALUES, " yet")
 
 
 class DetokenizeRequest(BaseModel):
@@ -102,31 +102,7 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
         request = await serving.parse(TokenizeRequest, http_request)
         serving.resolve_model(request.model)
         request.check_supported()
-        inputs = serving.inputs
-        try:
-            if request.prompt is not None:
-                special = True if request.add_special_tokens is None else request.add_special_tokens
-                tokens = await inputs.tokenize_async(
-                    request.prompt, "prompt", special_tokens=special
-                )
-            else:
-                assert request.messages is not None
-                # The same dicts /v1/chat/completions renders, so the counts agree.
-                messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-                if request.continue_final_message and messages[-1]["role"] != "assistant":
-                    raise bad_request(
-                        "continue_final_message needs a final assistant message",
-                        "continue_final_message",
-                    )
-                text = await inputs.render_chat_async(
-                    messages,
-                    add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message,
-                )
-                special = bool(request.add_special_tokens)
-                tokens = await inputs.tokenize_async(text, "messages", special_tokens=special)
-        except InvalidRequest as exc:
-            raise invalid_request(exc) from exc
+        tokens = await _tokens(serving, request)
 
         def answer() -> bytes:
             token_strs = None
@@ -166,3 +142,33 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
         return JSONResponse({"version": trio_llm.__version__})
 
     return router
+
+
+async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]:
+    """The token ids of ``request``'s prompt, or of its messages rendered with the chat
+    template (the same dicts /v1/chat/completions renders, so the counts agree).
+
+    Raises:
+        APIError: 400 for a malformed request or text the tokenizer refuses.
+    """
+    inputs = serving.inputs
+    try:
+        if request.prompt is not None:
+            special = True if request.add_special_tokens is None else request.add_special_tokens
+            return await inputs.tokenize_async(request.prompt, "prompt", special_tokens=special)
+        assert request.messages is not None
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        if request.continue_final_message and messages[-1]["role"] != "assistant":
+            raise bad_request(
+                "continue_final_message needs a final assistant message",
+                "continue_final_message",
+            )
+        text = await inputs.render_chat_async(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
+        special = bool(request.add_special_tokens)
+        return await inputs.tokenize_async(text, "messages", special_tokens=special)
+    except InvalidRequest as exc:
+        raise invalid_request(exc) from exc

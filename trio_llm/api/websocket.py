@@ -33,6 +33,8 @@ from fastapi import FastAPI, WebSocket
 from starlette.datastructures import Headers
 from starlette.websockets import WebSocketDisconnect
 
+from trio_llm.api.chat_request import ChatCompletionRequest
+from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.errors import (
     APIError,
     bad_request,
@@ -48,7 +50,7 @@ from trio_llm.api.parsing import (
     validate,
 )
 from trio_llm.api.plan import OnDelta, Plan, run_choices
-from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
+from trio_llm.api.request_body import check_unicode
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import EngineDeadError, EngineError
 from trio_llm.server_config import ServerConfig
