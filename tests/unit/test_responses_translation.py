@@ -21,7 +21,7 @@ from openai.types.responses import Response
 from trio_llm.api.errors import APIError
 from trio_llm.api.plan import Plan
 from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
-from trio_llm.api.tools import make_parser
+from trio_llm.api.tool_parsers import make_parser
 from trio_llm.text.output import TextDelta
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "codex"

@@ -16,12 +16,9 @@ from tests.unit.test_tool_calls import INFO, QUESTION, TOOLS, WEATHER, _streamed
 from trio_llm.api.app import build_app
 from trio_llm.api.protocol import ChatCompletionRequest
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.api.tools import (
-    ParsedDelta,
-    calls_or_answer_grammar,
-    make_parser,
-    required_parser,
-)
+from trio_llm.api.tool_calls import ParsedDelta
+from trio_llm.api.tool_grammar import calls_or_answer_grammar
+from trio_llm.api.tool_parsers import make_parser, required_parser
 from trio_llm.engine.spec_checks import close_object_schemas
 from trio_llm.engine.structured import _BYTE_VOCAB, _byte_tokenizer, checked_matcher
 from trio_llm.messages import AddRequest, RequestOutput, StepOutputs, StructuredOutput

@@ -32,7 +32,7 @@ from pydantic import (
 
 from trio_llm.api.errors import bad_request, validation_message
 from trio_llm.api.parsing import check_json_text_depth, json_text_too_deep, nested_too_deep
-from trio_llm.api.tools import EMPTY_PARAMETERS, calls_or_answer_grammar, tool_call_grammar
+from trio_llm.api.tool_grammar import EMPTY_PARAMETERS, calls_or_answer_grammar, tool_call_grammar
 from trio_llm.engine.spec_checks import MAX_SCHEMA_CHARS, check_spec_limits, close_object_schemas
 from trio_llm.engine.structured import StructuredOutputError, check_structured_output
 from trio_llm.messages import MIN_REPETITION_PENALTY, SamplingParams, StructuredOutput

@@ -48,7 +48,8 @@ from trio_llm.api.protocol import (
 )
 from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
 from trio_llm.api.streaming import Stream
-from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
+from trio_llm.api.tool_calls import NamedCallParser, ToolCallParser
+from trio_llm.api.tool_parsers import make_parser, required_parser
 from trio_llm.config import RequestLimits
 from trio_llm.engine.structured import default_compile_workers
 from trio_llm.errors import (
