@@ -16,7 +16,8 @@ import pytest
 import trio
 from pydantic import ValidationError
 
-from trio_llm.api.anthropic import CLEARED_TOOL_RESULT, MessagesRequest
+from trio_llm.api.anthropic import MessagesRequest
+from trio_llm.api.anthropic_context_editing import CLEARED_TOOL_RESULT
 from trio_llm.api.errors import APIError
 from trio_llm.api.middleware import RequestIdMiddleware
 from trio_llm.api.protocol import ChatCompletionRequest

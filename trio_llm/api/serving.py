@@ -25,7 +25,8 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from trio_llm.api.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest
+from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
+from trio_llm.api.anthropic_format import MessagesFormat
 from trio_llm.api.disconnect import Emit, EventStreamResponse, run_while_connected
 from trio_llm.api.embeddings import (
     EmbeddingRequest,
