@@ -47,7 +47,8 @@ from trio_llm.api.protocol import (
     CompletionRequest,
     GenerationRequest,
 )
-from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
+from trio_llm.api.responses import ResponsesRequest
+from trio_llm.api.responses_format import ResponsesFormat
 from trio_llm.api.streaming import Stream
 from trio_llm.api.tool_calls import NamedCallParser, ToolCallParser
 from trio_llm.api.tool_parsers import make_parser, required_parser
