@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
 from pydantic import ValidationError
 
-from trio_llm.api.anthropic import CLEARED_TOOL_RESULT, MessagesRequest
+from trio_llm.api.anthropic import MessagesRequest
+from trio_llm.api.anthropic_context_editing import CLEARED_TOOL_RESULT
+from trio_llm.api.anthropic_format import MessagesFormat, thinking_signature
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError
 from trio_llm.api.middleware import RequestIdMiddleware
+from trio_llm.api.plan import Plan
+from trio_llm.api.tool_parsers import make_parser
 from trio_llm.frontend.preprocess import InputPreprocessor, fold_system_messages
 from trio_llm.messages import StructuredOutput
 from trio_llm.structured_output.grammar_check import check_structured_output
+from trio_llm.text.output import TextDelta
 from trio_llm.text.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "claude_code"
@@ -426,6 +432,125 @@ def test_fold_system_messages_appends_late_ones_to_the_first() -> None:
         {"role": "user", "content": "a"},
     ]
     assert fold_system_messages(messages[:2]) == messages[:2]
+
+
+# ---------------------------------------------------------------- the message written back
+
+
+def message_format() -> tuple[MessagesFormat, Plan]:
+    form = MessagesFormat(None, lambda: make_parser("hermes"))  # type: ignore[arg-type]
+    plan = Plan(format=form, model="m", response_id="msg_1", created=1, prompt_lengths=[9])
+    return form, plan
+
+
+def output(text: str, finish_reason: str | None = "stop", **fields: Any) -> Any:
+    """A finished choice whose model output is ``text``."""
+    return SimpleNamespace(
+        index=0,
+        text=text,
+        finish_reason=finish_reason,
+        stop_reason=None,
+        num_output_tokens=5,
+        num_cached_tokens=4,
+        all_logprobs=[],
+        **fields,
+    )
+
+
+def test_a_message_with_text_and_a_tool_use_block() -> None:
+    """Anthropic's Message object: content blocks in order, ``stop_reason`` ``tool_use``,
+    ``usage`` whose input, cache-creation and cache-read counts add up to the prompt."""
+    form, plan = message_format()
+    text = 'Let me look.<tool_call>{"name": "read", "arguments": {"path": "a.txt"}}</tool_call>'
+    body = form.response(plan, [output(text, "tool_calls")])
+    (call_id,) = [block["id"] for block in body["content"] if block["type"] == "tool_use"]
+    assert body == {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": call_id, "name": "read", "input": {"path": "a.txt"}},
+        ],
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 5,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 4,
+            "output_tokens": 5,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "stop_reason", "expected"),
+    [
+        ("stop", None, ("end_turn", None)),
+        ("stop", "\n\nHuman:", ("stop_sequence", "\n\nHuman:")),
+        ("length", None, ("max_tokens", None)),
+    ],
+)
+def test_stop_reasons_are_anthropics(finish_reason: str, stop_reason: Any, expected: Any) -> None:
+    form, plan = message_format()
+    choice = output("hi", finish_reason)
+    choice.stop_reason = stop_reason
+    body = form.response(plan, [choice])
+    assert (body["stop_reason"], body["stop_sequence"]) == expected
+
+
+def test_tool_use_input_too_deep_to_decode_is_an_empty_object() -> None:
+    """Arguments nested deeper than the JSON decoder goes (a model steered into ~5,000
+    brackets) are treated as invalid JSON: ``{}``, not a 500."""
+    form, plan = message_format()
+    deep = "[" * 5000 + "]" * 5000
+    text = f'<tool_call>{{"name": "read", "arguments": {deep}}}</tool_call>'
+    body = form.response(plan, [output(text, "tool_calls")])
+    assert [(block["type"], block["input"]) for block in body["content"]] == [("tool_use", {})]
+
+
+def test_a_streamed_message_has_anthropics_events_in_order() -> None:
+    form, plan = message_format()
+    choice = output("", None)
+    events = form.stream_start(plan, [choice])
+    for k, piece in enumerate(["Hel", "lo"]):
+        last = k == 1
+        choice.text += piece
+        choice.finish_reason = "stop" if last else None
+        delta = TextDelta(piece, finish_reason="stop" if last else None)
+        events += form.stream_piece(plan, choice, delta)  # type: ignore[arg-type]
+    assert [name for name, _ in events] == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None
+    assert start["usage"]["output_tokens"] == 0 and start["usage"]["input_tokens"] == 5
+    assert events[2][1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert deltas == [{"type": "text_delta", "text": "Hel"}, {"type": "text_delta", "text": "lo"}]
+    assert events[6][1] == {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "usage": {"output_tokens": 5},
+    }
+
+
+def test_a_thinking_signature_is_the_sha256_of_the_thinking() -> None:
+    assert thinking_signature("abc") == (
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    )
 
 
 # ---------------------------------------------------------------- request-id

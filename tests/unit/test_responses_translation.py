@@ -20,8 +20,9 @@ from openai.types.responses import Response
 
 from trio_llm.api.errors import APIError
 from trio_llm.api.plan import Plan
-from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
-from trio_llm.api.tools import make_parser
+from trio_llm.api.responses import ResponsesRequest
+from trio_llm.api.responses_format import ResponsesFormat
+from trio_llm.api.tool_parsers import make_parser
 from trio_llm.text.output import TextDelta
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "codex"
@@ -302,6 +303,14 @@ def test_an_unknown_tool_type_is_a_400_naming_what_is_accepted():
         ResponsesRequest.model_validate(body).to_chat()
     assert raised.value.param == "tools" and "teleport" in raised.value.message
     assert "web_search" in raised.value.message  # the accepted hosted types are listed
+
+
+def test_a_tool_type_that_is_no_string_is_a_400_not_a_crash():
+    body = {"input": "x", "tools": [{"type": ["web_search"]}]}
+    with pytest.raises(APIError) as raised:
+        ResponsesRequest.model_validate(body).to_chat()
+    assert raised.value.status == 400 and raised.value.param == "tools"
+    assert "unknown tool type ['web_search']" in raised.value.message
 
 
 def test_a_namespace_member_of_an_unknown_type_is_a_400_naming_its_place():

@@ -1,4 +1,4 @@
-"""Tool calling without an engine: the parsers (`trio_llm.api.tools`), the grammar of a
+"""Tool calling without an engine: the parsers (`trio_llm.api.tool_parsers`), the grammar of a
 forced call, the tool-aware template, and the HTTP layer against a scripted engine that
 "generates" a given text, so streamed and whole responses can be compared exactly."""
 
@@ -17,15 +17,9 @@ from hypothesis import strategies as st
 from tests.unit.conftest import ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
-from trio_llm.api.tools import (
-    HermesParser,
-    NamedCallParser,
-    ParsedDelta,
-    ToolCallParser,
-    make_parser,
-    required_parser,
-    tool_call_grammar,
-)
+from trio_llm.api.tool_calls import NamedCallParser, ParsedDelta, ToolCallParser
+from trio_llm.api.tool_grammar import tool_call_grammar
+from trio_llm.api.tool_parsers import HermesParser, make_parser, required_parser
 from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import AddRequest, EngineReady
 from trio_llm.text.chat_template import render_chat, shipped_template
@@ -139,6 +133,30 @@ def test_any_split_of_the_output_gives_the_same_calls_and_content(data) -> None:
     total.extend(parser.finish())
     assert _summary(total) == (content, calls)
     assert len(set(ids.values())) == len(calls)
+
+
+#: Brackets nested deeper than Python's JSON decoder goes (about 1,000 levels).
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [
+        ("hermes", f'<tool_call>{{"arguments": {DEEP}, "name": "f"}}</tool_call>'),
+        ("llama3_json", f'{{"parameters": {DEEP}, "name": "f"}}'),
+        ("hermes", '<tool_call>{"name": "a\\q", "arguments": {}}</tool_call>'),
+    ],
+    ids=["hermes-deep", "llama3_json-deep", "bad-escape-in-name"],
+)
+def test_model_output_the_decoder_cannot_read_is_text(kind: str, text: str) -> None:
+    """A model steered into deeply nested brackets (or an invalid escape in a call's
+    name) writes no call: the text is content, as for invalid JSON, not a 500."""
+    assert _summary(_parser(kind).parse(text)) == (text, [])
+
+
+def test_deeply_nested_arguments_in_the_usual_key_order_stream_as_text() -> None:
+    text = f'<tool_call>{{"name": "f", "arguments": {DEEP}}}</tool_call>'
+    assert _summary(_parser("hermes").parse(text)) == (None, [("f", DEEP)])
 
 
 # ---------------------------------------------------------------- grammar

@@ -21,7 +21,7 @@ from trio_llm.api.errors import bad_request
 from trio_llm.api.generation_request import GenerationRequest
 from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import INT32_MAX, DescribedTool, Text
-from trio_llm.api.tools import EMPTY_PARAMETERS, calls_or_answer_grammar, tool_call_grammar
+from trio_llm.api.tool_grammar import EMPTY_PARAMETERS, calls_or_answer_grammar, tool_call_grammar
 from trio_llm.messages import StructuredOutput
 from trio_llm.structured_output.schema_rewrites import close_object_schemas
 from trio_llm.structured_output.spec_limits import MAX_SCHEMA_CHARS

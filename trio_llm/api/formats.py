@@ -27,7 +27,7 @@ from trio_llm.api.logprobs_format import (
     chat_logprobs,
     vllm_prompt_logprobs,
 )
-from trio_llm.api.tools import CallDelta, ParsedDelta, ToolCallParser
+from trio_llm.api.tool_calls import CallDelta, ParsedDelta, ToolCallParser
 from trio_llm.text.choice import Choice, ChoiceDelta
 from trio_llm.text.reasoning import ReasoningDelta, ReasoningParser
 from trio_llm.text.tokenizer import Tokenizer

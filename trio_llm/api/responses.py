@@ -3,8 +3,9 @@ format of chat.
 
 A Responses request is translated into a `ChatCompletionRequest`
 (`ResponsesRequest.to_chat`) and runs the one chat path; only the rendering differs
-(`ResponsesFormat`): a ``response`` object whose ``output`` holds a ``message`` item
-(``output_text``) and ``function_call`` items, and a stream of typed events
+(`trio_llm.api.responses_format.ResponsesFormat`): a ``response`` object whose ``output``
+holds a ``message`` item (``output_text``) and ``function_call`` items, and a stream of
+typed events
 (``response.created``, ``response.in_progress``, ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta`` / ``.done``,
 ``response.function_call_arguments.delta`` / ``.done``, ``response.content_part.done``,
@@ -18,7 +19,8 @@ parts, ``function_call`` and ``function_call_output`` items), ``instructions``,
 (their functions are offered to the model; a call of one comes back as a
 ``function_call`` item with the ``namespace`` and the function's own ``name``, as OpenAI
 writes it), ``tool_choice``, ``parallel_tool_calls``, ``stream``, ``metadata``, ``user``.
-Built-in tools that OpenAI runs itself (`HOSTED_TOOL_TYPES`: ``web_search``,
+Built-in tools that OpenAI runs itself (`trio_llm.api.responses_tools.HOSTED_TOOL_TYPES`:
+``web_search``,
 ``file_search``, ``mcp``, ...) are accepted, echoed and not offered to the model (a
 warning names them once per client connection). Fields that change nothing here
 (``reasoning`` on a model without reasoning, ``include``, ``prompt_cache_key``,
@@ -33,73 +35,19 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
-import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    StrictBool,
-    StrictInt,
-    ValidationError,
-)
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt
 
 from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.errors import APIError, bad_request, validation_message
-from trio_llm.api.formats import Block, BlockFormat, Event
+from trio_llm.api.errors import bad_request
 from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import INT32_MAX, FiniteFloat, Text, check_json_text
+from trio_llm.api.responses_tools import OfferedTools, offer_tools
 from trio_llm.api.translated_request import ChatTranslated
-from trio_llm.text.choice import Choice
-
-if TYPE_CHECKING:
-    from trio_llm.api.plan import Plan
 
 logger = logging.getLogger(__name__)
-
-#: Tool types OpenAI runs on its side (or that the model emits as their own output items):
-#: accepted, echoed in the response's ``tools``, and not offered to the model here.
-#: ``custom`` (free-form text input, maybe held to a grammar) is among them: its calls
-#: are ``custom_tool_call`` items, which this server does not write.
-HOSTED_TOOL_TYPES = frozenset(
-    {
-        "web_search",
-        "web_search_2025_08_26",
-        "web_search_preview",
-        "web_search_preview_2025_03_11",
-        "file_search",
-        "code_interpreter",
-        "image_generation",
-        "computer",
-        "computer_use",
-        "computer_use_preview",
-        "mcp",
-        "local_shell",
-        "shell",
-        "apply_patch",
-        "tool_search",
-        "programmatic_tool_calling",
-        "custom",
-    }
-)
-
-
-class FunctionTool(BaseModel):
-    """``{"type": "function", "name", "description", "parameters", "strict"}``."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["function"]
-    name: Text
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
 
 
 class TextConfig(BaseModel):
@@ -122,40 +70,6 @@ class ReasoningConfig(BaseModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
-
-
-@dataclass
-class OfferedTools:
-    """What a request's ``tools`` offer the model, and how its calls map back.
-
-    Attributes:
-        chat_tools: the chat-completion ``tools`` (function tools; a namespace's
-            functions flattened among them).
-        client_names: each offered function's name as the model sees it -> the
-            ``(namespace, name)`` the client knows it by (namespace None for a plain
-            function tool).
-        model_names: the reverse of ``client_names``.
-        chat_where: the Responses place (``tools[4].tools[0]``) of each chat tool.
-        not_offered: the types of the tools not offered (hosted ones), in order, once.
-    """
-
-    chat_tools: list[dict[str, Any]] = field(default_factory=list)
-    client_names: dict[str, tuple[str | None, str]] = field(default_factory=dict)
-    model_names: dict[tuple[str | None, str], str] = field(default_factory=dict)
-    chat_where: list[str] = field(default_factory=list)
-    not_offered: list[str] = field(default_factory=list)
-
-    def model_name(self, namespace: str | None, name: str) -> str:
-        """The name the model knows the client's function ``(namespace, name)`` by: a
-        function without a namespace may also be named by its own name when one
-        namespace's function has it; else ``name`` as is."""
-        if (namespace, name) in self.model_names:
-            return self.model_names[namespace, name]
-        if namespace is None:
-            matches = [flat for (_, own), flat in self.model_names.items() if own == name]
-            if len(matches) == 1:
-                return matches[0]
-        return name
 
 
 class _ConnectionWarnings:
@@ -247,7 +161,7 @@ class ResponsesRequest(ChatTranslated):
             APIError: 400 naming ``tools`` for a tool this server cannot read.
         """
         if self._offered is None:
-            self._offered = _offer(self.tools or [])
+            self._offered = offer_tools(self.tools or [])
         return self._offered
 
     def _check_supported(self) -> None:
@@ -308,14 +222,7 @@ class ResponsesRequest(ChatTranslated):
         self._check_supported()
         offered = self.offered_tools
         if offered.not_offered:
-            types = tuple(offered.not_offered)
-            if _warnings.first(self._connection, types):
-                logger.warning(
-                    "/v1/responses: tools of type %s are not offered to the model (this "
-                    "server cannot run them); client %s",
-                    ", ".join(types),
-                    _client_text(self._connection),
-                )
+            self._warn_not_offered(tuple(offered.not_offered))
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -341,6 +248,21 @@ class ResponsesRequest(ChatTranslated):
             body["response_format"] = response_format
         if offered.chat_tools:
             body["tools"] = offered.chat_tools
+        body.update(self._tool_choice(offered))
+        return self.validated_chat(body, "input")
+
+    def _warn_not_offered(self, types: tuple[str, ...]) -> None:
+        """Log the tool types not offered to the model, once per client connection."""
+        if _warnings.first(self._connection, types):
+            logger.warning(
+                "/v1/responses: tools of type %s are not offered to the model (this "
+                "server cannot run them); client %s",
+                ", ".join(types),
+                _client_text(self._connection),
+            )
+
+    def _tool_choice(self, offered: OfferedTools) -> dict[str, Any]:
+        """The chat ``tool_choice`` of this request's (none: the chat default)."""
         if isinstance(self.tool_choice, dict):
             choice = self.tool_choice
             if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -353,18 +275,18 @@ class ResponsesRequest(ChatTranslated):
             if not isinstance(namespace, str):
                 namespace = None
             name = offered.model_name(namespace, choice["name"])
-            body["tool_choice"] = {"type": "function", "function": {"name": name}}
-        elif self.tool_choice == "required" and self.tools and not offered.chat_tools:
+            return {"tool_choice": {"type": "function", "function": {"name": name}}}
+        if self.tool_choice == "required" and self.tools and not offered.chat_tools:
             why = (
                 f"tools of type {', '.join(offered.not_offered)} are not offered to the model here"
                 if offered.not_offered
                 else "the namespaces given hold no functions"
             )
             raise bad_request(f'tool_choice "required" needs a function tool: {why}', "tool_choice")
-        elif self.tool_choice is not None and (offered.chat_tools or not self.tools):
+        if self.tool_choice is not None and (offered.chat_tools or not self.tools):
             # "auto" or "none" with only hosted tools: no tools, plain text.
-            body["tool_choice"] = self.tool_choice
-        return self.validated_chat(body, "input")
+            return {"tool_choice": self.tool_choice}
+        return {}
 
     def _response_format(self) -> dict[str, Any] | None:
         form = self.text.format if self.text is not None else None
@@ -450,347 +372,3 @@ def _client_text(client: Any) -> str:
     if isinstance(client, tuple) and len(client) == 2:
         return f"{client[0]}:{client[1]}"
     return "unknown"
-
-
-def _offer(tools: list[dict[str, Any]]) -> OfferedTools:
-    """The `OfferedTools` of a request's ``tools``.
-
-    A namespace's function is offered under its own name when no other offered function
-    has that name, else as ``<namespace>__<name>`` (the namespace's trailing
-    underscores dropped first: ``mcp__fs__`` + ``read`` is ``mcp__fs__read``).
-
-    Raises:
-        APIError: 400 naming ``tools`` (the message says which) for a tool that is not a
-            dict, a type this server does not know, an invalid function or namespace, or
-            two functions the model would know by one name.
-    """
-    offered = OfferedTools()
-    functions: list[tuple[str, str | None, FunctionTool]] = []  # (where, namespace, tool)
-
-    def not_offered(kind: str) -> None:
-        if kind not in offered.not_offered:
-            offered.not_offered.append(kind)
-
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "function":
-            functions.append((where, None, _function(tool, where)))
-        elif kind == "namespace":
-            namespace, inner = tool.get("name"), tool.get("tools")
-            if not isinstance(namespace, str) or not namespace or not isinstance(inner, list):
-                raise bad_request(
-                    f"{where}: a namespace tool needs a name and a list of tools", "tools"
-                )
-            for j, member in enumerate(inner):
-                member_where = f"{where}.tools[{j}]"
-                member_kind = member.get("type") if isinstance(member, dict) else None
-                if member_kind == "function":
-                    functions.append((member_where, namespace, _function(member, member_where)))
-                elif member_kind == "custom":
-                    not_offered("custom")
-                else:
-                    raise bad_request(
-                        f"{member_where}: a namespace holds function and custom tools, not "
-                        f"{member_kind!r}",
-                        "tools",
-                    )
-        elif kind in HOSTED_TOOL_TYPES:
-            not_offered(kind)
-        else:
-            raise bad_request(
-                f"{where}: unknown tool type {kind!r} (function and namespace tools are "
-                f"offered to the model; {', '.join(sorted(HOSTED_TOOL_TYPES))} are accepted "
-                "and not offered)",
-                "tools",
-            )
-    own_names: dict[str, int] = {}
-    for _, _, function in functions:
-        own_names[function.name] = own_names.get(function.name, 0) + 1
-    for where, namespace, function in functions:
-        model_name = function.name
-        if namespace is not None and own_names[function.name] > 1:
-            model_name = f"{namespace.rstrip('_')}__{function.name}"
-        if model_name in offered.client_names:
-            raise bad_request(f"{where}: two tools have the function name {model_name!r}", "tools")
-        offered.client_names[model_name] = (namespace, function.name)
-        offered.model_names[namespace, function.name] = model_name
-        offered.chat_tools.append(_chat_tool(function, model_name))
-        offered.chat_where.append(where)
-    return offered
-
-
-def _function(tool: dict[str, Any], where: str) -> FunctionTool:
-    try:
-        return FunctionTool.model_validate(tool)
-    except ValidationError as exc:
-        message, _ = validation_message(RequestValidationError(exc.errors()))
-        raise bad_request(f"{where}: {message}", "tools") from exc
-
-
-def _chat_tool(function: FunctionTool, name: str) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": function.description,
-            "parameters": function.parameters,
-            "strict": function.strict,
-        },
-    }
-
-
-class ResponsesFormat(BlockFormat):
-    """Renders a chat response as a Responses API ``response`` (see the module doc).
-
-    Args:
-        request: the Responses request, echoed in the response (``instructions``,
-            ``tools``, ``text``, sampling fields), as OpenAI does.
-    """
-
-    id_prefix = "resp"
-    object = "response"
-    done_marker = None
-
-    def __init__(self, *args: Any, request: ResponsesRequest, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.request = request
-        self._sequence = 0
-        self._item_ids: dict[int, str] = {}
-        self._done_items: list[dict[str, Any]] = []
-
-    def new_id(self) -> str:
-        return f"resp_{uuid.uuid4().hex}"
-
-    def _item_id(self, block: Block) -> str:
-        if block.index not in self._item_ids:
-            prefix = {"text": "msg", "call": "fc", "thinking": "rs"}[block.kind]
-            self._item_ids[block.index] = f"{prefix}_{uuid.uuid4().hex}"
-        return self._item_ids[block.index]
-
-    def _item(self, block: Block, status: str) -> dict[str, Any]:
-        if block.kind == "thinking":  # a reasoning item, its text whole (no summary)
-            content = [] if status == "in_progress" else [self._reasoning_part(block.text)]
-            return {
-                "type": "reasoning",
-                "id": self._item_id(block),
-                "summary": [],
-                "content": content,
-                "status": status,
-            }
-        if block.kind == "call":
-            item = {
-                "type": "function_call",
-                "id": self._item_id(block),
-                "call_id": block.call_id,
-                "name": block.name,
-                "arguments": "" if status == "in_progress" else block.text,
-                "status": status,
-            }
-            # A namespace's function: its namespace and own name, as the client knows it.
-            namespace, name = self.request.offered_tools.client_names.get(
-                block.name or "", (None, block.name)
-            )
-            if namespace is not None:
-                item["name"], item["namespace"] = name, namespace
-            return item
-        parts = [] if status == "in_progress" else [self._part(block.text)]
-        return {
-            "type": "message",
-            "id": self._item_id(block),
-            "status": status,
-            "role": "assistant",
-            "content": parts,
-        }
-
-    @staticmethod
-    def _part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    @staticmethod
-    def _reasoning_part(text: str) -> dict[str, Any]:
-        return {"type": "reasoning_text", "text": text}
-
-    def _response(
-        self,
-        plan: Plan,
-        status: str,
-        output: list[dict[str, Any]],
-        choice: Choice | None = None,
-        finish_reason: str | None = None,
-    ) -> dict[str, Any]:
-        request = self.request
-        incomplete = None
-        if finish_reason == "length":
-            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
-        usage = None
-        if choice is not None:
-            prompt = sum(plan.prompt_lengths)
-            usage = {
-                "input_tokens": prompt,
-                "input_tokens_details": {
-                    "cached_tokens": choice.num_cached_tokens,
-                    "cache_write_tokens": 0,
-                },
-                "output_tokens": choice.num_output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": prompt + choice.num_output_tokens,
-            }
-        reasoning = request.reasoning or ReasoningConfig()
-        text: dict[str, Any] = {
-            "format": (request.text.format if request.text else None) or {"type": "text"},
-            "verbosity": (request.text.verbosity if request.text else None) or "medium",
-        }
-        # Fields in the order of OpenAI's Response object.
-        return {
-            "id": plan.response_id,
-            "object": "response",
-            "created_at": plan.created or int(time.time()),
-            "status": status,
-            "background": False,
-            "completed_at": int(time.time()) if status == "completed" else None,
-            "error": None,
-            "incomplete_details": incomplete,
-            "instructions": request.instructions,
-            "max_output_tokens": request.max_output_tokens,
-            "max_tool_calls": request.max_tool_calls,
-            "model": plan.model,
-            "output": output,
-            "parallel_tool_calls": request.parallel_tool_calls,
-            "previous_response_id": None,
-            "prompt_cache_key": request.prompt_cache_key,
-            "prompt_cache_retention": request.prompt_cache_retention,
-            "reasoning": {
-                "effort": reasoning.effort,
-                "summary": reasoning.summary or reasoning.generate_summary,
-            },
-            "safety_identifier": request.safety_identifier,
-            "service_tier": "default",
-            "store": False,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
-            "text": text,
-            # OpenAI's default, echoed with or without tools.
-            "tool_choice": request.tool_choice or "auto",
-            "tools": request.tools or [],
-            "top_logprobs": 0,
-            "top_p": 1.0 if request.top_p is None else request.top_p,
-            "truncation": "disabled",
-            "usage": usage,
-            "user": request.user,
-            "metadata": request.metadata or {},
-        }
-
-    def response(self, plan: Plan, choices: list[Choice]) -> dict[str, Any]:
-        (choice,) = choices
-        blocks, finish_reason = self.blocks(plan, choice)
-        output = [self._item(block, "completed") for block in blocks]
-        if output and finish_reason == "length":  # the last item was cut off
-            output[-1]["status"] = "incomplete"
-        return self._response(plan, "completed", output, choice, finish_reason)
-
-    def _event(self, kind: str, **fields: Any) -> Event:
-        data = {"type": kind, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
-        return (kind, data)
-
-    def stream_start(self, plan: Plan, choices: list[Choice]) -> list[Event]:
-        response = self._response(plan, "in_progress", [])
-        return [
-            self._event("response.created", response=response),
-            self._event("response.in_progress", response=response),
-        ]
-
-    def block_started(self, plan: Plan, block: Block) -> list[Event]:
-        events = [
-            self._event(
-                "response.output_item.added",
-                output_index=block.index,
-                item=self._item(block, "in_progress"),
-            )
-        ]
-        if block.kind != "call":
-            part = self._part("") if block.kind == "text" else self._reasoning_part("")
-            events.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=self._item_id(block),
-                    output_index=block.index,
-                    content_index=0,
-                    part=part,
-                )
-            )
-        return events
-
-    def block_delta(self, plan: Plan, block: Block, text: str) -> list[Event]:
-        where = {"item_id": self._item_id(block), "output_index": block.index}
-        if block.kind == "call":
-            return [self._event("response.function_call_arguments.delta", **where, delta=text)]
-        if block.kind == "thinking":
-            return [
-                self._event("response.reasoning_text.delta", **where, content_index=0, delta=text)
-            ]
-        return [
-            self._event(
-                "response.output_text.delta", **where, content_index=0, delta=text, logprobs=[]
-            )
-        ]
-
-    def block_stopped(self, plan: Plan, block: Block) -> list[Event]:
-        where = {"item_id": self._item_id(block), "output_index": block.index}
-        if block.kind == "call":
-            events = [
-                self._event("response.function_call_arguments.done", **where, arguments=block.text)
-            ]
-        elif block.kind == "thinking":
-            events = [
-                self._event(
-                    "response.reasoning_text.done", **where, content_index=0, text=block.text
-                ),
-                self._event(
-                    "response.content_part.done",
-                    **where,
-                    content_index=0,
-                    part=self._reasoning_part(block.text),
-                ),
-            ]
-        else:
-            events = [
-                self._event(
-                    "response.output_text.done",
-                    **where,
-                    content_index=0,
-                    text=block.text,
-                    logprobs=[],
-                ),
-                self._event(
-                    "response.content_part.done",
-                    **where,
-                    content_index=0,
-                    part=self._part(block.text),
-                ),
-            ]
-        item = self._item(block, "incomplete" if self.finish_reason == "length" else "completed")
-        events.append(self._event("response.output_item.done", output_index=block.index, item=item))
-        self._done_items.append(item)
-        return events
-
-    def message_finished(self, plan: Plan, choice: Choice, finish_reason: str) -> list[Event]:
-        response = self._response(plan, "completed", self._done_items, choice, finish_reason)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return [self._event(kind, response=response)]
-
-    def stream_end(self, plan: Plan, choices: list[Choice], *, include_usage: bool) -> list[Event]:
-        return []
-
-    def stream_failed(self, plan: Plan, error: APIError) -> list[Event]:
-        """The whole stream of a response that failed before any output: created,
-        in progress, then ``response.failed`` with ``error`` (its ``code`` and
-        ``message``): how OpenAI streams a context overflow, and where Codex looks for
-        ``context_length_exceeded``."""
-        events = self.stream_start(plan, [])
-        response = self._response(plan, "failed", [])
-        response["error"] = {"code": error.code, "message": error.message}
-        return [*events, self._event("response.failed", response=response)]
-
-    def stream_error(self, error: APIError) -> Event:
-        return self._event("error", code=error.code, message=error.message, param=error.param)

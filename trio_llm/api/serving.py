@@ -25,7 +25,8 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from trio_llm.api.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest
+from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
+from trio_llm.api.anthropic_format import MessagesFormat
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.disconnect import Emit, EventStreamResponse, run_while_connected
@@ -43,9 +44,11 @@ from trio_llm.api.generation_request import GenerationRequest
 from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
 from trio_llm.api.plan import Plan, run_choices
-from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
+from trio_llm.api.responses import ResponsesRequest
+from trio_llm.api.responses_format import ResponsesFormat
 from trio_llm.api.streaming import Stream
-from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
+from trio_llm.api.tool_calls import NamedCallParser, ToolCallParser
+from trio_llm.api.tool_parsers import make_parser, required_parser
 from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.errors import (
     CONTEXT_LENGTH_EXCEEDED,

@@ -16,42 +16,38 @@ generations; their engine output coalesces in the `EngineClient` mailbox, which 
 them in the engine once 64 tokens are unread (no batch slot is held for a client that
 does not read). A client that leaves cancels the nursery, which aborts every engine
 request of the connection (``open_requests`` sends one `AbortRequests` on the way out).
+
+The handshake's checks (origin, API key) are in `trio_llm.api.websocket_handshake`; the
+client messages' checks and the ``error`` / ``done`` events in
+`trio_llm.api.websocket_messages`.
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import json
 import logging
 import math
 from typing import Any
-from urllib.parse import urlsplit
 
 import trio
 from fastapi import FastAPI, WebSocket
-from starlette.datastructures import Headers
 from starlette.websockets import WebSocketDisconnect
 
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
-from trio_llm.api.errors import (
-    APIError,
-    bad_request,
-    engine_error,
-    error_body,
-)
-from trio_llm.api.formats import usage
-from trio_llm.api.parsing import (
-    INLINE_PARSE_BYTES,
-    JSONTooDeepError,
-    load_json,
-    nested_too_deep,
-    validate,
-)
+from trio_llm.api.errors import APIError, bad_request, engine_error, error_body
+from trio_llm.api.parsing import INLINE_PARSE_BYTES, JSONTooDeepError, load_json, nested_too_deep
 from trio_llm.api.plan import OnDelta, Plan, run_choices
-from trio_llm.api.request_body import check_unicode
 from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.websocket_handshake import authorized, origin_allowed
+from trio_llm.api.websocket_messages import (
+    GENERATION_TYPES,
+    MAX_QUOTED_TYPE_LENGTH,
+    done_event,
+    error_event,
+    invalid_id,
+    parse_request,
+)
 from trio_llm.errors import EngineDeadError, EngineError
 from trio_llm.server_config import ServerConfig
 from trio_llm.text.choice import Choice, ChoiceDelta
@@ -65,9 +61,6 @@ WEBSOCKET_PATH = "/v1/ws"
 #: error event.
 MAX_GENERATIONS_PER_CONNECTION = 64
 
-#: Longest generation ``id`` accepted (characters).
-MAX_ID_LENGTH = 256
-
 #: Outgoing events buffered per connection before generation tasks wait (events).
 OUTGOING_EVENT_BUFFER = 32
 
@@ -76,9 +69,6 @@ OUTGOING_EVENT_BUFFER = 32
 #: `MAX_GENERATIONS_PER_CONNECTION`, or invalid ones). A client that keeps sending them
 #: without reading the answers is disconnected past this.
 MAX_PENDING_ERROR_CHARS = 1024 * 1024
-
-#: Longest stretch of a client's ``type`` quoted in an error event (characters).
-MAX_QUOTED_TYPE_LENGTH = 64
 
 #: Close codes (RFC 6455 section 7.4.1).
 CLOSE_GOING_AWAY = 1001
@@ -89,8 +79,6 @@ CLOSE_INTERNAL_ERROR = 1011
 #: What the server raises when a send finds the client gone (starlette's exceptions; an
 #: OSError from the transport; RuntimeError: starlette refusing a send after the close).
 _DISCONNECTED = (WebSocketDisconnect, RuntimeError, OSError)
-
-_GENERATION_TYPES = ("completion", "chat")
 
 
 def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
@@ -114,7 +102,7 @@ def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig
             await websocket.close(CLOSE_POLICY_VIOLATION)  # before accept: HTTP 403
             return
         await websocket.accept()
-        if key is not None and not _authorized(websocket, key):
+        if key is not None and not authorized(websocket, key):
             await _close_quietly(websocket, CLOSE_POLICY_VIOLATION, "invalid or missing API key")
             return
         try:
@@ -124,113 +112,12 @@ def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig
             await _close_quietly(websocket, CLOSE_INTERNAL_ERROR, "internal error")
 
 
-def origin_allowed(headers: Headers, allowed_origins: tuple[str, ...]) -> bool:
-    """Whether a WebSocket handshake with these headers may connect.
-
-    Browsers always send one ``Origin``; other clients usually send none, and are
-    allowed; more than one is refused. With ``--allowed-origins`` the origin must be one
-    of them (or the list holds ``*``), as for CORS over HTTP. Without it only same-origin
-    pages are allowed (the chat page served at ``/``): the origin's host and port must be
-    the ``Host`` the browser connected to, and that host must be an IP address or
-    ``localhost``. A page can rebind its own domain name to 127.0.0.1 (DNS rebinding) and
-    then looks same-origin to the server; naming a server by a domain therefore takes
-    ``--allowed-origins``.
-    """
-    origins = headers.getlist("origin")
-    if not origins:
-        return True
-    if len(origins) > 1:
-        return False
-    origin = origins[0]
-    if allowed_origins:
-        return "*" in allowed_origins or origin.rstrip("/") in {
-            allowed.rstrip("/") for allowed in allowed_origins
-        }
-    try:
-        parts = urlsplit(origin)
-        origin_host = parts.netloc.lower()
-        hostname = parts.hostname or ""
-    except ValueError:
-        return False
-    if parts.scheme not in ("http", "https") or not origin_host or not _is_local_name(hostname):
-        return False
-    host = headers.get("host", "").lower()
-    default_port = ":443" if parts.scheme == "https" else ":80"
-    return origin_host in (host, host.removesuffix(default_port)) or (
-        f"{origin_host}{default_port}" == host
-    )
-
-
-def _is_local_name(hostname: str) -> bool:
-    """An IP address literal or ``localhost``: names no other site can point at us."""
-    if hostname == "localhost" or hostname.endswith(".localhost"):
-        return True
-    try:
-        ipaddress.ip_address(hostname)
-    except ValueError:
-        return False
-    return True
-
-
-def _authorized(websocket: WebSocket, key: bytes) -> bool:
-    """Whether the handshake carries ``key`` as the HTTP routes take it (a bearer token or
-    ``x-api-key``, see `trio_llm.api.middleware.APIKeyMiddleware`) or as ``?api_key=``."""
-    header_key = websocket.headers.get("x-api-key")
-    if header_key is not None and hmac.compare_digest(header_key.strip().encode("latin-1"), key):
-        return True
-    scheme, _, token = websocket.headers.get("authorization", "").strip().partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key):
-        return True
-    query = websocket.query_params.get("api_key")
-    return query is not None and hmac.compare_digest(query.encode(), key)
-
-
 async def _close_quietly(websocket: WebSocket, code: int, reason: str) -> None:
     """Send a close frame unless the client is already gone."""
     try:
         await websocket.close(code, reason)
     except _DISCONNECTED:
         pass
-
-
-def _id_error(generation_id: Any) -> APIError | None:
-    """The error for a message's invalid ``id``, or None for a valid one."""
-    if not isinstance(generation_id, str) or not 0 < len(generation_id) <= MAX_ID_LENGTH:
-        problem = f"`id` must be a non-empty string of at most {MAX_ID_LENGTH} characters"
-        return bad_request(problem, "id")
-    try:
-        check_unicode(generation_id)
-    except ValueError as exc:
-        return bad_request(f"`id`: {exc}", "id")
-    return None
-
-
-def _error_event(generation_id: str | None, body: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "error", "id": generation_id, **body}
-
-
-def _parse_request(
-    kind: str, message: dict[str, Any], serving: OpenAIServing
-) -> CompletionRequest | ChatCompletionRequest:
-    """Validate a ``completion`` / ``chat`` message as the HTTP routes validate their body
-    (`trio_llm.api.parsing.validate`: the server's limits first, then every field).
-
-    Raises:
-        APIError: a 400 naming the field at fault, as the HTTP route would answer.
-    """
-    ignored = ("type", "id", "stream", "stream_options")
-    fields = {name: value for name, value in message.items() if name not in ignored}
-    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    request = validate(
-        model,
-        fields,
-        serving.limits,
-        max_model_len=serving.max_model_len,
-        vocab_size=serving.vocab_size,
-    )
-    if isinstance(request, CompletionRequest) and request.echo:
-        raise bad_request("`echo` is not supported over the WebSocket", "echo")
-    return request
 
 
 class _Connection:
@@ -344,11 +231,11 @@ class _Connection:
             return
         generation_id = message.get("id")
         kind = message.get("type")
-        id_error = _id_error(generation_id)
+        id_error = invalid_id(generation_id)
         if too_deep is not None:
             # The error ends that generation if the message started one (as a validation
             # error would); otherwise it names none.
-            starts = kind in _GENERATION_TYPES and id_error is None
+            starts = kind in GENERATION_TYPES and id_error is None
             self._reply_error(
                 generation_id if starts and generation_id not in self.active else None, too_deep
             )
@@ -362,7 +249,7 @@ class _Connection:
                 scope.cancel()
             return
         running = generation_id in self.active
-        if kind not in _GENERATION_TYPES:
+        if kind not in GENERATION_TYPES:
             quoted = repr(kind)
             if len(quoted) > MAX_QUOTED_TYPE_LENGTH:
                 quoted = quoted[:MAX_QUOTED_TYPE_LENGTH] + "..."
@@ -390,7 +277,7 @@ class _Connection:
         hang-up would not be noticed (hypercorn hands it over in the same queue)."""
         if self.close_requested.is_set():
             return  # closing: the answer would not be sent
-        text = json.dumps(_error_event(generation_id, error.body()), ensure_ascii=False)
+        text = json.dumps(error_event(generation_id, error.body()), ensure_ascii=False)
         if self.num_pending_error_chars + len(text) > MAX_PENDING_ERROR_CHARS:
             self.request_close(CLOSE_POLICY_VIOLATION, "too many unread error events", abort=True)
             return
@@ -412,33 +299,35 @@ class _Connection:
     ) -> None:
         """Run one generation and send its ``done`` or ``error`` event."""
         try:
-            event = await self._run_generation(generation_id, kind, message, scope, large)
+            request = await self._validated(kind, message, large)
+            event = await self._run_generation(generation_id, request, scope)
         except APIError as exc:
-            event = _error_event(generation_id, exc.body())
+            event = error_event(generation_id, exc.body())
         except EngineError as exc:
-            event = _error_event(generation_id, engine_error(exc).body())
+            event = error_event(generation_id, engine_error(exc).body())
         except Exception as exc:  # a bug: end this generation with an error, as HTTP does
             logger.exception("internal error in a WebSocket generation")
             text = f"internal error: {type(exc).__name__}: {exc}"
-            event = _error_event(generation_id, error_body(text, "server_error"))
+            event = error_event(generation_id, error_body(text, "server_error"))
         finally:
             # Free the id before its last event leaves: the client may reuse it at once.
             del self.active[generation_id]
         await self._send(event)
 
-    async def _run_generation(
-        self,
-        generation_id: str,
-        kind: str,
-        message: dict[str, Any],
-        scope: trio.CancelScope,
-        large: bool,
-    ) -> dict[str, Any]:
+    async def _validated(
+        self, kind: str, message: dict[str, Any], large: bool
+    ) -> CompletionRequest | ChatCompletionRequest:
+        """A ``completion`` / ``chat`` message validated (`parse_request`; in a worker
+        thread when the message is ``large``).
+
+        Raises:
+            APIError: a 400 naming the field at fault, or ``tools`` for a chat with tools.
+        """
         serving = self.serving
         if large:  # validation grows with the message: keep the event loop free
-            request = await trio.to_thread.run_sync(_parse_request, kind, message, serving)
+            request = await trio.to_thread.run_sync(parse_request, kind, message, serving)
         else:
-            request = _parse_request(kind, message, serving)
+            request = parse_request(kind, message, serving)
         if isinstance(request, ChatCompletionRequest) and request.effective_tool_choice != "none":
             # Delta events carry text only; tool calls are an HTTP feature for now.
             raise bad_request(
@@ -446,6 +335,16 @@ class _Connection:
                 'tool_choice "none"',
                 "tools",
             )
+        return request
+
+    async def _run_generation(
+        self,
+        generation_id: str,
+        request: CompletionRequest | ChatCompletionRequest,
+        scope: trio.CancelScope,
+    ) -> dict[str, Any]:
+        """Run ``request`` under ``scope``, sending its delta events; its ``done`` event."""
+        serving = self.serving
         plan = await serving.plan(request)
         admission = serving.admit(plan)
         try:
@@ -459,19 +358,7 @@ class _Connection:
                         raise engine_error(exc, plan.structured_param) from exc
         finally:
             self.engine.release(admission)
-        return {
-            "type": "done",
-            "id": generation_id,
-            "choices": [
-                {
-                    "index": choice.index,
-                    "finish_reason": choice.finish_reason or "abort",
-                    "stop_reason": choice.stop_reason,
-                }
-                for choice in choices
-            ],
-            "usage": usage(plan, choices),
-        }
+        return done_event(generation_id, plan, choices)
 
     def _delta_sender(self, generation_id: str, plan: Plan, choices: list[Choice]) -> OnDelta:
         """The ``on_delta`` callback that turns each piece of output into a delta event."""
