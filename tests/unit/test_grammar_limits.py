@@ -18,9 +18,10 @@ from trio_llm.api import protocol
 from trio_llm.api.anthropic import MessagesRequest
 from trio_llm.api.app import build_app
 from trio_llm.api.errors import APIError
+from trio_llm.api.plan import SMALL_GRAMMAR_CHARS
 from trio_llm.api.protocol import ChatCompletionRequest
 from trio_llm.api.responses import ResponsesRequest
-from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, SMALL_GRAMMAR_CHARS, OpenAIServing
+from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from trio_llm.engine import spec_checks
 from trio_llm.engine.spec_checks import (
     MAX_CHOICES,
@@ -466,7 +467,7 @@ async def test_a_client_that_leaves_abandons_its_grammar_check(
             nursery.start_soon(engine.route_outputs)
             nursery.start_soon(FakeEngine(stream).run)
             serving = OpenAIServing(engine, smol_tokenizer, ("m",))
-            serving.grammar_checks = trio.CapacityLimiter(1)
+            serving.planner.grammar_checks = trio.CapacityLimiter(1)
             app = build_app(serving, lambda: True)
             first = _Client(app, {"messages": QUESTION, "guided_regex": "first" + LARGE})
             second = _Client(app, {"messages": QUESTION, "guided_regex": "secnd" + LARGE})

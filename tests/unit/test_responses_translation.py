@@ -19,7 +19,7 @@ import pytest
 from openai.types.responses import Response
 
 from trio_llm.api.errors import APIError
-from trio_llm.api.plan import Plan
+from trio_llm.api.response_format import Plan
 from trio_llm.api.responses import ResponsesFormat, ResponsesRequest
 from trio_llm.api.tools import make_parser
 from trio_llm.text.output import TextDelta

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from trio_llm.api.errors import APIError, bad_request
-from trio_llm.api.formats import Block, BlockFormat, Event
+from trio_llm.api.formats import Block, BlockFormat
 from trio_llm.api.protocol import (
     INT32_MAX,
     ChatCompletionRequest,
@@ -41,10 +41,11 @@ from trio_llm.api.protocol import (
     FiniteFloat,
     Text,
 )
+from trio_llm.api.response_format import Event
 from trio_llm.text.choice import Choice
 
 if TYPE_CHECKING:
-    from trio_llm.api.plan import Plan
+    from trio_llm.api.response_format import Plan
 
 
 class TextBlock(BaseModel):

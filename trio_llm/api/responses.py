@@ -51,7 +51,7 @@ from pydantic import (
 )
 
 from trio_llm.api.errors import APIError, bad_request, validation_message
-from trio_llm.api.formats import Block, BlockFormat, Event
+from trio_llm.api.formats import Block, BlockFormat
 from trio_llm.api.protocol import (
     INT32_MAX,
     ChatCompletionRequest,
@@ -60,10 +60,11 @@ from trio_llm.api.protocol import (
     Text,
     check_json_text,
 )
+from trio_llm.api.response_format import Event
 from trio_llm.text.choice import Choice
 
 if TYPE_CHECKING:
-    from trio_llm.api.plan import Plan
+    from trio_llm.api.response_format import Plan
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import trio
 
 from trio_llm.api.disconnect import Emit
 from trio_llm.api.errors import APIError, engine_error
-from trio_llm.api.formats import Event
-from trio_llm.api.plan import Plan, run_choices
+from trio_llm.api.response_format import Event, Plan
+from trio_llm.api.run_choices import run_choices
 from trio_llm.errors import EngineError, first_leaf
 from trio_llm.frontend.data_parallel import EngineHandle
 from trio_llm.frontend.engine_client import Admission

@@ -23,6 +23,7 @@ from trio_llm.api.errors import bad_request, invalid_request
 from trio_llm.api.protocol import ChatMessage, Text, TokenId, is_neutral
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
+from trio_llm.frontend.preprocess import ChatPrompt
 
 #: Work on more items than this (characters or token ids) runs in a worker thread.
 INLINE_LIMIT = 8192
@@ -118,11 +119,12 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
                         "continue_final_message needs a final assistant message",
                         "continue_final_message",
                     )
-                text = await inputs.render_chat_async(
+                chat = ChatPrompt(
                     messages,
                     add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message,
                 )
+                text = await inputs.render_chat_async(chat)
                 special = bool(request.add_special_tokens)
                 tokens = await inputs.tokenize_async(text, "messages", special_tokens=special)
         except InvalidRequest as exc:

@@ -39,7 +39,6 @@ from trio_llm.api.errors import (
     engine_error,
     error_body,
 )
-from trio_llm.api.formats import usage
 from trio_llm.api.parsing import (
     INLINE_PARSE_BYTES,
     JSONTooDeepError,
@@ -47,8 +46,9 @@ from trio_llm.api.parsing import (
     nested_too_deep,
     validate,
 )
-from trio_llm.api.plan import OnDelta, Plan, run_choices
 from trio_llm.api.protocol import ChatCompletionRequest, CompletionRequest, check_unicode
+from trio_llm.api.response_format import Plan, usage
+from trio_llm.api.run_choices import OnDelta, run_choices
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import ServerConfig
 from trio_llm.errors import EngineDeadError, EngineError

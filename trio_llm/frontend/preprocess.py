@@ -4,9 +4,13 @@ The HTTP routes, the WebSocket and the embedding API (`trio_llm.async_engine`) a
 prompt (a text, chat messages or token ids) and a `SamplingParams` into engine requests
 the same way, here:
 
+- `InputPreprocessor.completion_prompts` / `chat_prompt` take a request's whole prompt
+  (a completion's ``prompt`` field, a chat's `ChatPrompt`) and give its prompts
+  (`Prompt`): rendered, tokenized and checked, long ones in a worker thread so the event loop stays
+  free; `count_chat_tokens` counts a chat prompt on the calling thread.
 - `InputPreprocessor.encode` / `encode_async` tokenize a text, refusing at once one that
   surely cannot fit the context (no tokenization needed); ``encode_async`` runs long
-  texts in a worker thread, so the event loop stays free.
+  texts in a worker thread.
 - `InputPreprocessor.render_chat` / `render_chat_async` render chat messages with the
   model's chat template.
 - `InputPreprocessor.check_token_ids` checks a token-id prompt against the vocabulary.
@@ -23,7 +27,7 @@ from __future__ import annotations
 import json
 import operator
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from functools import partial
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -42,6 +46,53 @@ from trio_llm.text.tokenizer import Tokenizer
 #: Texts shorter than this (characters) are tokenized or rendered on the event loop
 #: (well under 1 ms); longer ones in a worker thread.
 INLINE_ENCODE_CHARS = 8192
+
+
+#: A completion request's ``prompt``: a text, token ids, or a batch of either.
+CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+
+
+@dataclass
+class ChatPrompt:
+    """What the chat template renders into one prompt (`Tokenizer.render_chat`).
+
+    Attributes:
+        messages: the conversation, as template dicts (``role``, ``content``, ...).
+        tools: the tools shown to the model (OpenAI function specs), or None.
+        continue_final_message: leave the last (assistant) message open to continue.
+        template_kwargs: further template variables (``chat_template_kwargs``), or None.
+        fold_late_system: fold system messages after the first into the leading system
+            prompt when the template cannot show them at their place.
+        add_generation_prompt: end with the assistant's prompt.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] | None = None
+    fold_late_system: bool = False
+    add_generation_prompt: bool = True
+
+    def size(self) -> int:
+        """Characters of its messages, tools and template variables (what the template's
+        cost grows with)."""
+        size = sum(len(m["content"]) for m in self.messages)
+        size += len(json.dumps(self.tools)) if self.tools else 0
+        return size + (len(json.dumps(self.template_kwargs)) if self.template_kwargs else 0)
+
+
+@dataclass
+class Prompt:
+    """One tokenized prompt.
+
+    Attributes:
+        token_ids: what the engine is given.
+        text: the text it came from (a completion's as given, for ``echo``; a chat's as
+            rendered), or None for a prompt given as token ids.
+    """
+
+    token_ids: list[int]
+    text: str | None = None
 
 
 class InputPreprocessor:
@@ -157,47 +208,103 @@ class InputPreprocessor:
         Raises:
             InvalidRequest: the template rejects the messages, or the model has none.
         """
-        if fold_late_system and not self.tokenizer.renders_late_system(bool(tools)):
+        chat = ChatPrompt(
+            messages,
+            tools,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+            fold_late_system=fold_late_system,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return self._render(chat, param)
+
+    async def render_chat_async(self, chat: ChatPrompt, param: str = "messages") -> str:
+        """The prompt text of ``chat`` (as `render_chat`), in a worker thread when the
+        conversation is long (the template's cost grows with it). Raises as `render_chat`."""
+        if chat.size() < INLINE_ENCODE_CHARS:
+            return self._render(chat, param)
+        return await trio.to_thread.run_sync(self._render, chat, param)
+
+    def _render(self, chat: ChatPrompt, param: str) -> str:
+        messages = chat.messages
+        if chat.fold_late_system and not self.tokenizer.renders_late_system(bool(chat.tools)):
             messages = fold_system_messages(messages)
         try:
             return self.tokenizer.render_chat(
                 messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                continue_final_message=continue_final_message,
-                template_kwargs=template_kwargs,
+                add_generation_prompt=chat.add_generation_prompt,
+                tools=chat.tools,
+                continue_final_message=chat.continue_final_message,
+                template_kwargs=chat.template_kwargs,
             )
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param) from exc
 
-    async def render_chat_async(
-        self,
-        messages: list[dict[str, Any]],
-        param: str = "messages",
-        *,
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
-        fold_late_system: bool = False,
-    ) -> str:
-        """`render_chat`, in a worker thread when the conversation is long (the template's
-        cost grows with it). Raises as `render_chat`."""
-        render = partial(
-            self.render_chat,
-            messages,
-            param,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            continue_final_message=continue_final_message,
-            template_kwargs=template_kwargs,
-            fold_late_system=fold_late_system,
-        )
-        size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
-        size += len(json.dumps(template_kwargs)) if template_kwargs else 0
-        if size < INLINE_ENCODE_CHARS:
-            return render()
-        return await trio.to_thread.run_sync(render)
+    # ------------------------------------------------------------ whole prompts
+
+    async def chat_prompt(self, chat: ChatPrompt, *, count_only: bool = False) -> Prompt:
+        """Render and tokenize a chat request's prompt (field ``messages``), off the event
+        loop when it is long.
+
+        Args:
+            count_only: count it whatever its length (``/v1/messages/count_tokens``):
+                no check against the context, none for an empty prompt.
+
+        Returns:
+            Its token ids (no special tokens added: the template writes them) and the
+            rendered text.
+
+        Raises:
+            InvalidRequest: the template rejects the messages; a prompt far longer than
+                the context, or with no tokens (unless ``count_only``).
+        """
+        text = await self.render_chat_async(chat)
+        if count_only:
+            token_ids = await self.tokenize_async(text, "messages", special_tokens=False)
+        else:
+            token_ids = await self.encode_async(text, "messages", special_tokens=False)
+        return Prompt(token_ids, text)
+
+    def count_chat_tokens(self, chat: ChatPrompt) -> int:
+        """The token count of ``chat``'s prompt, rendered as `chat_prompt` renders it
+        (whatever its length: no context check), on the calling thread.
+
+        Raises:
+            InvalidRequest: the chat template rejects the messages.
+        """
+        text = self._render(chat, "messages")
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def completion_prompts(self, prompt: CompletionPrompt) -> list[Prompt]:
+        """The prompts of a completion request's ``prompt`` field: a text, token ids, or
+        a list of either (a batch); each text tokenized with the tokenizer's special
+        tokens (off the event loop when long), each token-id prompt checked.
+
+        Returns:
+            One `Prompt` per prompt, in order, each with its text as given (None for
+            token ids).
+
+        Raises:
+            InvalidRequest: an empty prompt, a text far longer than the context or with
+                no tokens, a token id outside the vocabulary.
+            TypeError: a token id that is not an integer.
+        """
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            items: list[str | list[int]] = [prompt]  # type: ignore[list-item]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        prompts = []
+        for item in items:
+            if not item:
+                raise InvalidRequest("the prompt is empty", "prompt")
+            if isinstance(item, str):
+                ids = await self.encode_async(item, "prompt", special_tokens=True)
+                prompts.append(Prompt(ids, item))
+            else:
+                prompts.append(Prompt(self.check_token_ids(item, "prompt")))
+        return prompts
 
     # ------------------------------------------------------------ token ids
 
