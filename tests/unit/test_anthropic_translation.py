@@ -21,7 +21,8 @@ from trio_llm.api.errors import APIError
 from trio_llm.api.middleware import RequestIdMiddleware
 from trio_llm.api.protocol import ChatCompletionRequest
 from trio_llm.engine.structured import check_structured_output
-from trio_llm.frontend.preprocess import InputPreprocessor, fold_system_messages
+from trio_llm.frontend.chat_prompt import fold_system_messages
+from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.messages import StructuredOutput
 from trio_llm.text.tokenizer import Tokenizer
 

@@ -284,17 +284,9 @@ class BlockFormat(ChatFormat):
         events: list[Event] = []
         delta = entry["delta"]
         if delta.get("reasoning"):
-            if self._open is None or self._open.kind != "thinking":
-                events += self._open_block(plan, Block("thinking", self._num_blocks))
-            assert self._open is not None
-            self._open.text += delta["reasoning"]
-            events += self.block_delta(plan, self._open, delta["reasoning"])
+            events += self._add_text(plan, "thinking", delta["reasoning"])
         if delta.get("content"):
-            if self._open is None or self._open.kind != "text":
-                events += self._open_block(plan, Block("text", self._num_blocks))
-            assert self._open is not None
-            self._open.text += delta["content"]
-            events += self.block_delta(plan, self._open, delta["content"])
+            events += self._add_text(plan, "text", delta["content"])
         for call in delta.get("tool_calls", ()):
             function = call["function"]
             if "id" in call:
@@ -310,6 +302,16 @@ class BlockFormat(ChatFormat):
             events += self._close_block(plan)
             events += self.message_finished(plan, choice, entry["finish_reason"])
         return events
+
+    def _add_text(self, plan: Plan, kind: Literal["text", "thinking"], text: str) -> list[Event]:
+        """The events that add ``text`` to the open block of ``kind`` (a new one is
+        opened when no block, or one of another kind, is open)."""
+        events: list[Event] = []
+        if self._open is None or self._open.kind != kind:
+            events += self._open_block(plan, Block(kind, self._num_blocks))
+        assert self._open is not None
+        self._open.text += text
+        return events + self.block_delta(plan, self._open, text)
 
     def _open_block(self, plan: Plan, block: Block) -> list[Event]:
         events = self._close_block(plan)

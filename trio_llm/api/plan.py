@@ -11,6 +11,7 @@ choose the output format too: what reads tool calls and reasoning out of a chat 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 
 import msgspec
@@ -29,11 +30,13 @@ from trio_llm.api.protocol import (
 from trio_llm.api.response_format import Plan
 from trio_llm.api.tools import NamedCallParser, ToolCallParser, make_parser, required_parser
 from trio_llm.config import RequestLimits
+from trio_llm.frontend.chat_prompt import ChatPrompt
 from trio_llm.frontend.generation_defaults import GenerationDefaults
-from trio_llm.frontend.preprocess import ChatPrompt, InputPreprocessor, fan_out
+from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
 from trio_llm.text.reasoning import ReasoningFormat, reasoning_format
 from trio_llm.text.stop import compile_stops
+from trio_llm.text.tokenizer import Tokenizer
 
 #: Stop strings with more characters than this in all are compiled in a worker thread.
 INLINE_STOP_CHARS = 1024
@@ -60,37 +63,30 @@ def chat_prompt(request: ChatCompletionRequest, special_tokens: Iterable[str]) -
     )
 
 
+@dataclass(kw_only=True, eq=False)
 class Planner:
     """Builds the `Plan` of a completion or chat request for one model.
 
-    Args:
+    Attributes:
         inputs: the model's preprocessor (tokenizer, context length, vocabulary).
         grammar_checks: how many large structured-output specs are checked at once
             (each in a worker thread, building a grammar).
         The others: as `OpenAIServing`'s arguments of the same names.
     """
 
-    def __init__(
-        self,
-        inputs: InputPreprocessor,
-        grammar_checks: trio.CapacityLimiter,
-        *,
-        limits: RequestLimits,
-        generation_defaults: GenerationDefaults,
-        max_logprobs: int,
-        tool_call_parser: str | None,
-        reasoning_parser: str | None,
-        disable_additional_properties: bool,
-    ) -> None:
-        self.inputs = inputs
-        self.tokenizer = inputs.tokenizer
-        self.grammar_checks = grammar_checks
-        self.limits = limits
-        self.generation_defaults = generation_defaults
-        self.max_logprobs = max_logprobs
-        self.tool_call_parser = tool_call_parser
-        self.reasoning_parser = reasoning_parser
-        self.disable_additional_properties = disable_additional_properties
+    inputs: InputPreprocessor
+    grammar_checks: trio.CapacityLimiter
+    limits: RequestLimits
+    generation_defaults: GenerationDefaults
+    max_logprobs: int
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    disable_additional_properties: bool
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (with chat template)."""
+        return self.inputs.tokenizer
 
     # ------------------------------------------------------------ completions
 
@@ -123,14 +119,10 @@ class Planner:
             )
         wanted = [request.logprobs if request.echo else None, request.prompt_logprobs]
         counts = [count for count in wanted if count is not None]
-        plan = Plan(
-            CompletionFormat(self.tokenizer),
-            model,
-            echo=request.echo,
-            num_top_logprobs=request.logprobs,
-            num_prompt_logprobs=request.prompt_logprobs,
-            structured_param=request.structured_param,
-        )
+        plan = Plan(CompletionFormat(self.tokenizer), model, echo=request.echo)
+        plan.num_top_logprobs = request.logprobs
+        plan.num_prompt_logprobs = request.prompt_logprobs
+        plan.structured_param = request.structured_param
         for prompt in prompts:
             max_tokens = self._max_tokens(request.max_tokens, len(prompt.token_ids), "max_tokens")
             params = self._params(

@@ -1,11 +1,15 @@
-"""The OpenAI completion and chat-completion handlers: prompt -> engine -> text.
+"""The route handlers of the generating and embedding APIs: body, plan, admission, answer.
 
-Both routes share one path: validate and tokenize into a `Plan` (one engine request per
-choice: every prompt of a batch times ``n``), reserve places in the waiting line, then
-either collect every choice (one JSON body) or stream chunks as server-sent events ending
-with ``data: [DONE]`` (see `trio_llm.api.streaming`). Everything that can be refused is
-refused before the first byte of the response, as a proper HTTP error. The response
-shapes follow the OpenAI API reference (``text_completion``, ``chat.completion``).
+`OpenAIServing` serves ``/v1/completions`` and ``/v1/chat/completions``, the routes
+translated into a chat completion (``/v1/messages`` and its ``count_tokens``,
+``/v1/responses``) and ``/v1/embeddings``. Every generating route walks one path: read
+and validate the body (`parse`), build the request's `Plan` (`plan`, with the `Planner`
+of `trio_llm.api.plan`: one engine request per choice, every prompt of a batch times
+``n``), reserve places in the waiting line (`admit`), then either collect every choice
+into one JSON body (`trio_llm.api.run_choices`) or stream it as server-sent events
+(`trio_llm.api.streaming`), in the format the plan names (`trio_llm.api.formats`).
+Everything that can be refused is refused before the first byte of the response, as a
+proper HTTP error. The embeddings route takes its pieces from `trio_llm.api.embeddings`.
 """
 
 from __future__ import annotations
@@ -133,8 +137,8 @@ class OpenAIServing:
         #: Builds each request's `Plan`. Large structured-output specs are checked at
         #: once in worker threads (each builds a grammar): as many as the engine compiles.
         self.planner = Planner(
-            self.inputs,
-            trio.CapacityLimiter(default_compile_workers()),
+            inputs=self.inputs,
+            grammar_checks=trio.CapacityLimiter(default_compile_workers()),
             limits=self.limits,
             generation_defaults=generation_defaults or GenerationDefaults(),
             max_logprobs=max_logprobs,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from functools import partial
 
 import trio
@@ -38,28 +39,25 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_SECONDS = 15.0
 
 
+@dataclass(eq=False)
 class Stream:
     """One streamed response over all of a request's choices, in ``plan.format``.
 
-    Args:
+    Attributes:
+        engine: the engine the choices run in.
+        plan: the response's `Plan`.
+        choices: one `Choice` per engine request of the plan.
         admission: places reserved in the waiting line; released when the stream ends.
     """
 
-    def __init__(
-        self,
-        engine: EngineHandle,
-        plan: Plan,
-        choices: list[Choice],
-        admission: Admission,
-    ) -> None:
-        self.engine = engine
-        self.plan = plan
-        self.choices = choices
-        self.admission = admission
-        self._lock = trio.Lock()
-        self._emit: Emit | None = None
-        self._started = False
-        self._last_sent = 0.0
+    engine: EngineHandle
+    plan: Plan
+    choices: list[Choice]
+    admission: Admission
+    _lock: trio.Lock = field(default_factory=trio.Lock, init=False)
+    _emit: Emit | None = field(default=None, init=False)
+    _started: bool = field(default=False, init=False)
+    _last_sent: float = field(default=0.0, init=False)
 
     async def _start(self) -> None:
         """Send the format's opening events, once."""

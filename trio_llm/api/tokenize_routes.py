@@ -23,7 +23,7 @@ from trio_llm.api.errors import bad_request, invalid_request
 from trio_llm.api.protocol import ChatMessage, Text, TokenId, is_neutral
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
-from trio_llm.frontend.preprocess import ChatPrompt
+from trio_llm.frontend.chat_prompt import ChatPrompt
 
 #: Work on more items than this (characters or token ids) runs in a worker thread.
 INLINE_LIMIT = 8192

@@ -1,13 +1,13 @@
 """From a prompt to engine requests: the one layer every front end shares.
 
-The HTTP routes, the WebSocket and the embedding API (`trio_llm.async_engine`) all turn a
+The HTTP routes, the WebSocket and the Python API (`trio_llm.async_engine`) all turn a
 prompt (a text, chat messages or token ids) and a `SamplingParams` into engine requests
 the same way, here:
 
-- `InputPreprocessor.completion_prompts` / `chat_prompt` take a request's whole prompt
-  (a completion's ``prompt`` field, a chat's `ChatPrompt`) and give its prompts
-  (`Prompt`): rendered, tokenized and checked, long ones in a worker thread so the event loop stays
-  free; `count_chat_tokens` counts a chat prompt on the calling thread.
+- `InputPreprocessor.completion_prompts` and `chat_prompt` take a request's whole prompt
+  (a completion's ``prompt`` field; a chat's `ChatPrompt`) and give its tokenized,
+  checked prompts (`Prompt`), rendering and tokenizing long ones in a worker thread so
+  the event loop stays free; `count_chat_tokens` counts a chat prompt's tokens.
 - `InputPreprocessor.encode` / `encode_async` tokenize a text, refusing at once one that
   surely cannot fit the context (no tokenization needed); ``encode_async`` runs long
   texts in a worker thread.
@@ -19,12 +19,11 @@ the same way, here:
 - `run_all` drives many engine requests at once and ends them all at the first error.
 
 Every refusal is an `InvalidRequest` naming the parameter at fault: the HTTP layer answers
-it with a 400, the embedding API raises it (it is a `ValueError`).
+it with a 400, the Python API raises it (it is a `ValueError`).
 """
 
 from __future__ import annotations
 
-import json
 import operator
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from trio_llm.errors import (
     InvalidRequest,
     InvalidTextError,
 )
+from trio_llm.frontend.chat_prompt import ChatPrompt, fold_system_messages
 from trio_llm.messages import SamplingParams
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -47,38 +47,8 @@ from trio_llm.text.tokenizer import Tokenizer
 #: (well under 1 ms); longer ones in a worker thread.
 INLINE_ENCODE_CHARS = 8192
 
-
 #: A completion request's ``prompt``: a text, token ids, or a batch of either.
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
-
-
-@dataclass
-class ChatPrompt:
-    """What the chat template renders into one prompt (`Tokenizer.render_chat`).
-
-    Attributes:
-        messages: the conversation, as template dicts (``role``, ``content``, ...).
-        tools: the tools shown to the model (OpenAI function specs), or None.
-        continue_final_message: leave the last (assistant) message open to continue.
-        template_kwargs: further template variables (``chat_template_kwargs``), or None.
-        fold_late_system: fold system messages after the first into the leading system
-            prompt when the template cannot show them at their place.
-        add_generation_prompt: end with the assistant's prompt.
-    """
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    continue_final_message: bool = False
-    template_kwargs: dict[str, Any] | None = None
-    fold_late_system: bool = False
-    add_generation_prompt: bool = True
-
-    def size(self) -> int:
-        """Characters of its messages, tools and template variables (what the template's
-        cost grows with)."""
-        size = sum(len(m["content"]) for m in self.messages)
-        size += len(json.dumps(self.tools)) if self.tools else 0
-        return size + (len(json.dumps(self.template_kwargs)) if self.template_kwargs else 0)
 
 
 @dataclass
@@ -384,23 +354,6 @@ class InputPreprocessor:
         wanted = requested if requested is not None else default
         limits = [room, *(v for v in (wanted, cap) if v is not None)]
         return min(limits)
-
-
-def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with every system message after the first message moved into the
-    leading system prompt (one is added when the conversation has none): their texts
-    appended to it in order, each after a blank line. The other messages keep their order.
-    """
-    late = [m for m in messages[1:] if m.get("role") == "system"]
-    if not late:
-        return messages
-    rest = [m for m in messages[1:] if m.get("role") != "system"]
-    texts = [m.get("content") or "" for m in late]
-    if messages[0].get("role") == "system":
-        texts.insert(0, messages[0].get("content") or "")
-    else:
-        rest.insert(0, messages[0])
-    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *rest]
 
 
 def child_seed(seed: int | None, index: int) -> int | None:
