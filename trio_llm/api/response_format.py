@@ -2,7 +2,7 @@
 
 A `Plan` lists one engine request per choice (each prompt of a batch, ``n`` times, with
 choice index ``prompt_index * n + sample``, as vLLM numbers them) and the format its
-output is written in; `trio_llm.api.plan` builds it, `trio_llm.api.plan.run_choices`
+output is written in; `trio_llm.api.plan` builds it, `trio_llm.api.run_choices.run_choices`
 runs it. `ResponseFormat` is the base of the output formats (`trio_llm.api.formats`):
 it renders the whole response body, the events of a stream (server-sent events), the
 ``usage``, and the logprobs of a WebSocket ``delta`` event.

@@ -1,6 +1,6 @@
 """Streamed responses: the server-sent events of one response, in its format.
 
-What the events are is the format's (`trio_llm.api.formats.ResponseFormat.stream_start`,
+What the events are is the format's (`trio_llm.api.response_format.ResponseFormat.stream_start`,
 ``stream_piece``, ``stream_end``, ``stream_error``); this module sends them in order,
 one response's choices concurrently, and always ends the stream, also after an error.
 
