@@ -20,8 +20,9 @@ from trio_llm.api.anthropic import MessagesRequest
 from trio_llm.api.app import build_app
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import APIError
+from trio_llm.api.plan import SMALL_GRAMMAR_CHARS
 from trio_llm.api.responses import ResponsesRequest
-from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, SMALL_GRAMMAR_CHARS, OpenAIServing
+from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import EngineReady, StructuredOutput
 from trio_llm.structured_output import spec_limits
@@ -463,7 +464,7 @@ async def test_a_client_that_leaves_abandons_its_grammar_check(
             nursery.start_soon(engine.route_outputs)
             nursery.start_soon(FakeEngine(stream).run)
             serving = OpenAIServing(engine, smol_tokenizer, ("m",))
-            serving.grammar_checks = trio.CapacityLimiter(1)
+            serving.planner.grammar_checks = trio.CapacityLimiter(1)
             app = build_app(serving, lambda: True)
             first = _Client(app, {"messages": QUESTION, "guided_regex": "first" + LARGE})
             second = _Client(app, {"messages": QUESTION, "guided_regex": "secnd" + LARGE})

@@ -1,7 +1,8 @@
 """``POST /v1/embeddings``: OpenAI's embeddings endpoint, served by an embedding model.
 
 The request runs the same admission, engine client and disconnect handling as the
-generating routes (`trio_llm.api.serving.OpenAIServing.embed`); the engine child is a
+generating routes (`trio_llm.api.serving.OpenAIServing.embed`, with the pieces here:
+`embedding_plan`, `collect_embeddings`, `embeddings_body`); the engine child is a
 `trio_llm.engine.pooling.PoolingCore`, which batches the inputs of all clients together.
 
 Supported: ``input`` as a string, a list of strings, a list of token ids or a list of
@@ -23,13 +24,26 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
+import trio
 from pydantic import Field, StrictInt
 
-from trio_llm.api.errors import bad_request
+from trio_llm.api.errors import bad_request, invalid_request
+from trio_llm.api.formats import ChatFormat
 from trio_llm.api.request_body import INT32_MAX, RequestBody, Text, TokenId
+from trio_llm.api.response_format import Plan
+from trio_llm.errors import ContextLengthError, InvalidRequest
+from trio_llm.frontend.engine_client import Admission
+from trio_llm.frontend.handle import EngineHandle
+from trio_llm.frontend.preprocess import InputPreprocessor
+from trio_llm.messages import EngineReady, SamplingParams
 
 #: Most inputs in one request (OpenAI's limit).
 MAX_INPUTS = 2048
+
+#: An embeddings request with more inputs than this is tokenized and rendered in a
+#: worker thread (both grow with the request).
+INLINE_EMBEDDING_INPUTS = 8
 
 
 class EmbeddingRequest(RequestBody):
@@ -135,3 +149,98 @@ def response(
         ],
         "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens},
     }
+
+
+async def embedding_plan(
+    request: EmbeddingRequest, model: str, inputs: InputPreprocessor, info: EngineReady
+) -> Plan:
+    """Check ``request`` against the model (``info``) and tokenize its inputs: a `Plan`
+    with one engine request per input, in order (its format only serves admission's
+    bookkeeping).
+
+    Raises:
+        APIError: 400 for a ``dimensions`` the model cannot give, an empty, refused or
+            too long input (`embedding_prompts`).
+    """
+    check_dimensions(request.dimensions, info.embedding_dim, matryoshka_dimensions(info.model_dir))
+    prompts = await embedding_prompts(inputs, request.inputs())
+    plan = Plan(ChatFormat(inputs.tokenizer), model)
+    params = SamplingParams(max_tokens=0)
+    for ids in prompts:
+        plan.add_prompt(ids, [params], None)
+    return plan
+
+
+async def embedding_prompts(
+    inputs: InputPreprocessor, items: list[str | list[int]]
+) -> list[list[int]]:
+    """The token ids of every input (`EmbeddingRequest.inputs`), texts with the
+    tokenizer's special tokens; in a worker thread unless there is little of it.
+
+    Raises:
+        APIError: 400 for an input the preprocessor refuses (a token id outside the
+            vocabulary, a text with no tokens) or longer than the context (never cut).
+    """
+    max_model_len = inputs.max_model_len
+
+    def tokenize() -> list[list[int]]:
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                ids = inputs.encode(item, "input", special_tokens=True)
+            else:
+                ids = inputs.check_token_ids(item, "input")
+            if len(ids) > max_model_len:
+                raise ContextLengthError(max_model_len, len(ids), "input", prompt_name="input")
+            prompts.append(ids)
+        return prompts
+
+    try:
+        # Up to 2,048 inputs: their tokenizing grows with the request, so it runs in
+        # a worker thread unless there is little of it.
+        if len(items) <= INLINE_EMBEDDING_INPUTS and sum(map(len, items)) < 4096:
+            return tokenize()
+        return await trio.to_thread.run_sync(tokenize)
+    except InvalidRequest as exc:
+        raise invalid_request(exc) from exc
+
+
+async def collect_embeddings(
+    engine: EngineHandle,
+    requests: list[tuple[list[int], SamplingParams]],
+    admission: Admission,
+    vectors: list[list[float]],
+) -> None:
+    """Submit the admitted ``requests`` together and store each one's vector in
+    ``vectors`` (its place in input order).
+
+    Raises:
+        EngineError: the engine failed the requests.
+    """
+    async with engine.open_requests(requests, admission) as streams:
+        for i, stream in enumerate(streams):
+            async for delta in stream:
+                if delta.embedding is not None:
+                    vectors[i] = delta.embedding
+
+
+async def embeddings_body(
+    model: str, vectors: list[list[float]], request: EmbeddingRequest, num_prompt_tokens: int
+) -> bytes:
+    """The JSON response body (`response`) of ``vectors``, each cut to the request's
+    ``dimensions`` and in its ``encoding_format``; rendered in a worker thread for a
+    large batch (hundreds of thousands of floats)."""
+
+    def render() -> bytes:
+        data = [
+            encode(shorten(vector, request.dimensions), request.encoding_format)
+            for vector in vectors
+        ]
+        # msgspec, not json.dumps: either holds the GIL for the whole body, so the
+        # worker thread stalls the event loop while it runs; 2,048 vectors of 384
+        # floats take json.dumps about a second and msgspec a twentieth of that.
+        return msgspec.json.encode(response(model, data, num_prompt_tokens))
+
+    if len(vectors) <= INLINE_EMBEDDING_INPUTS:
+        return render()
+    return await trio.to_thread.run_sync(render)

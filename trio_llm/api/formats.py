@@ -1,157 +1,30 @@
 """Output formats: how one response's choices are rendered for the client.
 
 The request path is one (`trio_llm.api.serving`: plan, admit, run the choices); what
-differs between endpoints is only how a choice is written out. A `ResponseFormat` renders
-the whole response body, the events of a stream (server-sent events), the ``usage``, and
-the logprobs of a WebSocket ``delta`` event. `CompletionFormat` (``/v1/completions``,
+differs between endpoints is only how a choice is written out, by a `ResponseFormat`
+(`trio_llm.api.response_format`). `CompletionFormat` (``/v1/completions``,
 ``text_completion``) and `ChatFormat` (``/v1/chat/completions``, ``chat.completion``) are
-here; the Anthropic Messages format (`trio_llm.api.anthropic`) and the Responses format
-(`trio_llm.api.responses`) render a chat response's message (text and tool calls) in
-their own shapes.
-
-A format instance belongs to one response (its `Plan`): it keeps per-choice state, such
-as the text offsets of completion logprobs and whether a choice's first chunk (which
-carries an echoed prompt, or the chat role) went out.
+here, and `BlockFormat`, the base of the formats that write a chat response's message
+(text and tool calls) as blocks in their own shapes: the Anthropic Messages format
+(`trio_llm.api.anthropic`) and the Responses format (`trio_llm.api.responses`).
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from trio_llm.api.errors import APIError
 from trio_llm.api.logprobs_format import (
     CompletionLogprobs,
     chat_logprobs,
     vllm_prompt_logprobs,
 )
+from trio_llm.api.response_format import Event, Plan, ResponseFormat, choice_entry
 from trio_llm.api.tool_calls import CallDelta, ParsedDelta, ToolCallParser
 from trio_llm.text.choice import Choice, ChoiceDelta
 from trio_llm.text.reasoning import ReasoningDelta, ReasoningParser
 from trio_llm.text.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from trio_llm.api.plan import Plan
-
-#: One server-sent event: its name (None: unnamed) and its data (JSON, or text as is).
-Event = tuple[str | None, Any]
-
-
-def num_cached_tokens(plan: Plan, choices: list[Choice]) -> int:
-    """Prompt tokens that came from the prefix cache, each prompt counted once (by its
-    first choice, as its tokens are counted once in ``prompt_tokens``)."""
-    if not plan.prompt_lengths:
-        return 0
-    n = max(1, len(plan.requests) // len(plan.prompt_lengths))
-    return sum(choice.num_cached_tokens for choice in choices if choice.index % n == 0)
-
-
-def usage(plan: Plan, choices: list[Choice]) -> dict[str, Any]:
-    """OpenAI's ``usage``: each prompt counted once, every choice's output tokens, and
-    ``prompt_tokens_details.cached_tokens`` (prompt tokens from the prefix cache; OpenAI
-    always sends it, vLLM with ``--enable-prompt-tokens-details``)."""
-    prompt = sum(plan.prompt_lengths)
-    completion = sum(choice.num_output_tokens for choice in choices)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens(plan, choices)},
-    }
-
-
-class ResponseFormat:
-    """Renders the choices of one response (base class; see the module doc).
-
-    Attributes:
-        id_prefix: the response ``id``'s prefix (``cmpl``, ``chatcmpl``).
-        object: the ``object`` of a whole response.
-        chunk_object: the ``object`` of a stream chunk.
-    """
-
-    id_prefix = ""
-    object = ""
-    chunk_object = ""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def new_id(self) -> str:
-        """A fresh response ``id``: ``<id_prefix>-<32 hex digits>``."""
-        return f"{self.id_prefix}-{uuid.uuid4().hex}"
-
-    def response(self, plan: Plan, choices: list[Choice]) -> dict[str, Any]:
-        """The whole (non-streamed) response body."""
-        return {
-            "id": plan.response_id,
-            "object": self.object,
-            "created": plan.created,
-            "model": plan.model,
-            "choices": [self.final_choice(plan, choice) for choice in choices],
-            "usage": usage(plan, choices),
-        }
-
-    def chunk(
-        self, plan: Plan, entries: list[dict[str, Any]], choices: list[Choice] | None = None
-    ) -> dict[str, Any]:
-        """One stream chunk carrying the choice ``entries``; with ``choices`` (the
-        stream's last chunk, when usage was asked for) the ``usage`` of those."""
-        body: dict[str, Any] = {
-            "id": plan.response_id,
-            "object": self.chunk_object,
-            "created": plan.created,
-            "model": plan.model,
-            "choices": entries,
-        }
-        if choices is not None:
-            body["usage"] = usage(plan, choices)
-        return body
-
-    def final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
-        """One entry of a whole response's ``choices`` (the choice has finished)."""
-        raise NotImplementedError
-
-    # ------------------------------------------------ streamed (server-sent events)
-
-    #: The data of the stream's last event (None: the stream just ends).
-    done_marker: str | None = "[DONE]"
-
-    #: True: `stream_start`'s events wait for the engine's first output (they report
-    #: what only it knows, such as the prefix-cache hits); False: they go out at once.
-    start_after_first_output = False
-
-    #: An event sent when the stream has been silent for `KEEPALIVE_SECONDS` after its
-    #: opening events (a long prefill, a long wait in the queue), or None for none.
-    keepalive_event: Event | None = None
-
-    def stream_start(self, plan: Plan, choices: list[Choice]) -> list[Event]:
-        """The events a stream opens with, before any output (none here)."""
-        return []
-
-    def stream_piece(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> list[Event]:
-        """The events that carry ``piece`` of ``choice`` (one chunk here, or none)."""
-        entry = self.chunk_choice(plan, choice, piece)
-        return [] if entry is None else [(None, self.chunk(plan, [entry]))]
-
-    def stream_end(self, plan: Plan, choices: list[Choice], *, include_usage: bool) -> list[Event]:
-        """The events after every choice finished (here the usage chunk, if asked for)."""
-        return [(None, self.chunk(plan, [], choices))] if include_usage else []
-
-    def stream_error(self, error: APIError) -> Event:
-        """The event that reports ``error`` in the middle of a stream."""
-        return (None, error.body())
-
-    def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any] | None:
-        """The ``choices`` entry of the stream chunk that carries ``piece``, or None when
-        there is nothing to send yet."""
-        raise NotImplementedError
-
-    def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
-        """The ``logprobs`` of the WebSocket ``delta`` event that carries ``piece``
-        (only called when the request asked for logprobs)."""
-        raise NotImplementedError
 
 
 class CompletionFormat(ResponseFormat):
@@ -183,7 +56,7 @@ class CompletionFormat(ResponseFormat):
             logprobs = CompletionLogprobs(self.tokenizer).delta(
                 prefix + choice.all_logprobs, first_token
             )
-        entry = _choice(choice.index, "text", text, logprobs, choice.finish_reason, choice)
+        entry = choice_entry(choice.index, "text", text, logprobs, choice.finish_reason, choice)
         if plan.num_prompt_logprobs is not None:
             entry["prompt_logprobs"] = vllm_prompt_logprobs(
                 self.tokenizer, choice.prompt_logprobs, plan.num_prompt_logprobs
@@ -203,7 +76,7 @@ class CompletionFormat(ResponseFormat):
         logprobs = None
         if plan.num_top_logprobs is not None:
             logprobs = self._formatter(choice.index).delta(entries, first_token)
-        return _choice(choice.index, "text", text, logprobs, piece.finish_reason, piece)
+        return choice_entry(choice.index, "text", text, logprobs, piece.finish_reason, piece)
 
     def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
         return self._formatter(choice.index).delta(list(piece.logprobs))
@@ -283,7 +156,7 @@ class ChatFormat(ResponseFormat):
                 message["content"] = None  # all reasoning (vLLM's null content)
             message["reasoning"] = message["reasoning_content"] = reasoning
         logprobs = self._logprobs(plan, choice.all_logprobs)
-        return _choice(choice.index, "message", message, logprobs, finish_reason, choice)
+        return choice_entry(choice.index, "message", message, logprobs, finish_reason, choice)
 
     def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any] | None:
         entry = self._chunk_choice(plan, choice, piece)
@@ -312,7 +185,7 @@ class ChatFormat(ResponseFormat):
                 delta["content"] = text
             if not delta and piece.finish_reason is None and logprobs is None:
                 return None  # text held back by the reasoning parser (a tag's beginning)
-            return _choice(choice.index, "delta", delta, logprobs, piece.finish_reason, piece)
+            return choice_entry(choice.index, "delta", delta, logprobs, piece.finish_reason, piece)
         parser = self._parsers.get(choice.index)
         if parser is None:
             parser = self._parsers[choice.index] = self.tool_parser()
@@ -331,7 +204,7 @@ class ChatFormat(ResponseFormat):
         if not delta and piece.finish_reason is None:
             return None  # text held back by the parser (a call's beginning, say)
         finish_reason = self._finish_reason(piece.finish_reason, parser.num_calls > 0)
-        return _choice(choice.index, "delta", delta, logprobs, finish_reason, piece)
+        return choice_entry(choice.index, "delta", delta, logprobs, finish_reason, piece)
 
     def _reason(self, index: int, piece: ChoiceDelta) -> ReasoningDelta:
         """``piece``'s text through choice ``index``'s reasoning parser."""
@@ -346,24 +219,6 @@ class ChatFormat(ResponseFormat):
 
     def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
         return self._logprobs(plan, piece.logprobs) if piece.logprobs else None
-
-
-def _choice(
-    index: int,
-    key: str,
-    value: Any,
-    logprobs: Any,
-    finish_reason: str | None,
-    source: Choice | ChoiceDelta | None,
-) -> dict[str, Any]:
-    """A ``choices`` entry, its fields in the order OpenAI and vLLM send them."""
-    return {
-        "index": index,
-        key: value,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "stop_reason": source.stop_reason if source is not None else None,
-    }
 
 
 @dataclass
@@ -395,28 +250,15 @@ class BlockFormat(ChatFormat):
     base turns each choice's message, or each of its chunks' deltas, into `Block`\\ s
     and calls the subclass's hooks: `block_started`, `block_delta`, `block_stopped`
     and `message_finished` while streaming, `blocks` for a whole response. Only one
-    choice per response (neither API has ``n``).
+    choice per response (neither API has ``n``). Takes `ChatFormat`'s arguments.
     """
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        tool_parser: Callable[[], ToolCallParser] | None = None,
-        *,
-        parallel_tool_calls: bool = True,
-        reasoning_parser: Callable[[], ReasoningParser] | None = None,
-    ) -> None:
-        super().__init__(
-            tokenizer,
-            tool_parser,
-            parallel_tool_calls=parallel_tool_calls,
-            reasoning_parser=reasoning_parser,
-        )
-        self._open: Block | None = None
-        self._num_blocks = 0
-        #: The chat finish reason once the message ended (set before its last block
-        #: closes), else None.
-        self.finish_reason: str | None = None
+    # Per-response state (class defaults; each instance sets its own as it streams).
+    _open: Block | None = None
+    _num_blocks = 0
+    #: The chat finish reason once the message ended (set before its last block
+    #: closes), else None.
+    finish_reason: str | None = None
 
     def blocks(self, plan: Plan, choice: Choice) -> tuple[list[Block], str | None]:
         """The whole message of a finished choice as blocks, and its chat finish reason
@@ -442,17 +284,9 @@ class BlockFormat(ChatFormat):
         events: list[Event] = []
         delta = entry["delta"]
         if delta.get("reasoning"):
-            if self._open is None or self._open.kind != "thinking":
-                events += self._open_block(plan, Block("thinking", self._num_blocks))
-            assert self._open is not None
-            self._open.text += delta["reasoning"]
-            events += self.block_delta(plan, self._open, delta["reasoning"])
+            events += self._add_text(plan, "thinking", delta["reasoning"])
         if delta.get("content"):
-            if self._open is None or self._open.kind != "text":
-                events += self._open_block(plan, Block("text", self._num_blocks))
-            assert self._open is not None
-            self._open.text += delta["content"]
-            events += self.block_delta(plan, self._open, delta["content"])
+            events += self._add_text(plan, "text", delta["content"])
         for call in delta.get("tool_calls", ()):
             function = call["function"]
             if "id" in call:
@@ -468,6 +302,16 @@ class BlockFormat(ChatFormat):
             events += self._close_block(plan)
             events += self.message_finished(plan, choice, entry["finish_reason"])
         return events
+
+    def _add_text(self, plan: Plan, kind: Literal["text", "thinking"], text: str) -> list[Event]:
+        """The events that add ``text`` to the open block of ``kind`` (a new one is
+        opened when no block, or one of another kind, is open)."""
+        events: list[Event] = []
+        if self._open is None or self._open.kind != kind:
+            events += self._open_block(plan, Block(kind, self._num_blocks))
+        assert self._open is not None
+        self._open.text += text
+        return events + self.block_delta(plan, self._open, text)
 
     def _open_block(self, plan: Plan, block: Block) -> list[Event]:
         events = self._close_block(plan)

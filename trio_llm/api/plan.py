@@ -1,95 +1,376 @@
-"""What one API request will run: its `Plan`, and `run_choices`, which runs it.
+"""What one API request will run: the `Planner` that builds its `Plan`.
 
-A `Plan` lists one engine request per choice (each prompt of a batch, ``n`` times, with
-choice index ``prompt_index * n + sample``, as vLLM numbers them) and the `ResponseFormat`
-its output is written in. `run_choices` submits them all at once and drives each choice
-in its own task; leaving early for any reason (a client that left, an error, a
-cancellation) aborts every unfinished one in the engine.
+`Planner.plan_completion` and `Planner.plan_chat` check a request, hand its whole prompt
+to the `InputPreprocessor` (rendered, tokenized, checked against the context), fit the
+output budget (with the server's generation defaults) and make one `SamplingParams` per
+choice: each prompt of a batch, ``n`` times (`trio_llm.api.response_format.Plan`). They
+choose the output format too: what reads tool calls and reasoning out of a chat choice.
+`trio_llm.api.run_choices` then runs the plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 
-from trio_llm.api.formats import ResponseFormat
-from trio_llm.frontend.admission import Admission
-from trio_llm.frontend.handle import EngineHandle
-from trio_llm.frontend.preprocess import run_all
-from trio_llm.frontend.request_stream import RequestStream
+import msgspec
+import trio
+from pydantic import BaseModel
+
+from trio_llm.api.anthropic import MessagesRequest
+from trio_llm.api.chat_request import ChatCompletionRequest
+from trio_llm.api.completion_request import CompletionRequest
+from trio_llm.api.errors import bad_request
+from trio_llm.api.formats import ChatFormat, CompletionFormat
+from trio_llm.api.generation_request import GenerationRequest
+from trio_llm.api.response_format import Plan
+from trio_llm.api.tool_calls import NamedCallParser, ToolCallParser
+from trio_llm.api.tool_parsers import make_parser, required_parser
+from trio_llm.api.translated_request import ChatTranslated
+from trio_llm.frontend.chat_prompt import ChatPrompt
+from trio_llm.frontend.generation_defaults import GenerationDefaults
+from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams
-from trio_llm.text.choice import Choice, ChoiceDelta
+from trio_llm.server_config import RequestLimits
+from trio_llm.text.reasoning import ReasoningFormat, reasoning_format
+from trio_llm.text.stop import compile_stops
+from trio_llm.text.tokenizer import Tokenizer
+
+#: Stop strings with more characters than this in all are compiled in a worker thread.
+INLINE_STOP_CHARS = 1024
+
+#: Output constraints of at most this many characters of spec have their grammars
+#: checked at once (a few milliseconds); larger ones queue for `Planner.grammar_checks`.
+SMALL_GRAMMAR_CHARS = 16 * 1024
 
 
-@dataclass
-class Plan:
-    """Everything needed to answer one request, decided before anything is sent.
-
-    Attributes:
-        format: renders the choices (chat or completion; one instance per response).
-        requests: ``(prompt_token_ids, params)`` per choice, in choice-index order.
-        prompt_lengths: token count of each distinct prompt (for usage).
-        echo_texts: per choice, the prompt text to prepend (completions ``echo``).
-        num_top_logprobs: alternatives per token when logprobs were asked for, else None.
-        num_prompt_logprobs: alternatives per prompt token for vLLM's ``prompt_logprobs``
-            (completions), else None.
-        structured_param: the request field of its output constraint (what an engine
-            error about the constraint names), else None.
-    """
-
-    format: ResponseFormat
-    model: str
-    echo: bool = False
-    num_top_logprobs: int | None = None
-    num_prompt_logprobs: int | None = None
-    requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
-    prompt_lengths: list[int] = field(default_factory=list)
-    echo_texts: list[str | None] = field(default_factory=list)
-    response_id: str = ""
-    created: int = 0
-    structured_param: str | None = None
-
-    def add_prompt(
-        self, token_ids: list[int], params: list[SamplingParams], echo_text: str | None
-    ) -> None:
-        """Add one prompt with one `SamplingParams` per sample."""
-        self.prompt_lengths.append(len(token_ids))
-        for sample in params:
-            self.requests.append((token_ids, sample))
-            self.echo_texts.append(echo_text)
-
-
-OnDelta = Callable[[Choice, ChoiceDelta], Awaitable[None]]
-
-
-async def run_choices(
-    engine: EngineHandle,
-    plan: Plan,
-    choices: list[Choice],
-    admission: Admission,
-    on_delta: OnDelta | None,
-    on_output: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    """Generate every choice to its end, calling ``on_output`` (if given) for every
-    output of the engine once the choice took it, also one that carries no text yet (the
-    first, when the engine scheduled the request), then ``on_delta`` for each piece of
-    output.
+def chat_prompt(request: ChatCompletionRequest, special_tokens: Iterable[str]) -> ChatPrompt:
+    """What the chat template renders for ``request`` (``special_tokens``: the
+    tokenizer's, which ``chat_template_kwargs`` may not set).
 
     Raises:
-        EngineError: the first engine error of any choice (the others are then aborted).
+        APIError: ``chat_template_kwargs`` sets a variable the server sets itself.
+    """
+    template_kwargs = request.template_kwargs(special_tokens)
+    return ChatPrompt(
+        request.template_messages(),
+        request.template_tools(),
+        continue_final_message=request.continue_final_message,
+        template_kwargs=template_kwargs,
+        fold_late_system=request.translated.fold_late_system,
+    )
+
+
+@dataclass(kw_only=True, eq=False)
+class Planner:
+    """Builds the `Plan` of a completion or chat request for one model.
+
+    Attributes:
+        inputs: the model's preprocessor (tokenizer, context length, vocabulary).
+        grammar_checks: how many large structured-output specs are checked at once
+            (each in a worker thread, building a grammar).
+        The others: as `OpenAIServing`'s arguments of the same names.
     """
 
-    async def drive(choice: Choice, stream: RequestStream) -> None:
-        async for delta in stream:
-            piece = choice.process(delta)
-            if on_output is not None:
-                await on_output()
-            if piece is not None and on_delta is not None:
-                await on_delta(choice, piece)
-            if choice.finished:
-                await stream.finish(choice.finish_reason or "stop")
-                return
+    inputs: InputPreprocessor
+    grammar_checks: trio.CapacityLimiter
+    limits: RequestLimits
+    generation_defaults: GenerationDefaults
+    max_logprobs: int
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    disable_additional_properties: bool
 
-    async with engine.open_requests(plan.requests, admission) as streams:
-        await run_all([partial(drive, c, s) for c, s in zip(choices, streams, strict=True)])
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (with chat template)."""
+        return self.inputs.tokenizer
+
+    # ------------------------------------------------------------ completions
+
+    async def plan_completion(self, request: CompletionRequest, model: str) -> Plan:
+        """Check and tokenize a completion request into a `Plan` answered as ``model``.
+
+        Raises:
+            APIError: a 400 naming the field at fault.
+            InvalidRequest: a prompt the preprocessor refuses (empty, too long, ...).
+        """
+        await self._check_common(request)
+        if request.suffix:
+            raise bad_request("`suffix` (insertion) is not supported by this model", "suffix")
+        self._check_logprobs(request.logprobs, "logprobs")
+        self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if request.prompt_logprobs is not None and request.stream:
+            raise bad_request(
+                "prompt_logprobs is served in non-streamed responses only", "prompt_logprobs"
+            )
+        if request.max_tokens == 0 and not request.echo:
+            raise bad_request(
+                "max_tokens must be at least 1 (0 is only allowed with echo=true)", "max_tokens"
+            )
+        prompts = await self.inputs.completion_prompts(request.prompt)
+        if len(prompts) * request.n > self.limits.max_choices:
+            raise bad_request(
+                f"{len(prompts)} prompts x n={request.n} is more than this server's limit of "
+                f"{self.limits.max_choices} choices per request (--max-choices)",
+                "n",
+            )
+        wanted = [request.logprobs if request.echo else None, request.prompt_logprobs]
+        counts = [count for count in wanted if count is not None]
+        plan = Plan(CompletionFormat(self.tokenizer), model, echo=request.echo)
+        plan.num_top_logprobs = request.logprobs
+        plan.num_prompt_logprobs = request.prompt_logprobs
+        plan.structured_param = request.structured_param
+        for prompt in prompts:
+            max_tokens = self._max_tokens(request.max_tokens, len(prompt.token_ids), "max_tokens")
+            params = self._params(
+                request,
+                max_tokens,
+                logprobs=request.logprobs,
+                prompt_logprobs=max(counts) if counts else None,
+            )
+            echo_text = prompt.text
+            if request.echo and echo_text is None:
+                echo_text = self.tokenizer.decode(
+                    prompt.token_ids, skip_special_tokens=request.skip_special_tokens
+                )
+            plan.add_prompt(prompt.token_ids, params, echo_text)
+        return plan
+
+    # ------------------------------------------------------------ chat
+
+    async def plan_chat(
+        self,
+        request: ChatCompletionRequest,
+        model: str,
+        make_format: Callable[..., ChatFormat] = ChatFormat,
+        *,
+        count_only: bool = False,
+    ) -> Plan:
+        """Check, render and tokenize a chat request into a `Plan` answered as ``model``
+        in the format ``make_format`` makes (`ChatFormat`'s arguments).
+
+        Args:
+            count_only: only its prompt is wanted (``/v1/messages/count_tokens``): a
+                prompt of any length, over the context too, is counted, not refused.
+
+        Raises:
+            APIError: a 400 naming the field at fault.
+            InvalidRequest: a message or tool the template or tokenizer refuses.
+        """
+        await self._check_common(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        self._check_logprobs(request.top_logprobs, "top_logprobs")
+        tool_parser = self._tool_parser(request)
+        if request.continue_final_message and request.messages[-1].role != "assistant":
+            raise bad_request(
+                "continue_final_message needs a final assistant message to continue",
+                "continue_final_message",
+            )
+        chat = chat_prompt(request, self.tokenizer.special_tokens)
+        prompt = await self.inputs.chat_prompt(chat, count_only=count_only)
+        max_tokens = 1  # counted only: no check against the context
+        if not count_only:
+            param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+            requested = request.max_completion_tokens or request.max_tokens
+            max_tokens = self._max_tokens(requested, len(prompt.token_ids), param, "messages")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        reasoning = None
+        if self.reasoning_parser is not None:
+            assert prompt.text is not None
+            reasoning = reasoning_format(self.reasoning_parser, prompt.text, chat.template_kwargs)
+        chat_format = make_format(
+            self.tokenizer,
+            tool_parser,
+            parallel_tool_calls=request.parallel_tool_calls,
+            reasoning_parser=reasoning.parser if reasoning is not None else None,
+        )
+        plan = Plan(chat_format, model, num_top_logprobs=logprobs)
+        plan.structured_param = request.structured_param
+        params = self._params(request, max_tokens, logprobs=logprobs)
+        if reasoning is not None:
+            params = [self._after_reasoning(p, reasoning) for p in params]
+        plan.add_prompt(prompt.token_ids, params, None)
+        return plan
+
+    def count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
+        """The prompt tokens of a chat request, rendered as `plan_chat` renders it
+        (whatever its length: no context check). Runs in a worker thread (`to_chat`).
+
+        Raises:
+            InvalidRequest: the chat template rejects the messages.
+        """
+        chat = chat_prompt(request, self.tokenizer.special_tokens)
+        return self.inputs.count_chat_tokens(chat)
+
+    def map_thinking_switch(self, request: ChatTranslated, chat: ChatCompletionRequest) -> None:
+        """Set ``enable_thinking`` in ``chat``'s template variables from the translated
+        request's own reasoning switch (Anthropic's ``thinking``, the Responses API's
+        ``reasoning.effort``; `thinking_requested`), where the chat template has that
+        switch (Qwen3's) and ``chat_template_kwargs`` do not set it already."""
+        wanted = thinking_requested(request)
+        template = self.tokenizer.chat_template or ""
+        if wanted is None or "enable_thinking" not in template:
+            return
+        kwargs = dict(chat.chat_template_kwargs or {})
+        kwargs.setdefault("enable_thinking", wanted)
+        chat.chat_template_kwargs = kwargs
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> Callable[[], ToolCallParser] | None:
+        """What reads tool calls out of each choice's text (None: plain text).
+
+        Raises:
+            APIError: ``tool_choice: "auto"`` on a server without a parser, or with a
+                model whose chat template cannot show the tools (400s naming the field).
+        """
+        choice = request.effective_tool_choice
+        if choice == "none":
+            return None
+        if choice == "required":
+            return required_parser
+        if request.forced_function is not None:
+            return partial(NamedCallParser, request.forced_function)
+        if self.tool_call_parser is None:
+            raise bad_request(
+                'tool_choice "auto" (the default when tools are given) needs a server '
+                "started with --enable-auto-tool-choice --tool-call-parser NAME; or send "
+                'tool_choice "required", "none" or a named function',
+                "tool_choice",
+            )
+        if self.tokenizer.tool_template is None:
+            raise bad_request(
+                "this model's chat template cannot show tools to the model; start the "
+                "server with a tool-aware --chat-template",
+                "tools",
+            )
+        if request.held_calls_or_answer:  # calls, or an answer held to the format
+            names = frozenset(tool.function.name for tool in request.tools or ())
+            return partial(make_parser, self.tool_call_parser, names=names, held=True)
+        return partial(make_parser, self.tool_call_parser)
+
+    def _after_reasoning(
+        self, params: SamplingParams, reasoning: ReasoningFormat
+    ) -> SamplingParams:
+        """``params`` with its output constraint (if any) applied after the reasoning part
+        of the output, as vLLM applies ``structured_outputs`` with a reasoning parser."""
+        constraint = params.structured_output
+        if constraint is None:
+            return params
+        prefix = reasoning.grammar(self.tokenizer.added_token_id)
+        if prefix is None:
+            return params
+        constraint = msgspec.structs.replace(constraint, prefix=prefix)
+        return msgspec.structs.replace(params, structured_output=constraint)
+
+    # ------------------------------------------------------------ both
+
+    def _check_logprobs(self, value: int | None, param: str) -> None:
+        if value is not None and value > self.max_logprobs:
+            raise bad_request(
+                f"{param}={value} is more than this server's limit of {self.max_logprobs} "
+                "(--max-logprobs)",
+                param,
+            )
+
+    async def _check_common(self, request: GenerationRequest) -> None:
+        request.set_server_options(
+            tool_call_parser=self.tool_call_parser,
+            disable_additional_properties=self.disable_additional_properties,
+        )
+        request.check_supported()
+        if request.stop_token_ids:
+            self.inputs.check_token_ids(request.stop_token_ids, "stop_token_ids")
+        stops = request.stop_strings
+        if sum(map(len, stops)) > INLINE_STOP_CHARS:
+            # Build the automaton off the loop; the choices then find it in the cache.
+            await trio.to_thread.run_sync(compile_stops, tuple(dict.fromkeys(stops)))
+        if request.asks_for_structured_output:
+            # Parse and check the spec off the loop; `_params` then finds the result.
+            # First its size limits (cheap), then its grammar: a large one waits its turn
+            # among at most `grammar_checks` at once, so a small one never waits behind
+            # hostile ones. A check whose client leaves is abandoned (its thread ends by
+            # itself, bounded by the limits and llguidance's own).
+            chars = await trio.to_thread.run_sync(
+                request.structured_output_chars, abandon_on_cancel=True
+            )
+            limiter = self.grammar_checks if chars > SMALL_GRAMMAR_CHARS else None
+            await trio.to_thread.run_sync(
+                request.structured_output, limiter=limiter, abandon_on_cancel=True
+            )
+
+    def _max_tokens(
+        self, requested: int | None, num_prompt: int, param: str, prompt_param: str = "prompt"
+    ) -> int:
+        """The output budget of one prompt (`InputPreprocessor.resolve_max_tokens`, with
+        the server's generation defaults).
+
+        Raises:
+            ContextLengthError: the prompt (or, strict, the output asked for) does not fit.
+        """
+        defaults = self.generation_defaults
+        if requested == 0:  # echo only: no output, whatever the server's defaults
+            return self.inputs.resolve_max_tokens(0, num_prompt, param, prompt_param)
+        return self.inputs.resolve_max_tokens(
+            requested,
+            num_prompt,
+            param,
+            prompt_param,
+            default=defaults.max_tokens,
+            cap=defaults.max_tokens_cap,
+        )
+
+    def _params(
+        self,
+        request: GenerationRequest,
+        max_tokens: int,
+        *,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> list[SamplingParams]:
+        """One `SamplingParams` per sample (``n``), seeds ``seed + i``."""
+        if max_tokens and request.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens={request.min_tokens} is more than the {max_tokens} output tokens "
+                "allowed",
+                "min_tokens",
+            )
+        vocab_size = self.inputs.vocab_size
+        base = request.sampling_params(
+            max_tokens,
+            vocab_size,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            defaults=self.generation_defaults.sampling,
+        )
+        try:
+            base.validate(vocab_size)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        return fan_out(base, request.n)
+
+
+def thinking_requested(request: ChatTranslated) -> bool | None:
+    """Whether a translated request asks the model to reason, in its API's own terms;
+    None when it does not say.
+
+    Anthropic Messages: ``thinking`` of type ``disabled`` is False, ``enabled`` or
+    ``adaptive`` True (``output_config.effort`` says how much, not whether: it changes
+    nothing here). Responses: ``reasoning.effort`` ``"none"`` is False, any other effort
+    True.
+    """
+    if isinstance(request, MessagesRequest):
+        kind = request.thinking.type if request.thinking is not None else None
+        if kind == "disabled":
+            return False
+        return True if kind in ("enabled", "adaptive") else None
+    reasoning = getattr(request, "reasoning", None)
+    if reasoning is None:
+        reasoning = (request.model_extra or {}).get("reasoning")
+    if isinstance(reasoning, BaseModel):
+        reasoning = reasoning.model_dump()
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is None:
+        return None
+    return effort != "none"

@@ -1,6 +1,6 @@
 """Streamed responses: the server-sent events of one response, in its format.
 
-What the events are is the format's (`trio_llm.api.formats.ResponseFormat.stream_start`,
+What the events are is the format's (`trio_llm.api.response_format.ResponseFormat.stream_start`,
 ``stream_piece``, ``stream_end``, ``stream_error``); this module sends them in order,
 one response's choices concurrently, and always ends the stream, also after an error.
 
@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from functools import partial
 
 import trio
 
 from trio_llm.api.disconnect import Emit
 from trio_llm.api.errors import APIError, engine_error
-from trio_llm.api.formats import Event
-from trio_llm.api.plan import Plan, run_choices
+from trio_llm.api.response_format import Event, Plan
+from trio_llm.api.run_choices import run_choices
 from trio_llm.errors import EngineError, first_leaf
 from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.handle import EngineHandle
@@ -38,28 +39,25 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_SECONDS = 15.0
 
 
+@dataclass(eq=False)
 class Stream:
     """One streamed response over all of a request's choices, in ``plan.format``.
 
-    Args:
+    Attributes:
+        engine: the engine the choices run in.
+        plan: the response's `Plan`.
+        choices: one `Choice` per engine request of the plan.
         admission: places reserved in the waiting line; released when the stream ends.
     """
 
-    def __init__(
-        self,
-        engine: EngineHandle,
-        plan: Plan,
-        choices: list[Choice],
-        admission: Admission,
-    ) -> None:
-        self.engine = engine
-        self.plan = plan
-        self.choices = choices
-        self.admission = admission
-        self._lock = trio.Lock()
-        self._emit: Emit | None = None
-        self._started = False
-        self._last_sent = 0.0
+    engine: EngineHandle
+    plan: Plan
+    choices: list[Choice]
+    admission: Admission
+    _lock: trio.Lock = field(default_factory=trio.Lock, init=False)
+    _emit: Emit | None = field(default=None, init=False)
+    _started: bool = field(default=False, init=False)
+    _last_sent: float = field(default=0.0, init=False)
 
     async def _start(self) -> None:
         """Send the format's opening events, once."""

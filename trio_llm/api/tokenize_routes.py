@@ -25,6 +25,7 @@ from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import Text, TokenId, refuse_unimplemented
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
+from trio_llm.frontend.chat_prompt import ChatPrompt
 
 #: Work on more items than this (characters or token ids) runs in a worker thread.
 INLINE_LIMIT = 8192
@@ -163,11 +164,12 @@ async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]
                 "continue_final_message needs a final assistant message",
                 "continue_final_message",
             )
-        text = await inputs.render_chat_async(
+        chat = ChatPrompt(
             messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
         )
+        text = await inputs.render_chat_async(chat)
         special = bool(request.add_special_tokens)
         return await inputs.tokenize_async(text, "messages", special_tokens=special)
     except InvalidRequest as exc:

@@ -35,9 +35,20 @@ from starlette.websockets import WebSocketDisconnect
 
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
-from trio_llm.api.errors import APIError, bad_request, engine_error, error_body
-from trio_llm.api.parsing import INLINE_PARSE_BYTES, JSONTooDeepError, load_json, nested_too_deep
-from trio_llm.api.plan import OnDelta, Plan, run_choices
+from trio_llm.api.errors import (
+    APIError,
+    bad_request,
+    engine_error,
+    error_body,
+)
+from trio_llm.api.parsing import (
+    INLINE_PARSE_BYTES,
+    JSONTooDeepError,
+    load_json,
+    nested_too_deep,
+)
+from trio_llm.api.response_format import Plan
+from trio_llm.api.run_choices import OnDelta, run_choices
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.websocket_handshake import authorized, origin_allowed
 from trio_llm.api.websocket_messages import (

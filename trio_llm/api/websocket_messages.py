@@ -9,10 +9,10 @@ from typing import Any
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.errors import APIError, bad_request
-from trio_llm.api.formats import usage
 from trio_llm.api.parsing import validate
 from trio_llm.api.plan import Plan
 from trio_llm.api.request_body import check_unicode
+from trio_llm.api.response_format import usage
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.text.choice import Choice
 

@@ -1,12 +1,16 @@
 """From a prompt to engine requests: the one layer every front end shares.
 
-The HTTP routes, the WebSocket and the embedding API (`trio_llm.async_engine`) all turn a
+The HTTP routes, the WebSocket and the Python API (`trio_llm.async_engine`) all turn a
 prompt (a text, chat messages or token ids) and a `SamplingParams` into engine requests
 the same way, here:
 
+- `InputPreprocessor.completion_prompts` and `chat_prompt` take a request's whole prompt
+  (a completion's ``prompt`` field; a chat's `ChatPrompt`) and give its tokenized,
+  checked prompts (`Prompt`), rendering and tokenizing long ones in a worker thread so
+  the event loop stays free; `count_chat_tokens` counts a chat prompt's tokens.
 - `InputPreprocessor.encode` / `encode_async` tokenize a text, refusing at once one that
   surely cannot fit the context (no tokenization needed); ``encode_async`` runs long
-  texts in a worker thread, so the event loop stays free.
+  texts in a worker thread.
 - `InputPreprocessor.render_chat` / `render_chat_async` render chat messages with the
   model's chat template.
 - `InputPreprocessor.check_token_ids` checks a token-id prompt against the vocabulary.
@@ -15,15 +19,14 @@ the same way, here:
 - `run_all` drives many engine requests at once and ends them all at the first error.
 
 Every refusal is an `InvalidRequest` naming the parameter at fault: the HTTP layer answers
-it with a 400, the embedding API raises it (it is a `ValueError`).
+it with a 400, the Python API raises it (it is a `ValueError`).
 """
 
 from __future__ import annotations
 
-import json
 import operator
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from functools import partial
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -36,12 +39,30 @@ from trio_llm.errors import (
     InvalidRequest,
     InvalidTextError,
 )
+from trio_llm.frontend.chat_prompt import ChatPrompt, fold_system_messages
 from trio_llm.messages import SamplingParams
 from trio_llm.text.tokenizer import Tokenizer
 
 #: Texts shorter than this (characters) are tokenized or rendered on the event loop
 #: (well under 1 ms); longer ones in a worker thread.
 INLINE_ENCODE_CHARS = 8192
+
+#: A completion request's ``prompt``: a text, token ids, or a batch of either.
+CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+
+
+@dataclass
+class Prompt:
+    """One tokenized prompt.
+
+    Attributes:
+        token_ids: what the engine is given.
+        text: the text it came from (a completion's as given, for ``echo``; a chat's as
+            rendered), or None for a prompt given as token ids.
+    """
+
+    token_ids: list[int]
+    text: str | None = None
 
 
 class InputPreprocessor:
@@ -157,47 +178,103 @@ class InputPreprocessor:
         Raises:
             InvalidRequest: the template rejects the messages, or the model has none.
         """
-        if fold_late_system and not self.tokenizer.renders_late_system(bool(tools)):
+        chat = ChatPrompt(
+            messages,
+            tools,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+            fold_late_system=fold_late_system,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return self._render(chat, param)
+
+    async def render_chat_async(self, chat: ChatPrompt, param: str = "messages") -> str:
+        """The prompt text of ``chat`` (as `render_chat`), in a worker thread when the
+        conversation is long (the template's cost grows with it). Raises as `render_chat`."""
+        if chat.size() < INLINE_ENCODE_CHARS:
+            return self._render(chat, param)
+        return await trio.to_thread.run_sync(self._render, chat, param)
+
+    def _render(self, chat: ChatPrompt, param: str) -> str:
+        messages = chat.messages
+        if chat.fold_late_system and not self.tokenizer.renders_late_system(bool(chat.tools)):
             messages = fold_system_messages(messages)
         try:
             return self.tokenizer.render_chat(
                 messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                continue_final_message=continue_final_message,
-                template_kwargs=template_kwargs,
+                add_generation_prompt=chat.add_generation_prompt,
+                tools=chat.tools,
+                continue_final_message=chat.continue_final_message,
+                template_kwargs=chat.template_kwargs,
             )
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param) from exc
 
-    async def render_chat_async(
-        self,
-        messages: list[dict[str, Any]],
-        param: str = "messages",
-        *,
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
-        fold_late_system: bool = False,
-    ) -> str:
-        """`render_chat`, in a worker thread when the conversation is long (the template's
-        cost grows with it). Raises as `render_chat`."""
-        render = partial(
-            self.render_chat,
-            messages,
-            param,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            continue_final_message=continue_final_message,
-            template_kwargs=template_kwargs,
-            fold_late_system=fold_late_system,
-        )
-        size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
-        size += len(json.dumps(template_kwargs)) if template_kwargs else 0
-        if size < INLINE_ENCODE_CHARS:
-            return render()
-        return await trio.to_thread.run_sync(render)
+    # ------------------------------------------------------------ whole prompts
+
+    async def chat_prompt(self, chat: ChatPrompt, *, count_only: bool = False) -> Prompt:
+        """Render and tokenize a chat request's prompt (field ``messages``), off the event
+        loop when it is long.
+
+        Args:
+            count_only: count it whatever its length (``/v1/messages/count_tokens``):
+                no check against the context, none for an empty prompt.
+
+        Returns:
+            Its token ids (no special tokens added: the template writes them) and the
+            rendered text.
+
+        Raises:
+            InvalidRequest: the template rejects the messages; a prompt far longer than
+                the context, or with no tokens (unless ``count_only``).
+        """
+        text = await self.render_chat_async(chat)
+        if count_only:
+            token_ids = await self.tokenize_async(text, "messages", special_tokens=False)
+        else:
+            token_ids = await self.encode_async(text, "messages", special_tokens=False)
+        return Prompt(token_ids, text)
+
+    def count_chat_tokens(self, chat: ChatPrompt) -> int:
+        """The token count of ``chat``'s prompt, rendered as `chat_prompt` renders it
+        (whatever its length: no context check), on the calling thread.
+
+        Raises:
+            InvalidRequest: the chat template rejects the messages.
+        """
+        text = self._render(chat, "messages")
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def completion_prompts(self, prompt: CompletionPrompt) -> list[Prompt]:
+        """The prompts of a completion request's ``prompt`` field: a text, token ids, or
+        a list of either (a batch); each text tokenized with the tokenizer's special
+        tokens (off the event loop when long), each token-id prompt checked.
+
+        Returns:
+            One `Prompt` per prompt, in order, each with its text as given (None for
+            token ids).
+
+        Raises:
+            InvalidRequest: an empty prompt, a text far longer than the context or with
+                no tokens, a token id outside the vocabulary.
+            TypeError: a token id that is not an integer.
+        """
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            items: list[str | list[int]] = [prompt]  # type: ignore[list-item]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        prompts = []
+        for item in items:
+            if not item:
+                raise InvalidRequest("the prompt is empty", "prompt")
+            if isinstance(item, str):
+                ids = await self.encode_async(item, "prompt", special_tokens=True)
+                prompts.append(Prompt(ids, item))
+            else:
+                prompts.append(Prompt(self.check_token_ids(item, "prompt")))
+        return prompts
 
     # ------------------------------------------------------------ token ids
 
@@ -277,23 +354,6 @@ class InputPreprocessor:
         wanted = requested if requested is not None else default
         limits = [room, *(v for v in (wanted, cap) if v is not None)]
         return min(limits)
-
-
-def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with every system message after the first message moved into the
-    leading system prompt (one is added when the conversation has none): their texts
-    appended to it in order, each after a blank line. The other messages keep their order.
-    """
-    late = [m for m in messages[1:] if m.get("role") == "system"]
-    if not late:
-        return messages
-    rest = [m for m in messages[1:] if m.get("role") != "system"]
-    texts = [m.get("content") or "" for m in late]
-    if messages[0].get("role") == "system":
-        texts.insert(0, messages[0].get("content") or "")
-    else:
-        rest.insert(0, messages[0])
-    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *rest]
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

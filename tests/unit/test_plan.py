@@ -1,0 +1,94 @@
+"""The `Planner`: a request in, the engine requests of its `Plan` out (no server, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from trio_llm.api.chat_request import ChatCompletionRequest
+from trio_llm.api.completion_request import CompletionRequest
+from trio_llm.api.errors import APIError
+from trio_llm.api.formats import ChatFormat, CompletionFormat
+from trio_llm.api.plan import Planner
+from trio_llm.errors import ContextLengthError, InvalidRequest
+from trio_llm.frontend.generation_defaults import GenerationDefaults
+from trio_llm.frontend.preprocess import InputPreprocessor
+from trio_llm.server_config import RequestLimits
+from trio_llm.text.tokenizer import Tokenizer
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def _planner(tokenizer: Tokenizer, max_model_len: int = 256, **defaults: int) -> Planner:
+    return Planner(
+        inputs=InputPreprocessor(tokenizer, max_model_len, 49152),
+        grammar_checks=trio.CapacityLimiter(1),
+        limits=RequestLimits(),
+        generation_defaults=GenerationDefaults(**defaults),
+        max_logprobs=5,
+        tool_call_parser=None,
+        reasoning_parser=None,
+        disable_additional_properties=True,
+    )
+
+
+def test_a_batch_of_prompts_makes_n_requests_each(smol_tokenizer: Tokenizer) -> None:
+    request = CompletionRequest.model_validate(
+        {"prompt": ["Hello", "Hi there"], "n": 2, "seed": 10, "max_tokens": 4, "echo": True}
+    )
+    plan = trio.run(_planner(smol_tokenizer).plan_completion, request, "tiny")
+    assert isinstance(plan.format, CompletionFormat)
+    assert plan.model == "tiny"
+    hello = smol_tokenizer.encode("Hello", add_special_tokens=True)
+    there = smol_tokenizer.encode("Hi there", add_special_tokens=True)
+    # Choice index prompt_index * n + sample, as vLLM numbers them; seeds seed + sample.
+    assert [ids for ids, _ in plan.requests] == [hello, hello, there, there]
+    assert [params.seed for _, params in plan.requests] == [10, 11, 10, 11]
+    assert {params.max_tokens for _, params in plan.requests} == {4}
+    assert plan.prompt_lengths == [len(hello), len(there)]
+    assert plan.echo_texts == ["Hello", "Hello", "Hi there", "Hi there"]
+
+
+def test_a_token_id_prompt_echoes_its_decoded_text(smol_tokenizer: Tokenizer) -> None:
+    request = CompletionRequest.model_validate({"prompt": [5, 6, 7, 8], "echo": True})
+    plan = trio.run(_planner(smol_tokenizer).plan_completion, request, "tiny")
+    assert [ids for ids, _ in plan.requests] == [[5, 6, 7, 8]]
+    assert plan.echo_texts == [smol_tokenizer.decode([5, 6, 7, 8], skip_special_tokens=True)]
+
+
+def test_a_chat_prompt_is_the_rendered_template(smol_tokenizer: Tokenizer) -> None:
+    request = ChatCompletionRequest.model_validate({"messages": CHAT})
+    planner = _planner(smol_tokenizer)
+    plan = trio.run(planner.plan_chat, request, "tiny")
+    assert isinstance(plan.format, ChatFormat)
+    text = smol_tokenizer.render_chat(CHAT)
+    [(ids, params)] = plan.requests
+    assert ids == smol_tokenizer.encode(text, add_special_tokens=False)
+    # No max_tokens: the rest of the context.
+    assert params.max_tokens == 256 - len(ids)
+    # /v1/messages/count_tokens counts the same prompt.
+    assert planner.count_prompt_tokens(request) == len(ids)
+
+
+def test_the_server_default_and_cap_bound_the_output(smol_tokenizer: Tokenizer) -> None:
+    planner = _planner(smol_tokenizer, max_tokens=7, max_tokens_cap=9)
+    unset = ChatCompletionRequest.model_validate({"messages": CHAT})
+    large = ChatCompletionRequest.model_validate({"messages": CHAT, "max_tokens": 50})
+    assert trio.run(planner.plan_chat, unset, "m").requests[0][1].max_tokens == 7
+    assert trio.run(planner.plan_chat, large, "m").requests[0][1].max_tokens == 9
+
+
+def test_refusals_name_their_field(smol_tokenizer: Tokenizer) -> None:
+    planner = _planner(smol_tokenizer, max_model_len=8)
+    too_long = ChatCompletionRequest.model_validate({"messages": CHAT})
+    with pytest.raises(ContextLengthError) as context:
+        trio.run(planner.plan_chat, too_long, "m")
+    assert context.value.param == "messages"
+    empty = CompletionRequest.model_validate({"prompt": ["a", ""]})
+    with pytest.raises(InvalidRequest, match="the prompt is empty") as refused:
+        trio.run(planner.plan_completion, empty, "m")
+    assert refused.value.param == "prompt"
+    logprobs = CompletionRequest.model_validate({"prompt": "a", "logprobs": 6})
+    with pytest.raises(APIError, match="--max-logprobs") as error:
+        trio.run(planner.plan_completion, logprobs, "m")
+    assert error.value.param == "logprobs"
