@@ -66,7 +66,7 @@ MAX_TOKENS_POLICIES = ("clamp", "strict")
 #: Where output tokens become text: in the API server, or in a third process.
 DETOKENIZER_MODES = ("inline", "process")
 
-#: ``--tool-call-parser`` names (`trio_llm.api.tools`).
+#: ``--tool-call-parser`` names (`trio_llm.api.tool_parsers`).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 #: ``--reasoning-parser`` names (vLLM's; `trio_llm.text.reasoning`).

@@ -20,7 +20,14 @@ from pydantic import BaseModel
 
 from tests.e2e.conftest import MODEL, parallel
 from tests.support.sse import names_and_data
-from tests.support.tool_schemas import ADD, SCHEMAS, WEATHER, WEATHER_QUESTION, chat_tools
+from tests.support.tool_schemas import (
+    ADD,
+    SCHEMAS,
+    WEATHER,
+    WEATHER_QUESTION,
+    chat_tools,
+    closed_object,
+)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 #: anthropic 2.15's ``messages.create`` has no sampling keywords: they go in the body.
@@ -377,15 +384,10 @@ def test_the_sdk_parses_an_output_format(anthropic: Anthropic) -> None:
 def test_an_output_config_schema_is_followed_as_chat_follows_it(
     anthropic: Anthropic, client: OpenAI
 ) -> None:
-    schema = {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 12},
-            "rank": {"type": "integer", "minimum": 1, "maximum": 9},
-        },
-        "required": ["city", "rank"],
-        "additionalProperties": False,
-    }
+    schema = closed_object(
+        city={"type": "string", "maxLength": 12},
+        rank={"type": "integer", "minimum": 1, "maximum": 9},
+    )
     question = [{"role": "user", "content": "Name a big city as JSON."}]
     kwargs = {
         "model": MODEL,

@@ -65,6 +65,12 @@ def _greedy_chat(client: OpenAI, messages: list[dict], max_tokens: int, **kwargs
     )
 
 
+def _greedy_response(client: OpenAI, prompt: Any, max_output_tokens: int, **kwargs: Any) -> Any:
+    return client.responses.create(
+        model=MODEL, input=prompt, temperature=0, max_output_tokens=max_output_tokens, **kwargs
+    )
+
+
 def _greedy_question(max_output_tokens: int) -> dict[str, Any]:
     """The arguments of a greedy response to `QUESTION` with `INSTRUCTIONS`."""
     return {
@@ -105,13 +111,7 @@ def _chat_calls(message: Any) -> list[tuple[str, Any]]:
 
 def test_instructions_and_input_answer_as_chat_does(client: OpenAI) -> None:
     response, chat = parallel(
-        lambda: client.responses.create(
-            model=MODEL,
-            instructions=INSTRUCTIONS,
-            input=QUESTION,
-            max_output_tokens=40,
-            temperature=0,
-        ),
+        lambda: _greedy_response(client, QUESTION, 40, instructions=INSTRUCTIONS),
         lambda: _greedy_chat(client, CHAT_QUESTION, 40),
     )
     choice = chat.choices[0]
@@ -146,9 +146,7 @@ def test_message_items_answer_as_chat_messages_do(client: OpenAI) -> None:
         {"role": "user", "content": QUESTION},
     ]
     response, chat = parallel(
-        lambda: client.responses.create(
-            model=MODEL, input=items, max_output_tokens=12, temperature=0
-        ),
+        lambda: _greedy_response(client, items, 12),
         lambda: _greedy_chat(client, messages, 12),
     )
     assert response.output_text == chat.choices[0].message.content
@@ -293,13 +291,12 @@ def test_a_forced_function_call_is_valid_and_streams_as_it_is_returned(
 def test_a_function_call_round_trip_is_answered(client: OpenAI) -> None:
     """Call, output, answer: the output items passed back with a function_call_output are
     read as chat reads the same call and result (same prompt, same greedy answer)."""
-    first = client.responses.create(
-        model=MODEL,
-        input=WEATHER_QUESTION,
+    first = _greedy_response(
+        client,
+        WEATHER_QUESTION,
+        60,
         tools=TOOLS,
         tool_choice={"type": "function", "name": "get_weather"},
-        max_output_tokens=60,
-        temperature=0,
     )
     (call,) = first.output
     assert call.type == "function_call" and call.name == "get_weather"
@@ -327,14 +324,7 @@ def test_a_function_call_round_trip_is_answered(client: OpenAI) -> None:
         {"role": "tool", "tool_call_id": call.call_id, "content": result},
     ]
     final, chat = parallel(
-        lambda: client.responses.create(
-            model=MODEL,
-            input=items,
-            tools=TOOLS,
-            tool_choice="none",
-            max_output_tokens=32,
-            temperature=0,
-        ),
+        lambda: _greedy_response(client, items, 32, tools=TOOLS, tool_choice="none"),
         lambda: _greedy_chat(client, chat_history, 32, tools=CHAT_TOOLS, tool_choice="none"),
     )
     (item,) = final.output

@@ -38,13 +38,9 @@ MESSAGES = [{"role": "user", "content": "Describe a small red triangle as JSON."
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_sdk_parses_a_pydantic_model(client: OpenAI, seed: int) -> None:
+    sampled = {"max_tokens": 300, "temperature": 1.0, "seed": seed}
     completion = client.chat.completions.parse(
-        model=MODEL,
-        messages=MESSAGES,
-        response_format=Shape,
-        max_tokens=300,
-        temperature=1.0,
-        seed=seed,
+        model=MODEL, messages=MESSAGES, response_format=Shape, **sampled
     )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"

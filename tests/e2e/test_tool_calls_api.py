@@ -34,6 +34,11 @@ def _calls(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
 
 
+def _create(client: OpenAI, messages: list, **fields: Any) -> Any:
+    """A chat completion of ``messages`` with `TOOLS` and ``fields``."""
+    return client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, **fields)
+
+
 def _greedy_choice(client: OpenAI, messages: list, **fields: Any) -> tuple[dict[str, Any], Any]:
     """The arguments of a greedy chat completion of ``messages`` with `TOOLS` (100 tokens
     at most) and ``fields``, and its first choice."""
@@ -86,10 +91,9 @@ def test_a_call_is_valid_and_streams_as_it_is_returned(
 
 
 def test_sampled_forced_calls_all_validate(client: OpenAI) -> None:
-    response = client.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        tools=TOOLS,
+    response = _create(
+        client,
+        QUESTION,
         tool_choice="required",
         temperature=1,
         seed=7,
@@ -106,9 +110,7 @@ def test_sampled_forced_calls_all_validate(client: OpenAI) -> None:
 
 
 def test_tool_choice_none_answers_in_text(client: OpenAI) -> None:
-    response = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=24
-    )
+    response = _create(client, QUESTION, tool_choice="none", max_tokens=24)
     message = response.choices[0].message
     assert message.content
     assert not message.tool_calls
@@ -119,10 +121,9 @@ def test_a_round_trip_ends_in_a_text_answer(client: OpenAI) -> None:
     """Call, tool result, answer: the history with the call and its result is accepted
     (its rendering is checked in tests/unit/test_tool_calls.py; whether a 135M model uses
     the result well is not this test's business)."""
-    first = client.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        tools=TOOLS,
+    first = _create(
+        client,
+        QUESTION,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         temperature=0,
     )
@@ -135,9 +136,7 @@ def test_a_round_trip_ends_in_a_text_answer(client: OpenAI) -> None:
         message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)},
     ]
-    final = client.chat.completions.create(
-        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=48
-    )
+    final = _create(client, history, tool_choice="none", temperature=0, max_tokens=48)
     assert final.choices[0].message.content
     assert not final.choices[0].message.tool_calls
     assert final.choices[0].finish_reason in ("stop", "length")

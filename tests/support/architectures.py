@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from tests.support.tiny_model import TOKENIZER_FILES
+from tests.support.tiny_model import TINY_SHAPE, TOKENIZER_FILES
 
 VOCAB_SIZE = 512
 MAX_POSITIONS = 256
@@ -45,14 +45,8 @@ VECTOR_STD = 0.2
 #: Shared by most families (names as transformers' Llama-like configurations spell them).
 COMMON: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **TINY_SHAPE,
     "max_position_embeddings": MAX_POSITIONS,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
     "pad_token_id": 0,
     "tie_word_embeddings": False,
 }

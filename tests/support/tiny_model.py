@@ -15,21 +15,28 @@ from transformers import LlamaConfig, LlamaForCausalLM
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+#: The tiny shape, shared with `tests.support.architectures`: 2 layers, hidden size 64,
+#: 4 query heads over 2 KV heads, and SmolLM2's bos and eos token ids.
+TINY_SHAPE: dict[str, int] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
 def tiny_llama_config(vocab_size: int = 512, max_position_embeddings: int = 512) -> LlamaConfig:
     """Config of the tiny model; ``eos_token_id`` is 2 as in SmolLM2."""
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=max_position_embeddings,
+        **TINY_SHAPE,
+        head_dim=16,
         rope_theta=10000.0,
         tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
         pad_token_id=2,
         initializer_range=0.5,
     )

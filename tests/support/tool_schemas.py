@@ -1,28 +1,29 @@
 """The tools the e2e tool-call tests share: their argument schemas (each API wraps them in
-its own tool shape), the chat tools of another API's, and a turn that called one."""
+its own tool shape), the chat tools of another API's, and a turn that called one; and
+`closed_object`, the JSON schema of an object with exactly the properties listed."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+
+def closed_object(**properties: dict[str, Any]) -> dict[str, Any]:
+    """The schema of an object with all of ``properties`` (in this order) and no other."""
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
 #: ``get_weather``'s arguments: a short city name and a unit.
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+WEATHER = closed_object(
+    city={"type": "string", "maxLength": 20}, unit={"enum": ["celsius", "fahrenheit"]}
+)
 #: ``add``'s arguments: two integers.
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
+ADD = closed_object(a={"type": "integer"}, b={"type": "integer"})
 #: Each tool's arguments schema, by name.
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 #: A question the model answers with a ``get_weather`` call.

@@ -52,25 +52,26 @@ def test_an_empty_chat_body_samples_with_openais_defaults() -> None:
     # OpenAI: temperature 1, top_p 1, no penalties, no stop, no logit_bias, one choice.
     request = _parse(ChatCompletionRequest, _chat())
     assert request.n == 1 and not request.stream
-    assert request.sampling_params(16, VOCAB) == SamplingParams(
-        max_tokens=16,
-        min_tokens=0,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        presence_penalty=0.0,
-        frequency_penalty=0.0,
-        repetition_penalty=1.0,
-        logit_bias=(),
-        seed=None,
-        stop_token_ids=(),
-        ignore_eos=False,
-        stop=(),
-        include_stop_str_in_output=False,
-        skip_special_tokens=True,
-        structured_output=None,
-    )
+    expected: dict[str, Any] = {
+        "max_tokens": 16,
+        "min_tokens": 0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "logit_bias": (),
+        "seed": None,
+        "stop_token_ids": (),
+        "ignore_eos": False,
+        "stop": (),
+        "include_stop_str_in_output": False,
+        "skip_special_tokens": True,
+        "structured_output": None,
+    }
+    assert request.sampling_params(16, VOCAB) == SamplingParams(**expected)
 
 
 def test_every_sampling_field_reaches_the_engine() -> None:

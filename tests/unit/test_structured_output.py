@@ -13,6 +13,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests.support.tool_schemas import closed_object
 from trio_llm import open_engine
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.core import EngineCore
@@ -27,15 +28,10 @@ PROMPT = [1, 2, 3, 4, 5]
 SAMPLES = 12
 
 SCHEMAS = [
-    {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 8},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        },
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
+    closed_object(
+        name={"type": "string", "maxLength": 8},
+        age={"type": "integer", "minimum": 0, "maximum": 120},
+    ),
     {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
     {"enum": ["red", "green", "blue"]},
     {"type": "integer", "minimum": -5, "maximum": 5},

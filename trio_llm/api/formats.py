@@ -6,7 +6,8 @@ differs between endpoints is only how a choice is written out, by a `ResponseFor
 ``text_completion``) and `ChatFormat` (``/v1/chat/completions``, ``chat.completion``) are
 here, and `BlockFormat`, the base of the formats that write a chat response's message
 (text and tool calls) as blocks in their own shapes: the Anthropic Messages format
-(`trio_llm.api.anthropic`) and the Responses format (`trio_llm.api.responses`).
+(`trio_llm.api.anthropic_format`) and the Responses format
+(`trio_llm.api.responses_format`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class ChatFormat(ResponseFormat):
     choice's first chunk carries the role with its first content) and chat logprobs.
 
     With a ``tool_parser`` (a request with tools and a tool_choice other than "none"),
-    each choice's text goes through its own parser (`trio_llm.api.tools`): the message
+    each choice's text goes through its own parser (`trio_llm.api.tool_parsers`): the message
     gets ``content`` and ``tool_calls``, a stream gets ``delta.tool_calls`` pieces (id and
     name first, then the arguments), and a choice that made calls and stopped on its own
     ends with finish_reason "tool_calls".

@@ -30,7 +30,7 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema`` with llguidance told to allow no optional whitespace (as
-    `trio_llm.engine.structured.JSON_DEFAULTS` does for a whole-output schema)."""
+    `trio_llm.structured_output.grammar.JSON_DEFAULTS` does for a whole-output schema)."""
     options = dict(schema.get("x-guidance") or {})
     options.setdefault("whitespace_flexible", False)
     return {**schema, "x-guidance": options}

@@ -146,7 +146,7 @@ def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 class NativeLlama:
     """The decoder of a Llama-family model as plain tensor operations (module docstring).
 
-    Call it inside `trio_llm.engine.attention.step_metadata`, like the decoder it
+    Call it inside `trio_llm.engine.attention_metadata.step_metadata`, like the decoder it
     replaces.
 
     Args:

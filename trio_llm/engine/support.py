@@ -9,7 +9,7 @@ with a message naming the architecture and why:
   against transformers' ``generate()`` by the conformance suite (tests/unit/
   test_conformance.py), and layer types other than full and sliding-window attention;
   `check_context`: a context at which the rotary embedding would depend on the batch;
-- `trio_llm.engine.attention.probe_layers` (one forward pass of one token): layers whose
+- `trio_llm.engine.attention_probe.probe_layers` (one forward pass of one token): layers whose
   attention does not go through transformers' attention interface (recurrent or hybrid
   layers), attention sinks, bidirectional attention, arguments it does not implement;
 - the model runner: a head path that does not return one row of logits per hidden state.
