@@ -28,7 +28,7 @@ from trio_llm.logging_setup import (
     resolve_log_level,
 )
 from trio_llm.serve_flags import FIELD_DEFAULT, SERVE_FLAGS, Flag
-from trio_llm.server_config import RequestLimits, RestartPolicy, ServerConfig
+from trio_llm.server_config import RequestLimits, RestartPolicy, ServerConfig, StoreConfig
 
 #: Annotations of the fields whose flag parses with ``int`` when the `Flag` names no type.
 _INT_TYPES = ("int", "int | None")
@@ -142,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine=engine,
         restart=RestartPolicy(**values(RestartPolicy)),
         limits=RequestLimits(**values(RequestLimits)),
+        store=StoreConfig(**values(StoreConfig)),
         **values(ServerConfig),
     )
 

@@ -113,3 +113,20 @@ def parse_json_object(text: str) -> dict[str, Any]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+def parse_duration(text: str) -> float | None:
+    """``"30d"``, ``"12h"``, ``"90m"``, ``"3600s"``, ``"3600"`` -> seconds; ``"0"`` or
+    ``"none"`` -> None (no limit)."""
+    value = text.strip().lower()
+    if value in ("0", "none"):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration like 30d, 12h, 90m or 3600s: {text!r}")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+def parse_size_or_none(text: str) -> int | None:
+    """As `parse_bytes`; ``"0"`` or ``"none"`` -> None (no limit)."""
+    return None if text.strip().lower() in ("0", "none") else parse_bytes(text)

@@ -31,6 +31,7 @@ from trio_llm.server_config import (
     RequestLimits,
     RestartPolicy,
     ServerConfig,
+    StoreConfig,
     default_api_key,
 )
 from trio_llm.text.chat_template import read_chat_template
@@ -330,6 +331,36 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             "longest stop string, in characters (default %(default)s)",
             type=parse.parse_positive_int,
             metavar="CHARS",
+        ),
+    },
+    StoreConfig: {
+        "url": Flag(
+            "the database of stored responses, conversations, files and batches: "
+            "sqlite:///PATH, or postgresql://USER@HOST/DB for replicas that share it "
+            "(pip install 'trio_llm[postgres]'); none keeps nothing (default: "
+            f"sqlite under ${CACHE_DIR_ENV}, else ~/.cache/trio_llm/store/store.db)",
+            name="--store-url",
+            metavar="URL",
+        ),
+        "retention": Flag(
+            "finished stored objects older than this are removed (30d, 12h, 90m, 3600s; "
+            "none: kept until --store-max-size needs the room; default 30d)",
+            name="--store-retention",
+            type=parse.parse_duration,
+            metavar="AGE",
+        ),
+        "max_size": Flag(
+            "most bytes the store holds; the oldest finished objects go first (e.g. "
+            "10GiB, the default; none: no limit)",
+            name="--store-max-size",
+            type=parse.parse_size_or_none,
+            metavar="BYTES",
+        ),
+        "max_file_bytes": Flag(
+            "largest file POST /v1/files accepts (default 512MiB)",
+            name="--max-file-size",
+            type=parse.parse_bytes,
+            metavar="BYTES",
         ),
     },
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from trio_llm.config import (
@@ -96,6 +97,41 @@ class RequestLimits(CheckedFields):
     max_stop_string_length: int = setting(256, range=Range(1))
 
 
+#: ``--store-url`` value that turns the store off (no stored responses, files or batches).
+NO_STORE = "none"
+
+
+@dataclass(frozen=True)
+class StoreConfig(CheckedFields):
+    """Where and how long the server keeps state (`trio_llm.store`).
+
+    Attributes:
+        url: the database: ``sqlite:///PATH`` or ``postgresql://...``; None: a SQLite file
+            ``store/store.db`` under the cache folder; `NO_STORE`: keep nothing
+            (``store: true`` and the stateful endpoints are then refused).
+        retention: seconds a finished object is kept; None: until the size limit needs
+            its room.
+        max_size: most bytes of stored objects and file contents; None: no limit.
+        max_file_bytes: largest file ``POST /v1/files`` accepts (bytes).
+    """
+
+    url: str | None = None
+    retention: float | None = setting(30 * 86400.0, range=Range(0, exclusive=True))
+    max_size: int | None = setting(10 * 2**30, range=Range(1, unit="byte"))
+    max_file_bytes: int = setting(512 * 2**20, range=Range(1, unit="byte"))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the server keeps a store at all."""
+        return self.url != NO_STORE
+
+    def resolved_url(self, cache_dir: Path) -> str:
+        """The database URL, the default one under ``cache_dir`` when unset."""
+        if self.url is None:
+            return f"sqlite:///{cache_dir / 'store' / 'store.db'}"
+        return self.url
+
+
 @dataclass(frozen=True)
 class ServerConfig(CheckedFields):
     """The API server's own settings.
@@ -161,6 +197,7 @@ class ServerConfig(CheckedFields):
         data_parallel_size: engine-core children, each with its own model copy and KV
             cache (`trio_llm.frontend.data_parallel`): on CUDA one GPU each, on the CPU
             an equal share of the cores each unless ``engine.num_threads`` says otherwise.
+        store: the database of stored responses, conversations, files and batches.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -197,6 +234,7 @@ class ServerConfig(CheckedFields):
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     data_parallel_size: int = setting(1, range=Range(1))
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -45,6 +45,7 @@ from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.generation_defaults import load_generation_defaults
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.server_config import ServerConfig
+from trio_llm.store import RetentionPolicy, Store, open_store
 from trio_llm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,33 +95,70 @@ async def serve(
         EngineStartupError: (inside an ExceptionGroup) the engine failed to start.
     """
     lifecycle = Lifecycle()
-    async with trio.open_nursery() as root:
-        root.start_soon(_handle_signals, lifecycle, root.cancel_scope)
-        async with trio.open_nursery() as engine_nursery:
-            engine: EngineHandle = await engine_nursery.start(_supervise_engines, config, lifecycle)
-            _engines_ready(engine, config)
-            serving = await _open_serving(engine, config)
-            app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
-            connection_guard.install()  # one connection's protocol error ends only it
-            async with trio.open_nursery() as http_nursery:
-                binds = await http_nursery.start(
-                    partial(
-                        hypercorn.trio.serve,
-                        app,
-                        _hypercorn_config(config),
-                        shutdown_trigger=lifecycle.stop_requested.wait,
-                    )
-                )
-                port = urlsplit(binds[0]).port or config.port
-                root.start_soon(_shut_down, lifecycle, engine, config, port)
-                lifecycle.serving = True
-                names = ", ".join(config.model_names())
-                # CLI output, not a log line: the bound address, on stdout at every level.
-                print(f"trio-llm: serving {names} on {binds[0]}", flush=True)
-                task_status.started(binds)
-            await engine.stop(config.shutdown_timeout)
-        root.cancel_scope.cancel()
+    store = await open_server_store(config)
+    try:
+        async with trio.open_nursery() as root:
+            root.start_soon(_handle_signals, lifecycle, root.cancel_scope)
+            if store is not None:
+                root.start_soon(store.run_retention)
+            await _serve_engines(config, lifecycle, store, root, task_status)
+            root.cancel_scope.cancel()
+    finally:
+        if store is not None:
+            store.close()
     return lifecycle
+
+
+async def open_server_store(config: ServerConfig) -> Store | None:
+    """Open (and migrate) the server's store in a worker thread; None with ``--store-url
+    none``.
+
+    Raises:
+        ValueError: a malformed ``--store-url``.
+        StoreError: the database cannot be opened or is newer than this server.
+    """
+    if not config.store.enabled:
+        return None
+    cache_dir = config.engine.cache_dir()
+    url = config.store.resolved_url(cache_dir)
+    policy = RetentionPolicy(max_age=config.store.retention, max_bytes=config.store.max_size)
+    store = await trio.to_thread.run_sync(open_store, url, cache_dir, policy)
+    logger.info(f"store: {store.database.url}")
+    return store
+
+
+async def _serve_engines(
+    config: ServerConfig,
+    lifecycle: Lifecycle,
+    store: Store | None,
+    root: trio.Nursery,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    """Start the engines, then the HTTP server; return once both have stopped."""
+    async with trio.open_nursery() as engine_nursery:
+        engine: EngineHandle = await engine_nursery.start(_supervise_engines, config, lifecycle)
+        _engines_ready(engine, config)
+        serving = await _open_serving(engine, config)
+        serving.store = store
+        app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
+        connection_guard.install()  # one connection's protocol error ends only it
+        async with trio.open_nursery() as http_nursery:
+            binds = await http_nursery.start(
+                partial(
+                    hypercorn.trio.serve,
+                    app,
+                    _hypercorn_config(config),
+                    shutdown_trigger=lifecycle.stop_requested.wait,
+                )
+            )
+            port = urlsplit(binds[0]).port or config.port
+            root.start_soon(_shut_down, lifecycle, engine, config, port)
+            lifecycle.serving = True
+            names = ", ".join(config.model_names())
+            # CLI output, not a log line: the bound address, on stdout at every level.
+            print(f"trio-llm: serving {names} on {binds[0]}", flush=True)
+            task_status.started(binds)
+        await engine.stop(config.shutdown_timeout)
 
 
 def _engines_ready(engine: EngineHandle, config: ServerConfig) -> None:

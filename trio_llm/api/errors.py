@@ -25,6 +25,7 @@ from trio_llm.errors import (
     InvalidRequest,
     RequestRejectedError,
 )
+from trio_llm.store import Evicted, NotFound, StoreError, StoreUnavailable
 
 #: Seconds a client is told to wait (``Retry-After``) when the waiting line is full.
 RETRY_AFTER_SECONDS = 1
@@ -157,6 +158,22 @@ def _retry_later(exc: EngineError, code: str) -> APIError:
     )
 
 
+def store_error(exc: StoreError) -> APIError:
+    """The HTTP error for a failed store lookup or write: 404 for an id that is not (or no
+    longer, `Evicted`) stored, 503 with ``Retry-After`` while the database is busy or
+    unreachable, 507 when its disk is full, 500 otherwise."""
+    if isinstance(exc, NotFound):
+        code = "evicted" if isinstance(exc, Evicted) else "not_found"
+        return APIError(404, str(exc), type="not_found_error", code=code)
+    if isinstance(exc, StoreUnavailable):
+        status = 507 if exc.full else 503
+        headers = None if exc.full else {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return APIError(
+            status, str(exc), type="server_error", code="store_unavailable", headers=headers
+        )
+    return APIError(500, str(exc), type="server_error", code="store_error")
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """The 400's message and the ``param`` it names, from pydantic's first error."""
     errors = exc.errors()
@@ -187,6 +204,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response(request.url.path)
+
+    @app.exception_handler(StoreError)
+    async def _store_error(request: Request, exc: StoreError) -> JSONResponse:
+        return store_error(exc).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

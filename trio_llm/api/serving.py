@@ -56,6 +56,7 @@ from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.server_config import RequestLimits
+from trio_llm.store import Store
 from trio_llm.structured_output.grammar_check import default_compile_workers
 from trio_llm.text.choice import Choice
 from trio_llm.text.tokenizer import Tokenizer
@@ -123,6 +124,9 @@ class OpenAIServing:
         generation_defaults: GenerationDefaults | None = None,
     ) -> None:
         self.engine = engine
+        #: The server's store (stored responses, conversations, files, batches); None
+        #: with ``--store-url none``. Set by the supervisor once it is open.
+        self.store: Store | None = None
         self.limits = limits or RequestLimits()
         self.request_body_timeout = request_body_timeout
         self.tokenizer = tokenizer

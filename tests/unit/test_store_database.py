@@ -1,0 +1,140 @@
+"""The store's database layer on SQLite files: migrations, transactions, the errors a
+locked or unusable database gives, and retention with its tombstones."""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+from pathlib import Path
+
+import pytest
+import trio
+
+from trio_llm.cli_types import parse_duration, parse_size_or_none
+from trio_llm.store import RetentionPolicy, StoreUnavailable, open_store
+from trio_llm.store.database import StoreError, Transaction, open_database, redact
+from trio_llm.store.migrations import MIGRATIONS, SCHEMA_VERSION, migrate, schema_version
+from trio_llm.store.objects import Evicted, NotFound, missing, page_after
+from trio_llm.store.retention import format_duration, stored_bytes, sweep
+
+
+def _url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store' / 'store.db'}"
+
+
+def _add_response(tx: Transaction, rid: str, created_at: int, status: str, size: int) -> None:
+    tx.execute(
+        "INSERT INTO responses (id, created_at, status, background, model, request, context, "
+        "body, nbytes) VALUES (?, ?, ?, 0, 'm', '{}', '[]', '{}', ?)",
+        (rid, created_at, status, size),
+    )
+
+
+def test_migrations_run_once_and_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    store = open_store(_url(tmp_path), tmp_path)
+    assert store.files_dir == tmp_path / "store" / "files" and store.files_dir.is_dir()
+    assert store.transaction_sync(schema_version) == SCHEMA_VERSION == len(MIGRATIONS)
+    assert migrate(store.database) == (SCHEMA_VERSION, SCHEMA_VERSION)
+    tables = store.transaction_sync(
+        lambda tx: {r[0] for r in tx.rows("SELECT name FROM sqlite_master WHERE type='table'")}
+    )
+    assert {"responses", "conversations", "files", "batches", "batch_results"} <= tables
+    store.transaction_sync(
+        lambda tx: tx.execute("INSERT INTO store_schema VALUES (?)", (SCHEMA_VERSION + 1,))
+    )
+    store.close()
+    with pytest.raises(StoreError, match="newer than this server"):
+        open_store(_url(tmp_path), tmp_path)
+
+
+def test_a_failed_unit_of_work_leaves_nothing(tmp_path: Path) -> None:
+    store = open_store(_url(tmp_path), tmp_path)
+
+    def half_done(tx: Transaction) -> None:
+        _add_response(tx, "resp_1", 1, "completed", 10)
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        store.transaction_sync(half_done)
+    assert store.transaction_sync(lambda tx: tx.one("SELECT COUNT(*) FROM responses"))[0] == 0
+
+
+async def test_a_database_locked_by_another_writer_is_store_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("trio_llm.store.database.SQLITE_BUSY_TIMEOUT", 0.05)
+    store = open_store(_url(tmp_path), tmp_path)
+    other = sqlite3.connect(tmp_path / "store" / "store.db", isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(StoreUnavailable, match="busy"):
+        await store.transaction(lambda tx: _add_response(tx, "r", 1, "completed", 1))
+    other.execute("ROLLBACK")
+    other.close()
+    await store.transaction(lambda tx: _add_response(tx, "r", 1, "completed", 1))
+
+
+async def test_transactions_from_many_tasks_all_land(tmp_path: Path) -> None:
+    store = open_store(_url(tmp_path), tmp_path)
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(
+                store.transaction, lambda tx, i=i: _add_response(tx, f"r{i}", i, "completed", 1)
+            )
+    assert store.transaction_sync(lambda tx: tx.one("SELECT COUNT(*) FROM responses"))[0] == 20
+
+
+def test_bad_urls_are_refused_with_the_flag_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--store-url"):
+        open_database("mysql://x/y", tmp_path)
+    with pytest.raises(ValueError, match="absolute path"):
+        open_database("sqlite:///", tmp_path)
+    assert redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+
+
+def test_retention_evicts_by_age_then_size_and_leaves_tombstones(tmp_path: Path) -> None:
+    day = 86400
+    policy = RetentionPolicy(max_age=2 * day, max_bytes=250)
+    store = open_store(_url(tmp_path), tmp_path, policy)
+
+    def fill(tx: Transaction) -> None:
+        _add_response(tx, "old", 10 * day - 3 * day, "completed", 100)
+        _add_response(tx, "running", 10 * day - 3 * day, "in_progress", 100)
+        for i in range(3):
+            _add_response(tx, f"new{i}", 10 * day - 100 + i, "completed", 100)
+
+    store.transaction_sync(fill)
+    removed = store.transaction_sync(lambda tx: sweep(tx, policy, at=10 * day))
+    # "old" by age; then the oldest finished one by size (100 running + 300 > 250).
+    assert removed == [("response", "old"), ("response", "new0"), ("response", "new1")]
+    assert store.transaction_sync(stored_bytes) == 200
+    ids = store.transaction_sync(
+        lambda tx: sorted(r[0] for r in tx.rows("SELECT id FROM responses"))
+    )
+    assert ids == ["new2", "running"]
+    aged = store.transaction_sync(lambda tx: missing(tx, "response", "old"))
+    assert isinstance(aged, Evicted) and "--store-retention 2d" in str(aged)
+    sized = store.transaction_sync(lambda tx: missing(tx, "response", "new0"))
+    assert isinstance(sized, Evicted) and "--store-max-size" in str(sized)
+    never = store.transaction_sync(lambda tx: missing(tx, "response", "nope"))
+    assert type(never) is NotFound and "no response with id 'nope'" in str(never)
+
+
+def test_durations_sizes_and_pages() -> None:
+    assert parse_duration("30d") == 30 * 86400 and parse_duration("90m") == 5400
+    assert parse_duration("15") == 15 and parse_duration("0") is None
+    assert parse_size_or_none("10GiB") == 10 * 2**30 and parse_size_or_none("none") is None
+    for bad in ("soon", "-1d"):
+        with pytest.raises(argparse.ArgumentTypeError, match="duration"):
+            parse_duration(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="size"):
+        parse_size_or_none("10 parsecs")
+    assert format_duration(30 * 86400) == "30d" and format_duration(5400) == "90m"
+    assert format_duration(61) == "61s"
+    items = [{"id": f"i{n}"} for n in range(5)]
+    page = page_after(items, None, 2, "desc")
+    assert [i["id"] for i in page.data] == ["i4", "i3"] and page.has_more
+    page = page_after(items, "i3", 10, "desc")
+    assert [i["id"] for i in page.data] == ["i2", "i1", "i0"] and not page.has_more
+    assert page.body()["first_id"] == "i2" and page.body()["last_id"] == "i0"
+    with pytest.raises(NotFound):
+        page_after(items, "x", 2, "asc")
