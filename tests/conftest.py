@@ -62,3 +62,19 @@ def smol_tokenizer(real_model_dir: Path):
     from trio_llm.text.tokenizer import Tokenizer
 
     return Tokenizer.load(real_model_dir)
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    """The ``--store-url`` of a fresh, empty store for one test (a SQLite file)."""
+    return f"sqlite:///{tmp_path / 'store' / 'store.db'}"
+
+
+@pytest.fixture
+def store(store_url: str, tmp_path: Path):
+    """A fresh `trio_llm.store.Store` at `store_url`, closed after the test."""
+    from trio_llm.store import open_store
+
+    opened = open_store(store_url, tmp_path)
+    yield opened
+    opened.close()

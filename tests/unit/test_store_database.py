@@ -18,10 +18,6 @@ from trio_llm.store.objects import Evicted, NotFound, missing, page_after
 from trio_llm.store.retention import format_duration, stored_bytes, sweep
 
 
-def _url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'store' / 'store.db'}"
-
-
 def _add_response(tx: Transaction, rid: str, created_at: int, status: str, size: int) -> None:
     tx.execute(
         "INSERT INTO responses (id, created_at, status, background, model, request, context, "
@@ -30,8 +26,8 @@ def _add_response(tx: Transaction, rid: str, created_at: int, status: str, size:
     )
 
 
-def test_migrations_run_once_and_a_newer_schema_is_refused(tmp_path: Path) -> None:
-    store = open_store(_url(tmp_path), tmp_path)
+def test_migrations_run_once_and_a_newer_schema_is_refused(store_url: str, tmp_path: Path) -> None:
+    store = open_store(store_url, tmp_path)
     assert store.files_dir == tmp_path / "store" / "files" and store.files_dir.is_dir()
     assert store.transaction_sync(schema_version) == SCHEMA_VERSION == len(MIGRATIONS)
     assert migrate(store.database) == (SCHEMA_VERSION, SCHEMA_VERSION)
@@ -44,11 +40,11 @@ def test_migrations_run_once_and_a_newer_schema_is_refused(tmp_path: Path) -> No
     )
     store.close()
     with pytest.raises(StoreError, match="newer than this server"):
-        open_store(_url(tmp_path), tmp_path)
+        open_store(store_url, tmp_path)
 
 
-def test_a_failed_unit_of_work_leaves_nothing(tmp_path: Path) -> None:
-    store = open_store(_url(tmp_path), tmp_path)
+def test_a_failed_unit_of_work_leaves_nothing(store_url: str, tmp_path: Path) -> None:
+    store = open_store(store_url, tmp_path)
 
     def half_done(tx: Transaction) -> None:
         _add_response(tx, "resp_1", 1, "completed", 10)
@@ -60,10 +56,10 @@ def test_a_failed_unit_of_work_leaves_nothing(tmp_path: Path) -> None:
 
 
 async def test_a_database_locked_by_another_writer_is_store_unavailable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("trio_llm.store.database.SQLITE_BUSY_TIMEOUT", 0.05)
-    store = open_store(_url(tmp_path), tmp_path)
+    store = open_store(store_url, tmp_path)
     other = sqlite3.connect(tmp_path / "store" / "store.db", isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")
     with pytest.raises(StoreUnavailable, match="busy"):
@@ -73,8 +69,8 @@ async def test_a_database_locked_by_another_writer_is_store_unavailable(
     await store.transaction(lambda tx: _add_response(tx, "r", 1, "completed", 1))
 
 
-async def test_transactions_from_many_tasks_all_land(tmp_path: Path) -> None:
-    store = open_store(_url(tmp_path), tmp_path)
+async def test_transactions_from_many_tasks_all_land(store_url: str, tmp_path: Path) -> None:
+    store = open_store(store_url, tmp_path)
     async with trio.open_nursery() as nursery:
         for i in range(20):
             nursery.start_soon(
@@ -83,7 +79,7 @@ async def test_transactions_from_many_tasks_all_land(tmp_path: Path) -> None:
     assert store.transaction_sync(lambda tx: tx.one("SELECT COUNT(*) FROM responses"))[0] == 20
 
 
-def test_bad_urls_are_refused_with_the_flag_named(tmp_path: Path) -> None:
+def test_bad_urls_are_refused_with_the_flag_named(store_url: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--store-url"):
         open_database("mysql://x/y", tmp_path)
     with pytest.raises(ValueError, match="absolute path"):
@@ -91,10 +87,12 @@ def test_bad_urls_are_refused_with_the_flag_named(tmp_path: Path) -> None:
     assert redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
 
 
-def test_retention_evicts_by_age_then_size_and_leaves_tombstones(tmp_path: Path) -> None:
+def test_retention_evicts_by_age_then_size_and_leaves_tombstones(
+    store_url: str, tmp_path: Path
+) -> None:
     day = 86400
     policy = RetentionPolicy(max_age=2 * day, max_bytes=250)
-    store = open_store(_url(tmp_path), tmp_path, policy)
+    store = open_store(store_url, tmp_path, policy)
 
     def fill(tx: Transaction) -> None:
         _add_response(tx, "old", 10 * day - 3 * day, "completed", 100)
