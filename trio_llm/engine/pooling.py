@@ -144,6 +144,7 @@ class PoolingCore:
             pid=pid,
             task="embed",
             embedding_dim=self.embedding_dim,
+            scheduling_policy=self.config.scheduler.scheduling_policy,
         )
 
     # ------------------------------------------------------------ requests
