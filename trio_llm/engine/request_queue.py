@@ -64,30 +64,25 @@ class RequestQueue:
 
     def next_ready(
         self,
-        batch_lane: bool,
+        level: Rank,
         num_running: Counter[str],
         is_long: Callable[[int], bool],
         long_taken: bool,
     ) -> Request | None:
-        """The waiting request of a lane to admit next: of the best rank, of the group with
-        the fewest running requests (``num_running``), the first in line. Requests
-        waiting for their grammar are passed over, and long ones (``is_long`` of their
-        token count) while ``long_taken`` (the long prefill places of the step are
-        taken). None for the batch lane while an interactive request waits (not for its
-        grammar)."""
+        """The waiting request of rank ``level`` (the best rank waiting) to admit next: of
+        the group with the fewest running requests (``num_running``), the first in line.
+        Requests waiting for their grammar are passed over, and long ones (``is_long`` of
+        their token count) while ``long_taken`` (the long prefill places of the step are
+        taken)."""
         best: Request | None = None
         best_count = 0
         for request in self:
             if request.waits_for_grammar:
                 continue
-            if request.batch != batch_lane:
-                if batch_lane:
-                    return None  # an interactive request waits: the batch lane waits too
-                break  # the batch lane's part of the line
+            if self.rank(request) != level:
+                break  # the line is in rank order: worse ranks from here on
             if long_taken and is_long(request.num_tokens):
                 continue
-            if best is not None and self.rank(request) != self.rank(best):
-                break
             count = num_running[request.group]
             if best is None or count < best_count:
                 best, best_count = request, count

@@ -13,11 +13,11 @@ class ScheduledBatch:
     """The work of one step.
 
     Attributes:
-        requests: the scheduled requests with the number of new tokens each computes:
-            the interactive requests, running ones in the running queue's order then
-            those admitted this step in admission order, then the batch lane's the same
-            way. (The model runner packs single-token requests first, then the longer
-            chunks, each part in this order.)
+        requests: the scheduled requests with the number of new tokens each computes,
+            rank by rank (`trio_llm.engine.request_queue`): the running requests of a rank
+            in the running queue's order, and those admitted this step in admission order
+            (before the running ones of a worse rank). (The model runner packs
+            single-token requests first, then the longer chunks, each part in this order.)
         num_preemptions: requests preempted while building this batch.
         num_prefill_tokens: the scheduled tokens that are not decodes (a decode feeds a
             running request's last sampled token; a one-token prompt or last prompt
@@ -37,17 +37,6 @@ class ScheduledBatch:
         self.requests.append((request, num_new))
         if not _is_decode(request, num_new):
             self.num_prefill_tokens += num_new
-
-    def remove(self, request: Request) -> int:
-        """Take ``request`` out again (before its tokens are computed); returns the tokens
-        it was to compute (0 if it was not scheduled)."""
-        for index, (scheduled, num_new) in enumerate(self.requests):
-            if scheduled is request:
-                del self.requests[index]
-                if not _is_decode(request, num_new):
-                    self.num_prefill_tokens -= num_new
-                return num_new
-        return 0
 
 
 def _is_decode(request: Request, num_new: int) -> bool:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from trio_llm.config import SchedulerConfig
 from trio_llm.engine.block_manager import BlockManager, PrefixHit
 from trio_llm.engine.request import Request, RequestStatus
-from trio_llm.engine.request_queue import RequestQueue
+from trio_llm.engine.request_queue import Rank, RequestQueue
 from trio_llm.engine.scheduled_batch import ScheduledBatch
 from trio_llm.engine.slot_shares import fair_shares, slot_victims
 
@@ -65,11 +65,12 @@ __all__ = ["ScheduledBatch", "Scheduler", "fair_shares"]
 @dataclass
 class _Step:
     """What is left of a step being scheduled: its token budget, the long prefills it
-    holds, and whether a request was preempted for room (no request joins then)."""
+    holds, and whether waiting requests may still join (not after a preemption for room,
+    nor behind a request that could not)."""
 
     budget: int
     num_long: int = 0
-    out_of_room: bool = False
+    admitting: bool = True
 
 
 class Scheduler:
@@ -194,18 +195,29 @@ class Scheduler:
         batch = ScheduledBatch()
         self._share_slots(batch)
         step = _Step(self.config.max_num_batched_tokens)
-        for batch_lane in (False, True):
-            self._schedule_running(batch, step, batch_lane)
-            if not step.out_of_room:
-                self._admit_waiting(batch, step, batch_lane)
-        return batch
+        index = 0  # running[:index] had their turn
+        while True:
+            running = self.rank(self.running[index]) if index < len(self.running) else None
+            waiting = self._first_ready_rank() if step.admitting else None
+            if waiting is not None and (running is None or waiting < running):
+                index += self._admit_waiting(batch, step, waiting)
+            elif running is not None and step.budget > 0:
+                index = self._schedule_running(batch, step, index)
+            else:
+                return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, step: _Step, batch_lane: bool) -> None:
-        """Schedule the running requests of one lane (step 2 of the module docstring)."""
-        index = next((i for i, r in enumerate(self.running) if r.batch >= batch_lane), 0)
+    def _first_ready_rank(self) -> Rank | None:
+        """The rank of the first waiting request not waiting for its grammar."""
+        ready = next((r for r in self.waiting if not r.waits_for_grammar), None)
+        return self.rank(ready) if ready is not None else None
+
+    def _schedule_running(self, batch: ScheduledBatch, step: _Step, index: int) -> int:
+        """Schedule the running requests of the rank of ``running[index]`` (step 2 of the
+        module docstring); returns the index after the last one that had its turn."""
+        level = self.rank(self.running[index])
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            if request.batch != batch_lane:
+            if self.rank(request) != level:
                 break
             num_uncomputed = request.num_uncomputed_tokens
             num_new, long = self._num_new_tokens(num_uncomputed, step.budget, step.num_long)
@@ -214,7 +226,8 @@ class Scheduler:
                 continue
             preempted_before = batch.num_preemptions
             fits = self._make_room(index, request.num_computed_tokens + num_new, batch)
-            step.out_of_room |= batch.num_preemptions > preempted_before
+            if batch.num_preemptions > preempted_before:
+                step.admitting = False  # preempted for room: no request joins this step
             if not fits:
                 continue  # the request itself was preempted; running[index] is the next one
             self.block_manager.allocate(request, request.num_computed_tokens + num_new)
@@ -222,15 +235,17 @@ class Scheduler:
             step.budget -= num_new
             step.num_long += long
             index += 1
+        return index
 
-    def _admit_waiting(self, batch: ScheduledBatch, step: _Step, batch_lane: bool) -> None:
-        """Let waiting requests of one lane join (step 3 of the module docstring)."""
+    def _admit_waiting(self, batch: ScheduledBatch, step: _Step, level: Rank) -> int:
+        """Let the waiting requests of rank ``level`` join (step 3 of the module
+        docstring); returns how many joined. If one of that rank is left waiting, no
+        other request joins in this step."""
         manager = self.block_manager
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        admitted = 0
+        while step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             long_taken = step.num_long >= self._max_long
-            request = self.waiting.next_ready(
-                batch_lane, self._num_running, self._is_long, long_taken
-            )
+            request = self.waiting.next_ready(level, self._num_running, self._is_long, long_taken)
             if request is None:
                 break
             hit = manager.lookup(request)
@@ -240,13 +255,17 @@ class Scheduler:
             if num_new == 0:
                 break
             if not manager.can_take(request, hit, num_cached + num_new):
-                if self._preempt_worse_ranked(request, batch, step):
+                if self._preempt_worse_ranked(level, batch):
                     continue  # look again with the blocks it freed
                 break
             self._start(request, hit, num_cached, num_new)
             batch.add(request, num_new)
             step.budget -= num_new
             step.num_long += long
+            admitted += 1
+        if self._first_ready_rank() == level:
+            step.admitting = False  # worse-ranked requests do not go ahead of it
+        return admitted
 
     def _start(self, request: Request, hit: PrefixHit, num_cached: int, num_new: int) -> None:
         """Move a waiting request into the running batch with its cached prefix ``hit``
@@ -260,19 +279,15 @@ class Scheduler:
         self.block_manager.allocate(request, num_cached + num_new)
         self._start_running(request)
 
-    def _preempt_worse_ranked(self, request: Request, batch: ScheduledBatch, step: _Step) -> bool:
-        """Preempt the worst-ranked running request ranked below the waiting ``request``
-        (of that rank, the newest of the group holding the most slots), taking it out of
-        this step's batch if it was in; False if there is none."""
-        level = self.rank(request)
+    def _preempt_worse_ranked(self, level: Rank, batch: ScheduledBatch) -> bool:
+        """Free KV blocks for a waiting request of rank ``level``: preempt the worst-ranked
+        running request ranked below it (of that rank, the newest of the group holding the
+        most slots); False if there is none. (Those ranked below it have not had their
+        turn in this step: `schedule` goes rank by rank.)"""
         worse = [i for i, other in enumerate(self.running) if self.rank(other) > level]
         if not worse:
             return False
-        victim = self.running[max(worse, key=self._victim_order)]
-        if num_new := batch.remove(victim):
-            step.budget += num_new
-            step.num_long -= self._is_long(victim.num_uncomputed_tokens)
-        self._preempt(victim)
+        self._preempt(self.running[max(worse, key=self._victim_order)])
         batch.num_preemptions += 1
         return True
 
