@@ -10,6 +10,7 @@ import pytest
 
 from trio_llm.config import SchedulerConfig
 from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.pooling_queue import PoolingQueue, Waiting
 from trio_llm.engine.request import Request, RequestStatus
 from trio_llm.engine.request_queue import RequestQueue
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
@@ -303,3 +304,19 @@ def test_priorities_rank_within_the_batch_lane() -> None:
     batch = _step(scheduler)
     assert batch.num_preemptions == 1 and "b_high" in _scheduled(batch)
     assert _ids(scheduler.waiting) == ["b_low"]
+
+
+# ------------------------------------------------------------------ embeddings
+
+
+def test_a_pooling_step_takes_the_best_ranked_groups_only() -> None:
+    queue = PoolingQueue()
+    queue.add(Waiting("batch0", [1, 2, 3], 0.0, "b", rank=(1, 0)))
+    queue.add(Waiting("batch1", [1, 2, 3], 0.0, "b", rank=(1, 0)))
+    queue.add(Waiting("low", [1, 2, 3], 0.0, "low", rank=(0, 5)))
+    queue.add(Waiting("chat0", [4, 5, 6], 0.0, "c0"))
+    queue.add(Waiting("chat1", [4, 5, 6], 0.0, "c1"))
+    # The two rank (0, 0) groups share the step; nothing of a worse rank rides along.
+    assert sorted(_ids(queue.take_batch(8, 1000))) == ["chat0", "chat1"]
+    assert _ids(queue.take_batch(8, 1000)) == ["low"]
+    assert sorted(_ids(queue.take_batch(8, 1000))) == ["batch0", "batch1"]

@@ -35,6 +35,12 @@ from trio_llm.engine.request import Request
 Rank = tuple[int, int]
 
 
+def rank_of(batch: bool, priority: int, *, by_priority: bool) -> Rank:
+    """The rank of a request in the batch lane or not, of ``priority`` (counted only
+    ``by_priority``: under the ``priority`` policy)."""
+    return (int(batch), priority if by_priority else 0)
+
+
 class RequestQueue:
     """The waiting requests of a scheduler, best rank first (module docstring).
 
@@ -57,7 +63,7 @@ class RequestQueue:
     def rank(self, request: Request) -> Rank:
         """``(lane, priority)``: 0 for interactive and 1 for batch-lane requests, and the
         priority under the ``priority`` policy (0 under ``fcfs``)."""
-        return (int(request.batch), request.priority if self.by_priority else 0)
+        return rank_of(request.batch, request.priority, by_priority=self.by_priority)
 
     def _key(self, request: Request) -> tuple[int, int, int]:
         return (*self.rank(request), request.arrival_index)
