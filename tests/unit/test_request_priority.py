@@ -23,9 +23,17 @@ from trio_llm.api.errors import APIError
 from trio_llm.api.lanes import BATCH_LANE, LANE_SCOPE_KEY, lane_of
 from trio_llm.api.plan import Planner
 from trio_llm.api.serving import OpenAIServing
+from trio_llm.async_engine import AsyncEngine
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.preprocess import InputPreprocessor
-from trio_llm.messages import AddRequest, EngineReady, RequestOutput, Scheduling, StepOutputs
+from trio_llm.messages import (
+    AddRequest,
+    EngineReady,
+    RequestOutput,
+    SamplingParams,
+    Scheduling,
+    StepOutputs,
+)
 from trio_llm.server_config import RequestLimits
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -190,3 +198,28 @@ def test_the_lane_of_a_scope() -> None:
     assert lane_of({LANE_SCOPE_KEY: "batch"}) == "batch"
     with pytest.raises(ValueError, match=r"trio_llm\.lane"):
         lane_of({LANE_SCOPE_KEY: "urgent"})
+
+
+# ------------------------------------------------------------------ the embedding API
+
+
+async def test_the_embedding_api_takes_a_priority(smol_tokenizer: Tokenizer) -> None:
+    for policy in ("fcfs", "priority"):
+        info = msgspec.structs.replace(INFO, scheduling_policy=policy)
+        client, stream = engine_client_pair(info)
+        fake = ScriptedEngine(stream, [28])
+        engine = AsyncEngine(client, smol_tokenizer)
+        if policy == "fcfs":
+            with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+                engine.generate("Hello", SamplingParams(max_tokens=2), priority=4)
+            with pytest.raises(TypeError, match="priority"):
+                engine.generate("Hello", priority=1.0)  # type: ignore[arg-type]
+            continue
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.route_outputs)
+            nursery.start_soon(fake.run)
+            async with engine.generate("Hello", SamplingParams(max_tokens=2), priority=-4) as gen:
+                async for _ in gen:
+                    pass
+            nursery.cancel_scope.cancel()
+        assert [m.scheduling for m in _added(fake)] == [Scheduling(priority=-4)]
