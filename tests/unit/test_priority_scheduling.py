@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from trio_llm.config import SchedulerConfig
+from trio_llm.cli import build_parser, config_from_args
+from trio_llm.config import SchedulerConfig, engine_config
 from trio_llm.engine.block_manager import BlockManager
 from trio_llm.engine.pooling_queue import PoolingQueue, Waiting
 from trio_llm.engine.request import Request, RequestStatus
@@ -320,3 +321,20 @@ def test_a_pooling_step_takes_the_best_ranked_groups_only() -> None:
     assert sorted(_ids(queue.take_batch(8, 1000))) == ["chat0", "chat1"]
     assert _ids(queue.take_batch(8, 1000)) == ["low"]
     assert sorted(_ids(queue.take_batch(8, 1000))) == ["batch0", "batch1"]
+
+
+# ------------------------------------------------------------------ the flags
+
+
+def test_the_serve_flags_set_the_policy_and_the_share(capsys: pytest.CaptureFixture) -> None:
+    def scheduler(*flags: str) -> SchedulerConfig:
+        return config_from_args(build_parser().parse_args(["serve", *flags])).engine.scheduler
+
+    assert scheduler() == SchedulerConfig()
+    chosen = scheduler("--scheduling-policy", "priority", "--max-batch-share", "0.25")
+    assert (chosen.scheduling_policy, chosen.max_batch_share) == ("priority", 0.25)
+    for flags in (["--scheduling-policy", "lottery"], ["--max-batch-share", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *flags])
+    assert "--max-batch-share" in capsys.readouterr().err
+    assert engine_config(scheduling_policy="priority").scheduler.scheduling_policy == "priority"
