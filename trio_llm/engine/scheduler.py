@@ -65,8 +65,8 @@ __all__ = ["ScheduledBatch", "Scheduler", "fair_shares"]
 @dataclass
 class _Step:
     """What is left of a step being scheduled: its token budget, the long prefills it
-    holds, and whether waiting requests may still join (not after a preemption for room,
-    nor behind a request that could not)."""
+    holds, and whether waiting requests may still join (not after a preemption for room or
+    for blocks, nor behind a waiting request that could not join)."""
 
     budget: int
     num_long: int = 0
@@ -239,10 +239,12 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, step: _Step, level: Rank) -> int:
         """Let the waiting requests of rank ``level`` join (step 3 of the module
-        docstring); returns how many joined. If one of that rank is left waiting, no
-        other request joins in this step."""
+        docstring); returns how many joined. If one of that rank is left waiting, or
+        worse-ranked requests were preempted for blocks, no other request joins in this
+        step (the preempted ones are not taken back at once)."""
         manager = self.block_manager
         admitted = 0
+        preempted_before = batch.num_preemptions
         while step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             long_taken = step.num_long >= self._max_long
             request = self.waiting.next_ready(level, self._num_running, self._is_long, long_taken)
@@ -263,7 +265,7 @@ class Scheduler:
             step.budget -= num_new
             step.num_long += long
             admitted += 1
-        if self._first_ready_rank() == level:
+        if self._first_ready_rank() == level or batch.num_preemptions > preempted_before:
             step.admitting = False  # worse-ranked requests do not go ahead of it
         return admitted
 
