@@ -6,6 +6,8 @@ is pretended to have run, and every completed sequence samples token 7.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from trio_llm.cli import build_parser, config_from_args
@@ -15,6 +17,7 @@ from trio_llm.engine.pooling_queue import PoolingQueue, Waiting
 from trio_llm.engine.request import Request, RequestStatus
 from trio_llm.engine.request_queue import RequestQueue
 from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
+from trio_llm.messages import SamplingParams
 
 EOS = 2
 
@@ -46,8 +49,6 @@ def _request(
     group: str | None = None,
     max_tokens: int = 100,
 ) -> Request:
-    from trio_llm.messages import SamplingParams
-
     prompt = list(range(10, 10 + prompt_len))
     params = SamplingParams(max_tokens=max_tokens)
     return Request(rid, prompt, params, group, priority=priority, batch=batch)
@@ -338,3 +339,50 @@ def test_the_serve_flags_set_the_policy_and_the_share(capsys: pytest.CaptureFixt
             build_parser().parse_args(["serve", *flags])
     assert "--max-batch-share" in capsys.readouterr().err
     assert engine_config(scheduling_policy="priority").scheduler.scheduling_policy == "priority"
+
+
+# ------------------------------------------------------------------ random workloads
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workloads_keep_the_rank_rules(policy: str, seed: int) -> None:
+    """Arrivals of both lanes and (under ``priority``) random priorities, groups, long
+    prompts and aborts, on a small cache: after every step the running batch is in rank
+    order, a full batch leaves no interactive request waiting behind more than the batch
+    lane's share, nor behind a worse priority of its lane; no batch-lane request starts
+    while an interactive one waits; and everything finishes with every block free."""
+    rng = random.Random(seed)
+    scheduler = _scheduler(policy, max_num_seqs=6, budget=24, num_blocks=40, share=0.34)
+    cap = scheduler.config.batch_lane_slots
+    names = iter(range(10_000))
+    for step in range(400):
+        if step < 250 and rng.random() < 0.4:
+            group = f"g{next(names)}"
+            for _ in range(rng.choice([1, 1, 1, 3])):
+                scheduler.add(
+                    _request(
+                        f"r{next(names)}",
+                        prompt_len=rng.choice([2, 5, 11, 30]),
+                        priority=rng.randint(-2, 2) if policy == "priority" else 0,
+                        batch=rng.random() < 0.4,
+                        group=group,
+                        max_tokens=rng.randint(1, 12),
+                    )
+                )
+        if rng.random() < 0.05 and scheduler.running:
+            scheduler.abort([rng.choice(scheduler.running).request_id])
+        batch = scheduler.schedule()
+        ranks = [scheduler.rank(r) for r in scheduler.running]
+        assert ranks == sorted(ranks)
+        ready = [r for r in scheduler.waiting if not r.waits_for_grammar]
+        waiting_chat = [r for r in ready if not r.batch]
+        started = [r for r, _ in batch.requests if r.batch and r.num_computed_tokens == 0]
+        assert not (waiting_chat and started)
+        if waiting_chat and len(scheduler.running) == scheduler.config.max_num_seqs:
+            assert sum(r.batch for r in scheduler.running) <= cap
+            best = min(scheduler.rank(r) for r in waiting_chat)
+            assert all(scheduler.rank(r) <= best for r in scheduler.running if not r.batch)
+        _run(scheduler, batch)
+    assert scheduler.num_unfinished == 0
+    assert scheduler.block_manager.num_free_blocks == 40
