@@ -30,7 +30,7 @@ from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.generation import Generation
-from trio_llm.messages import EngineReady, SamplingParams
+from trio_llm.messages import EngineReady, SamplingParams, Scheduling
 from trio_llm.text.chat_template import read_chat_template
 from trio_llm.text.choice import Choice
 from trio_llm.text.tokenizer import Tokenizer
@@ -138,6 +138,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> Generation:
         """A `Generation` of ``prompt`` with ``params``, checked but not yet submitted.
 
@@ -145,13 +146,16 @@ class AsyncEngine:
             prompt: a text, chat messages or token ids (see `Prompt`).
             params: None means ``SamplingParams()`` (16 tokens, temperature 1).
             request_id: a label for the caller (kept as ``Generation.request_id``).
+            priority: vLLM's: lower is handled earlier; nonzero only with
+                ``scheduling_policy="priority"``.
 
         Raises:
             TypeError: ``prompt`` or ``params`` of the wrong type.
             ValueError: an empty prompt, a token id outside the vocabulary, text that
                 cannot be tokenized, messages the chat template rejects, a prompt that
                 leaves no room in the context, ``max_tokens`` more than the room left,
-                ``prompt_logprobs`` (not reported here), or a parameter out of range.
+                ``prompt_logprobs`` (not reported here), a parameter out of range, or a
+                nonzero ``priority`` under the ``fcfs`` scheduling policy.
         """
         if params is None:
             params = SamplingParams()
@@ -162,11 +166,15 @@ class AsyncEngine:
             raise ValueError("prompt_logprobs are not reported by generate(); leave it None")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, not {type(request_id).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, not {type(priority).__name__}")
+        scheduling = Scheduling(priority)
+        scheduling.validate(self.info.scheduling_policy)
         token_ids = self._prompt_token_ids(prompt)
         self._inputs.resolve_max_tokens(params.max_tokens, len(token_ids))
         request_id = request_id or f"gen-{next(self._ids)}"
         choice = Choice(0, self._tokenizer, token_ids, params, self._eos_token_ids)
-        return Generation(self._client, choice, token_ids, request_id)
+        return Generation(self._client, choice, token_ids, request_id, scheduling)
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

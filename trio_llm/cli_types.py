@@ -71,6 +71,17 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def parse_share(text: str) -> float:
+    """A share of a whole: a number above 0 and at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"not a share above 0 and at most 1: {text!r}")
+    return value
+
+
 #: The keys of ``--structured-outputs-config`` this server takes (vLLM's names).
 STRUCTURED_OUTPUTS_KEYS = ("disable_additional_properties",)
 

@@ -10,6 +10,7 @@ start-up, pickled. The choice tuples below are shared by the engine, the server
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -58,6 +59,10 @@ ATTENTION_BACKENDS = ("auto", "CPU_ATTN", "TORCH_SDPA")
 #: chat, Messages, Responses), ``pooling`` an embedding model (/v1/embeddings); ``auto``
 #: is ``pooling`` for a sentence-transformers folder (one with ``modules.json``).
 RUNNERS = ("auto", "generate", "pooling")
+
+#: ``--scheduling-policy`` values (vLLM's): ``fcfs`` serves requests in arrival order and
+#: refuses a nonzero request ``priority``; ``priority`` ranks them by it (lower first).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 #: ``--max-tokens-policy`` values: what a ``max_tokens`` past the room the prompt leaves
 #: in the context gets (lowered to that room, or vLLM's 400).
@@ -175,12 +180,28 @@ class SchedulerConfig(CheckedFields):
             `DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD` on the CPU and 0 on CUDA.
         max_num_partial_prefills: most long requests that prefill in one step; the others
             wait their turn (short prompts are not counted).
+        scheduling_policy: ``fcfs`` (requests in arrival order; a nonzero priority is
+            refused) or ``priority`` (waiting requests by priority, lower first, then
+            arrival; a better one preempts the worst running one when it finds no batch
+            slot or KV blocks). See `trio_llm.engine.request_queue`.
+        max_batch_share: while interactive requests wait, batch-lane requests hold at
+            most ``ceil(max_batch_share * max_num_seqs)`` batch slots (`batch_lane_slots`);
+            with none waiting they may fill the batch. In (0, 1].
     """
 
     max_num_seqs: int = setting(128, range=Range(1))
     max_num_batched_tokens: int = setting(1024, range=Range(1))
     long_prefill_token_threshold: int | None = setting(None, range=Range(0))
     max_num_partial_prefills: int = setting(1, range=Range(1))
+    scheduling_policy: str = setting("fcfs", choices=SCHEDULING_POLICIES)
+    max_batch_share: float = setting(0.5, range=Range(0, 1, exclusive=True))
+
+    @property
+    def batch_lane_slots(self) -> int:
+        """Batch slots the batch lane may hold while interactive requests wait:
+        ``ceil(max_batch_share * max_num_seqs)`` (at least 1)."""
+        # Rounded first, so that 0.3 * 10 (3.0000000000000004) is 3 slots, not 4.
+        return max(1, math.ceil(round(self.max_batch_share * self.max_num_seqs, 9)))
 
     def resolved_long_prefill_token_threshold(self, device: str) -> int:
         """The threshold in tokens (0: off), with None resolved for ``device``."""
@@ -273,6 +294,8 @@ def engine_config(
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
     long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold,
     max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills,
+    scheduling_policy: str = SchedulerConfig.scheduling_policy,
+    max_batch_share: float = SchedulerConfig.max_batch_share,
     num_threads: int | None = None,
     adaptive_threads: bool | None = None,
 ) -> EngineConfig:

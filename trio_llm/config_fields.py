@@ -39,6 +39,8 @@ class Range:
     def requirement(self) -> str:
         """What the message says a value must be, e.g. ``"must be at least 1"``."""
         if self.high is not None:
+            if self.exclusive:
+                return f"must be above {self.low} and at most {self.high}"
             return f"must be between {self.low} and {self.high}"
         if self.low == 0:
             return "must be positive" if self.exclusive else "must not be negative"

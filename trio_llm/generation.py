@@ -17,7 +17,7 @@ from types import TracebackType
 
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.request_stream import RequestStream
-from trio_llm.messages import TokenLogprobs
+from trio_llm.messages import DEFAULT_SCHEDULING, Scheduling, TokenLogprobs
 from trio_llm.text.choice import Choice
 from trio_llm.text.token_delta import TokenDelta
 
@@ -75,6 +75,7 @@ class Generation:
             ``"gen-N"``; the engine's own request id is internal.
         prompt_token_ids: the prompt as the engine sees it.
         params: the sampling parameters.
+        scheduling: its priority (`AsyncEngine.generate`'s ``priority``) and lane.
         entered: True once used as an ``async with`` block (the form that aborts on any
             early exit); False for a plain ``async for``.
         num_output_tokens: output tokens delivered so far.
@@ -92,11 +93,17 @@ class Generation:
     """
 
     def __init__(
-        self, client: EngineClient, choice: Choice, prompt_token_ids: list[int], request_id: str
+        self,
+        client: EngineClient,
+        choice: Choice,
+        prompt_token_ids: list[int],
+        request_id: str,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = choice.params
+        self.scheduling = scheduling
         self.entered = False
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
@@ -139,7 +146,7 @@ class Generation:
 
     async def _open(self) -> None:
         self._state = _State.OPEN
-        request = self._client.open_request(self.prompt_token_ids, self.params)
+        request = self._client.open_request(self.prompt_token_ids, self.params, self.scheduling)
         try:
             self._stream = await request.__aenter__()
         except BaseException:

@@ -199,6 +199,8 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> list[CompletionResult]:
         """Generate for every prompt at once; the results in prompt order.
 
@@ -208,28 +210,24 @@ class LLM:
                 An empty list is an empty batch.
             params: one `SamplingParams` for all prompts, one per prompt, or None for
                 ``SamplingParams()``.
+            priority: vLLM's: one per prompt, lower handled earlier (with
+                ``scheduling_policy="priority"``); None: 0 each.
 
         Raises:
             TypeError, ValueError: an invalid prompt or parameter (nothing is submitted);
-                a list of ``params`` of another length than ``prompts``.
+                a list of ``params`` or ``priority`` of another length than ``prompts``.
             EngineDeadError: the engine died (before or during the batch).
             RuntimeError: the `LLM` was closed.
             KeyboardInterrupt: the batch was aborted in the engine, then re-raised.
         """
         batch_prompts = _as_batch(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            batch_params = [params] * len(batch_prompts)
-        else:
-            batch_params = list(params)
-            if len(batch_params) != len(batch_prompts):
-                raise ValueError(
-                    f"got {len(batch_params)} SamplingParams for {len(batch_prompts)} prompts"
-                )
+        batch_params = _per_prompt(params, len(batch_prompts), "SamplingParams")
+        priorities = _per_prompt(priority or 0, len(batch_prompts), "priorities")
         engine = self._running_engine()
         # Checked (and tokenized) here in the calling thread: nothing touches the loop yet.
         generations = [
-            engine.generate(prompt, sampling)
-            for prompt, sampling in zip(batch_prompts, batch_params, strict=True)
+            engine.generate(prompt, sampling, priority=rank)
+            for prompt, sampling, rank in zip(batch_prompts, batch_params, priorities, strict=True)
         ]
         if not generations:
             return []
@@ -310,6 +308,22 @@ class LLM:
             trio.from_thread.run_sync(function, *args, trio_token=self._token)
         except trio.RunFinishedError:
             pass
+
+
+def _per_prompt(value: Any, num_prompts: int, what: str) -> list[Any]:
+    """One ``value`` per prompt: a sequence of them as is (its length checked), or the
+    same one (a `SamplingParams`, None or an int) for every prompt.
+
+    Raises:
+        ValueError: a sequence of another length than ``num_prompts`` (``what`` names
+            its items).
+    """
+    if value is None or isinstance(value, SamplingParams | int):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {what} for {num_prompts} prompts")
+    return values
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -192,6 +192,35 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 # ---------------------------------------------------------------- server -> engine
 
 
+class Scheduling(msgspec.Struct, frozen=True, array_like=True):
+    """Where an engine request stands in line (`trio_llm.engine.request_queue`).
+
+    Attributes:
+        priority: vLLM's ``priority``: any integer, lower is handled earlier; served only
+            under the ``priority`` scheduling policy (`validate`).
+        batch: the request is background batch work (the *batch lane*): it ranks after
+            every interactive request whatever the policy and priorities, and while
+            interactive requests wait the batch lane holds at most
+            ``SchedulerConfig.max_batch_share`` of the batch slots.
+    """
+
+    priority: int = 0
+    batch: bool = False
+
+    def validate(self, policy: str) -> None:
+        """Raise ValueError (vLLM's refusal) for a nonzero priority under a ``policy``
+        other than ``priority``."""
+        if self.priority != 0 and policy != "priority":
+            raise ValueError(
+                f"priority scheduling is not enabled (scheduling policy {policy!r}): "
+                f"priority must be 0, got {self.priority}"
+            )
+
+
+#: An interactive request of priority 0 (every request that says nothing else).
+DEFAULT_SCHEDULING = Scheduling()
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     """Queue a new request. ``prompt_token_ids`` is non-empty and fits the context.
 
@@ -199,12 +228,14 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
         group: shared by the engine requests of one API request (its ``n`` choices and
             batch prompts); the scheduler shares batch slots fairly between groups. None:
             a group of its own.
+        scheduling: its priority and lane (the same for every request of a group).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     group: str | None = None
+    scheduling: Scheduling = DEFAULT_SCHEDULING
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -265,6 +296,8 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
         task: ``"generate"`` (a language model) or ``"embed"`` (an embedding model,
             `trio_llm.engine.pooling`: outputs carry vectors, not tokens).
         embedding_dim: length of the vectors of an ``"embed"`` model (0 otherwise).
+        scheduling_policy: the engine's ``--scheduling-policy`` (``fcfs`` or
+            ``priority``): the server refuses a nonzero ``priority`` unless ``priority``.
     """
 
     model_dir: str
@@ -277,6 +310,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     pid: int
     task: str = "generate"
     embedding_dim: int = 0
+    scheduling_policy: str = "fcfs"
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

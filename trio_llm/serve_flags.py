@@ -143,6 +143,19 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
         "max_num_partial_prefills": Flag(
             "most long prompts prefilled in one step (default %(default)s)", **_COUNT
         ),
+        "scheduling_policy": Flag(
+            "fcfs: requests in arrival order (a request's nonzero `priority` is refused); "
+            "priority: by `priority`, lower first, then arrival, a better request "
+            "preempting the worst running one when the batch or the KV cache is full "
+            "(default %(default)s)"
+        ),
+        "max_batch_share": Flag(
+            "while interactive requests wait, batch-lane requests (the in-process batch "
+            "runner's) hold at most this share of --max-num-seqs; with none waiting they "
+            "may fill the batch (default %(default)s)",
+            type=parse.parse_share,
+            metavar="SHARE",
+        ),
     },
     CacheConfig: {
         "block_size": Flag(),

@@ -12,7 +12,7 @@ from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.core import EngineCore
 from trio_llm.errors import EngineConfigError
-from trio_llm.messages import AddRequest, SamplingParams
+from trio_llm.messages import AddRequest, SamplingParams, Scheduling
 
 #: Runs an engine core (in this process, a real model forward pass per step): the slow tier.
 pytestmark = pytest.mark.slow
@@ -35,6 +35,7 @@ def _core(
     max_num_seqs: int = 8,
     max_model_len: int = 128,
     enable_prefix_caching: bool = True,
+    policy: str = "fcfs",
 ) -> EngineCore:
     model = build_tiny_model(seed=0)
     model.set_attn_implementation(ATTENTION_NAME)
@@ -45,7 +46,9 @@ def _core(
             num_kv_blocks=num_kv_blocks,
             enable_prefix_caching=enable_prefix_caching,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, scheduling_policy=policy
+        ),
     )
     return EngineCore(model, config, "tiny")
 
@@ -111,6 +114,49 @@ def test_preemption_and_recompute_keep_outputs_identical(reference: dict[int, li
             outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert preemptions > 0
     assert outputs == {f"r{i}": reference[i] for i in range(len(PROMPTS))}
+
+
+def test_priorities_and_the_batch_lane_keep_outputs_identical(
+    reference: dict[int, list[int]],
+) -> None:
+    # Two batch slots: a batch-lane request and a low priority hold them when two better
+    # requests arrive; the low one is preempted for the best and recomputed later.
+    core = _core(max_num_seqs=2, policy="priority")
+    assert core.ready_message(1).scheduling_policy == "priority"
+    arrivals = {
+        0: [(0, Scheduling(batch=True)), (1, Scheduling(priority=5))],
+        3: [(2, Scheduling(priority=0)), (3, Scheduling(priority=1))],
+    }
+    outputs: dict[str, list[int]] = {}
+    finished: list[str] = []
+    preemptions = 0
+    step = 0
+    while core.has_unfinished_requests() or arrivals:
+        for i, scheduling in arrivals.pop(step, []):
+            message = AddRequest(f"r{i}", PROMPTS[i], _greedy(), None, scheduling)
+            assert core.add_request(message) is None
+        result = core.step()
+        step += 1
+        preemptions += result.stats.num_preemptions
+        for output in result.outputs:
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                finished.append(output.request_id)
+    assert preemptions > 0
+    assert outputs == {f"r{i}": reference[i] for i in range(4)}
+    # The best priority first, the batch lane (which kept its one slot) before r3 took it.
+    assert finished.index("r2") < finished.index("r3") < finished.index("r1")
+
+
+def test_a_priority_is_refused_under_fcfs() -> None:
+    core = _core()
+    assert core.ready_message(1).scheduling_policy == "fcfs"
+    refused = core.add_request(AddRequest("p", [5, 6], _greedy(), None, Scheduling(priority=1)))
+    assert refused is not None and refused.finish_reason == "abort"
+    assert "priority scheduling is not enabled" in (refused.error or "")
+    batch = AddRequest("b", [5, 6], _greedy(2), None, Scheduling(batch=True))
+    assert core.add_request(batch) is None
+    assert len(_run(core)["b"]) == 2  # the batch lane is served under fcfs too
 
 
 def test_prefix_caching_keeps_outputs_identical_and_counts_hits() -> None:

@@ -12,6 +12,7 @@ from trio_llm.messages import (
     AddRequest,
     RequestOutput,
     SamplingParams,
+    Scheduling,
     Shutdown,
     StepOutputs,
     StepStats,
@@ -83,7 +84,12 @@ async def test_typed_messages_round_trip() -> None:
     to_engine = ipc.MessageChannel(ipc.FramedStream(left), object)
     engine_side = ipc.engine_channel(right)
     params = SamplingParams(max_tokens=5, temperature=0.5, top_k=3, seed=7, stop_token_ids=(4,))
-    sent = [AddRequest("r1", [1, 2, 3], params), AbortRequests(["r1", "r2"]), Shutdown()]
+    sent = [
+        AddRequest("r1", [1, 2, 3], params),
+        AddRequest("r2", [4], params, "g", Scheduling(priority=-3, batch=True)),
+        AbortRequests(["r1", "r2"]),
+        Shutdown(),
+    ]
     for message in sent:
         await to_engine.send(message)
     assert [await engine_side.receive() for _ in sent] == sent

@@ -19,7 +19,9 @@ from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError, install_error_handlers
+from trio_llm.api.lanes import lane_of
 from trio_llm.api.middleware import install_middleware
+from trio_llm.api.request_body import RequestBody
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.routes import ROUTES
 from trio_llm.api.serving import OpenAIServing
@@ -190,10 +192,15 @@ def _endpoint(
     body_model: type[BaseModel],
     handler: Callable[[Any, Receive], Awaitable[Response]],
 ) -> Callable[[Request], Awaitable[Response]]:
-    """A route that parses its body as ``body_model`` and answers with ``handler``."""
+    """A route that parses its body as ``body_model`` and answers with ``handler``; the
+    body's lane is the ASGI scope's (`trio_llm.api.lanes`: the batch runner's requests
+    run in the batch lane)."""
 
     async def endpoint(request: Request) -> Response:
+        lane = lane_of(request.scope)
         body = await serving.parse(body_model, request)
+        if isinstance(body, RequestBody):
+            body.bind_lane(lane)
         if isinstance(body, ResponsesRequest):
             body.bind_connection(tuple(request.client) if request.client else None)
         return await handler(body, request.receive)

@@ -30,7 +30,7 @@ from pydantic import Field, StrictInt
 
 from trio_llm.api.errors import bad_request, invalid_request
 from trio_llm.api.formats import ChatFormat
-from trio_llm.api.request_body import INT32_MAX, RequestBody, Text, TokenId
+from trio_llm.api.request_body import INT32_MAX, Priority, RequestBody, Text, TokenId
 from trio_llm.api.response_format import Plan
 from trio_llm.errors import ContextLengthError, InvalidRequest
 from trio_llm.frontend.engine_client import Admission
@@ -54,6 +54,7 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
     user: Text | None = None
+    priority: Priority = 0
 
     def inputs(self) -> list[str | list[int]]:
         """Each input (a text, or token ids) in order.
@@ -159,12 +160,14 @@ async def embedding_plan(
     bookkeeping).
 
     Raises:
-        APIError: 400 for a ``dimensions`` the model cannot give, an empty, refused or
-            too long input (`embedding_prompts`).
+        APIError: 400 for a ``dimensions`` the model cannot give, a nonzero ``priority``
+            the engine does not serve, an empty, refused or too long input
+            (`embedding_prompts`).
     """
     check_dimensions(request.dimensions, info.embedding_dim, matryoshka_dimensions(info.model_dir))
+    scheduling = request.scheduling(request.priority, info.scheduling_policy)
     prompts = await embedding_prompts(inputs, request.inputs())
-    plan = Plan(ChatFormat(inputs.tokenizer), model)
+    plan = Plan(ChatFormat(inputs.tokenizer), model, scheduling=scheduling)
     params = SamplingParams(max_tokens=0)
     for ids in prompts:
         plan.add_prompt(ids, [params], None)
@@ -206,18 +209,15 @@ async def embedding_prompts(
 
 
 async def collect_embeddings(
-    engine: EngineHandle,
-    requests: list[tuple[list[int], SamplingParams]],
-    admission: Admission,
-    vectors: list[list[float]],
+    engine: EngineHandle, plan: Plan, admission: Admission, vectors: list[list[float]]
 ) -> None:
-    """Submit the admitted ``requests`` together and store each one's vector in
+    """Submit the admitted requests of ``plan`` together and store each one's vector in
     ``vectors`` (its place in input order).
 
     Raises:
         EngineError: the engine failed the requests.
     """
-    async with engine.open_requests(requests, admission) as streams:
+    async with engine.open_requests(plan.requests, admission, plan.scheduling) as streams:
         for i, stream in enumerate(streams):
             async for delta in stream:
                 if delta.embedding is not None:

@@ -3,8 +3,9 @@ engine is asked from them: `SamplingParams` and the output constraint.
 
 Field names and defaults follow the OpenAI API reference; ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output`` and ``skip_special_tokens`` are vLLM's extensions. Fields
-that OpenAI or vLLM define but this server does not implement are accepted only at their
+``include_stop_str_in_output``, ``skip_special_tokens`` and ``priority`` (the engine
+request's place in line, `RequestBody.scheduling`) are vLLM's extensions. Fields that
+OpenAI or vLLM define but this server does not implement are accepted only at their
 neutral value, so a client never silently gets something other than what it asked for;
 unknown fields are ignored, as OpenAI does.
 """
@@ -23,6 +24,7 @@ from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import (
     INT32_MAX,
     FiniteFloat,
+    Priority,
     RequestBody,
     Text,
     TokenId,
@@ -103,6 +105,7 @@ class GenerationRequest(RequestBody):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    priority: Priority = 0
     # Structured output (OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields); at most one of them, see `structured_output`.
     response_format: dict[str, Any] | None = None

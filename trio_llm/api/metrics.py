@@ -93,7 +93,7 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineClient], float]], ...]
     (
         "counter",
         "num_preemptions",
-        "Requests preempted (no KV blocks, or a fair share of the batch for others).",
+        "Requests preempted (no KV blocks, a fair share of the batch, a better-ranked request).",
         lambda engine: engine.stats.num_preemptions,
     ),
     (

@@ -31,7 +31,7 @@ from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.frontend.chat_prompt import ChatPrompt
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
-from trio_llm.messages import SamplingParams
+from trio_llm.messages import SamplingParams, Scheduling
 from trio_llm.server_config import RequestLimits
 from trio_llm.text.reasoning import ReasoningFormat, reasoning_format
 from trio_llm.text.stop import compile_stops
@@ -70,6 +70,8 @@ class Planner:
         inputs: the model's preprocessor (tokenizer, context length, vocabulary).
         grammar_checks: how many large structured-output specs are checked at once
             (each in a worker thread, building a grammar).
+        scheduling_policy: the engine's (`EngineReady.scheduling_policy`): a nonzero
+            ``priority`` is refused unless it is ``priority``.
         The others: as `OpenAIServing`'s arguments of the same names.
     """
 
@@ -81,6 +83,7 @@ class Planner:
     tool_call_parser: str | None
     reasoning_parser: str | None
     disable_additional_properties: bool
+    scheduling_policy: str = "fcfs"
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -96,7 +99,7 @@ class Planner:
             APIError: a 400 naming the field at fault.
             InvalidRequest: a prompt the preprocessor refuses (empty, too long, ...).
         """
-        await self._check_common(request)
+        scheduling = await self._check_common(request)
         if request.suffix:
             raise bad_request("`suffix` (insertion) is not supported by this model", "suffix")
         self._check_logprobs(request.logprobs, "logprobs")
@@ -119,6 +122,7 @@ class Planner:
         wanted = [request.logprobs if request.echo else None, request.prompt_logprobs]
         counts = [count for count in wanted if count is not None]
         plan = Plan(CompletionFormat(self.tokenizer), model, echo=request.echo)
+        plan.scheduling = scheduling
         plan.num_top_logprobs = request.logprobs
         plan.num_prompt_logprobs = request.prompt_logprobs
         plan.structured_param = request.structured_param
@@ -159,7 +163,7 @@ class Planner:
             APIError: a 400 naming the field at fault.
             InvalidRequest: a message or tool the template or tokenizer refuses.
         """
-        await self._check_common(request)
+        scheduling = await self._check_common(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self._check_logprobs(request.top_logprobs, "top_logprobs")
@@ -187,7 +191,7 @@ class Planner:
             parallel_tool_calls=request.parallel_tool_calls,
             reasoning_parser=reasoning.parser if reasoning is not None else None,
         )
-        plan = Plan(chat_format, model, num_top_logprobs=logprobs)
+        plan = Plan(chat_format, model, num_top_logprobs=logprobs, scheduling=scheduling)
         plan.structured_param = request.structured_param
         params = self._params(request, max_tokens, logprobs=logprobs)
         if reasoning is not None:
@@ -274,7 +278,10 @@ class Planner:
                 param,
             )
 
-    async def _check_common(self, request: GenerationRequest) -> None:
+    async def _check_common(self, request: GenerationRequest) -> Scheduling:
+        """Check what completions and chat share; returns the engine requests'
+        `Scheduling` (a 400 naming ``priority`` for one the engine does not serve)."""
+        scheduling = request.scheduling(request.priority, self.scheduling_policy)
         request.set_server_options(
             tool_call_parser=self.tool_call_parser,
             disable_additional_properties=self.disable_additional_properties,
@@ -299,6 +306,7 @@ class Planner:
             await trio.to_thread.run_sync(
                 request.structured_output, limiter=limiter, abandon_on_cancel=True
             )
+        return scheduling
 
     def _max_tokens(
         self, requested: int | None, num_prompt: int, param: str, prompt_param: str = "prompt"

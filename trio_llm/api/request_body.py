@@ -4,7 +4,10 @@ Every text field is `Text` (valid Unicode, so it can cross a process boundary an
 a response), every float `FiniteFloat`, every token id `TokenId`. `RequestBody` ignores
 unknown fields (as OpenAI does) and reads an explicit ``null`` as the field's default;
 `refuse_unimplemented` refuses a field this server does not implement unless it is given
-only at its neutral value (`is_neutral`).
+only at its neutral value (`is_neutral`). A body also knows its lane
+(`trio_llm.api.lanes`, bound from the ASGI scope) and makes the engine requests'
+`Scheduling` from it and the ``priority`` field of the APIs that have one
+(`RequestBody.scheduling`).
 """
 
 from __future__ import annotations
@@ -18,17 +21,24 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictInt,
     StrictStr,
     model_validator,
 )
 
 from trio_llm.api.errors import bad_request
+from trio_llm.api.lanes import BATCH_LANE, INTERACTIVE_LANE, Lane
+from trio_llm.messages import Scheduling
 
 #: Largest integer accepted where the engine takes a 64-bit or 32-bit value.
 INT32_MAX = 2**31 - 1
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+
+#: vLLM's ``priority`` field: any 64-bit integer, lower is handled earlier (0 unless the
+#: server runs ``--scheduling-policy priority``).
+Priority = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 def check_unicode(value: str) -> str:
@@ -85,6 +95,36 @@ class RequestBody(BaseModel):
     them), and an explicit ``null`` for a field with a default means that default."""
 
     model_config = ConfigDict(extra="allow")
+
+    _lane: Lane = PrivateAttr(default=INTERACTIVE_LANE)
+
+    def bind_lane(self, lane: Lane) -> None:
+        """Put the request in ``lane`` (`trio_llm.api.lanes.lane_of` its ASGI scope)."""
+        self._lane = lane
+
+    @property
+    def lane(self) -> Lane:
+        """The request's lane: ``"interactive"`` unless `bind_lane` said otherwise."""
+        return self._lane
+
+    def scheduling(self, priority: int, policy: str) -> Scheduling:
+        """The `Scheduling` of the request's engine requests: ``priority`` (its field)
+        and its lane.
+
+        Args:
+            policy: the engine's scheduling policy (`EngineReady.scheduling_policy`).
+
+        Raises:
+            APIError: 400 naming ``priority``: a nonzero one under ``fcfs``.
+        """
+        scheduling = Scheduling(priority, batch=self._lane == BATCH_LANE)
+        try:
+            scheduling.validate(policy)
+        except ValueError as exc:
+            raise bad_request(
+                f"{exc} (the server runs with --scheduling-policy {policy})", "priority"
+            ) from None
+        return scheduling
 
     @model_validator(mode="before")
     @classmethod

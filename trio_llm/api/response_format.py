@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trio_llm.api.errors import APIError
-from trio_llm.messages import SamplingParams
+from trio_llm.messages import DEFAULT_SCHEDULING, SamplingParams, Scheduling
 from trio_llm.text.choice import Choice, ChoiceDelta
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -43,6 +43,8 @@ class Plan:
             (completions), else None.
         structured_param: the request field of its output constraint (what an engine
             error about the constraint names), else None.
+        scheduling: the priority and lane of every engine request
+            (`RequestBody.scheduling`).
         response_id, created: the response's ``id`` and ``created`` (Unix seconds),
             set when the request is admitted (`OpenAIServing.admit`).
     """
@@ -58,6 +60,7 @@ class Plan:
     response_id: str = ""
     created: int = 0
     structured_param: str | None = None
+    scheduling: Scheduling = DEFAULT_SCHEDULING
 
     def add_prompt(
         self, token_ids: list[int], params: list[SamplingParams], echo_text: str | None

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Stri
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.errors import bad_request
 from trio_llm.api.parsing import CountedFields
-from trio_llm.api.request_body import INT32_MAX, FiniteFloat, Text, check_json_text
+from trio_llm.api.request_body import INT32_MAX, FiniteFloat, Priority, Text, check_json_text
 from trio_llm.api.responses_tools import OfferedTools, offer_tools
 from trio_llm.api.translated_request import ChatTranslated
 
@@ -134,6 +134,7 @@ class ResponsesRequest(ChatTranslated):
     store: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     user: Text | None = None
+    priority: Priority = 0
     # Accepted; what each does here is in docs/api.md (mostly: echoed, nothing else).
     reasoning: ReasoningConfig | None = None
     include: list[Text] | None = None
@@ -242,6 +243,7 @@ class ResponsesRequest(ChatTranslated):
             "top_k": self.top_k,
             "stream": self.stream,
             "parallel_tool_calls": self.parallel_tool_calls,
+            "priority": self.priority,
         }
         response_format = self._response_format()
         if response_format is not None:

@@ -56,7 +56,7 @@ async def run_choices(
                 await stream.finish(choice.finish_reason or "stop")
                 return
 
-    async with engine.open_requests(plan.requests, admission) as streams:
+    async with engine.open_requests(plan.requests, admission, plan.scheduling) as streams:
         await run_all([partial(drive, c, s) for c, s in zip(choices, streams, strict=True)])
 
 

@@ -149,6 +149,7 @@ class OpenAIServing:
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
             disable_additional_properties=disable_additional_properties,
+            scheduling_policy=engine.info.scheduling_policy,
         )
 
     # ------------------------------------------------------------ validation
@@ -259,7 +260,7 @@ class OpenAIServing:
         plan = await embedding_plan(request, model, self.inputs, self.engine.info)
         admission = self.admit(plan)
         vectors: list[list[float]] = [[] for _ in plan.requests]
-        collect = partial(collect_embeddings, self.engine, plan.requests, admission, vectors)
+        collect = partial(collect_embeddings, self.engine, plan, admission, vectors)
         if not await run_connected(self.engine, receive, admission, collect):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         body = await embeddings_body(model, vectors, request, sum(plan.prompt_lengths))
@@ -329,6 +330,7 @@ class OpenAIServing:
                 # The translation re-validates every message and checks echoed fields:
                 # work that grows with the request, so it runs in a worker thread.
                 chat = await trio.to_thread.run_sync(to_chat or request.to_chat)
+                chat.bind_lane(request.lane)
                 self.planner.map_thinking_switch(request, chat)
                 plan = await self.plan(chat, make_format, endpoint, count_only=count_only)
             except InvalidRequest as exc:

@@ -27,7 +27,8 @@ from trio_llm.engine.model_info import ModelInfo, eos_token_ids_of, max_model_le
 from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelOutput, ModelRunner, PromptHidden
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
-from trio_llm.engine.scheduler import ScheduledBatch, Scheduler
+from trio_llm.engine.scheduled_batch import ScheduledBatch
+from trio_llm.engine.scheduler import Scheduler
 from trio_llm.engine.support import check_supported, describe
 from trio_llm.errors import ModelNotFoundError
 from trio_llm.messages import (
@@ -181,6 +182,7 @@ class EngineCore:
             vocab_size=info.vocab_size,
             dtype=info.dtype,
             pid=pid,
+            scheduling_policy=self.config.scheduler.scheduling_policy,
         )
 
     # ------------------------------------------------------------ requests
@@ -196,7 +198,12 @@ class EngineCore:
         error = self._check(message)
         if error is None:
             request = Request(
-                message.request_id, message.prompt_token_ids, message.params, message.group
+                message.request_id,
+                message.prompt_token_ids,
+                message.params,
+                message.group,
+                priority=message.scheduling.priority,
+                batch=message.scheduling.batch,
             )
             if message.params.structured_output is not None:
                 error = self._grammar_waits.start(request)
@@ -232,6 +239,7 @@ class EngineCore:
             return f"prompt token ids must be in [0, {self.info.vocab_size})"
         try:
             message.params.validate(self.info.vocab_size)
+            message.scheduling.validate(self.config.scheduler.scheduling_policy)
         except ValueError as exc:
             return str(exc)
         if message.request_id in self.scheduler:

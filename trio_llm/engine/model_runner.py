@@ -33,7 +33,7 @@ from trio_llm.engine.native import native_decoder
 from trio_llm.engine.output_head import OwnHead, plain_head_weight, quantized_head
 from trio_llm.engine.quantization import quantize_linears
 from trio_llm.engine.request import Request
-from trio_llm.engine.scheduler import ScheduledBatch
+from trio_llm.engine.scheduled_batch import ScheduledBatch
 from trio_llm.engine.step_inputs import StepBuilder, StepInputs
 from trio_llm.engine.support import describe
 from trio_llm.errors import EngineConfigError

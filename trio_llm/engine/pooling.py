@@ -25,8 +25,16 @@ from trio_llm.config import EngineConfig, ModelConfig
 from trio_llm.engine.model_info import ModelInfo
 from trio_llm.engine.pooler import PoolingSpec, is_sentence_transformers, pool
 from trio_llm.engine.pooling_queue import PoolingQueue, Waiting
+from trio_llm.engine.request_queue import rank_of
 from trio_llm.errors import EngineConfigError
-from trio_llm.messages import AddRequest, EngineReady, RequestOutput, StepOutputs, StepStats
+from trio_llm.messages import (
+    AddRequest,
+    EngineReady,
+    RequestOutput,
+    Scheduling,
+    StepOutputs,
+    StepStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,13 +152,14 @@ class PoolingCore:
             pid=pid,
             task="embed",
             embedding_dim=self.embedding_dim,
+            scheduling_policy=self.config.scheduler.scheduling_policy,
         )
 
     # ------------------------------------------------------------ requests
 
     def add_request(self, message: AddRequest) -> RequestOutput | None:
         """Queue a request; returns a finished-with-error output if it is rejected
-        (empty, or longer than ``max_model_len``)."""
+        (empty, longer than ``max_model_len``, or a priority the policy does not serve)."""
         ids = message.prompt_token_ids
         error = None
         if not ids:
@@ -161,10 +170,26 @@ class PoolingCore:
             )
         elif not all(0 <= t < self.info.vocab_size for t in ids):
             error = f"token ids must be in [0, {self.info.vocab_size})"
+        else:
+            error = self._scheduling_error(message.scheduling)
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
         group = message.group if message.group is not None else message.request_id
-        self.queue.add(Waiting(message.request_id, ids, time.monotonic(), group))
+        policy = self.config.scheduler.scheduling_policy
+        rank = rank_of(
+            message.scheduling.batch,
+            message.scheduling.priority,
+            by_priority=policy == "priority",
+        )
+        self.queue.add(Waiting(message.request_id, ids, time.monotonic(), group, rank))
+        return None
+
+    def _scheduling_error(self, scheduling: Scheduling) -> str | None:
+        """Why the engine refuses ``scheduling`` (a priority under ``fcfs``), or None."""
+        try:
+            scheduling.validate(self.config.scheduler.scheduling_policy)
+        except ValueError as exc:
+            return str(exc)
         return None
 
     def abort(self, request_ids: list[str]) -> None:

@@ -8,6 +8,10 @@ filled with other groups' inputs of the most similar lengths, none much longer t
 leader's (`PoolingQueue.take_batch`). So one request of 2,048 inputs leads one step in
 each round and cannot keep a one-input request waiting for more than about a step (the
 one running when it arrives, then its own, short one), and no input waits for ever.
+
+Groups rank as generating requests do (`trio_llm.engine.request_queue`: interactive
+before the batch lane, then priority under the ``priority`` policy): a step takes the
+inputs of the best-ranked groups waiting only, in the same turns between them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
+
+from trio_llm.engine.request_queue import Rank
 
 #: A pooling step picks its leader's inputs among the group's oldest ``BATCH_WINDOW *
 #: max_num_seqs``, and the inputs that fill the rest of the batch among as many of the other
@@ -30,13 +36,14 @@ FILL_LENGTH_FACTOR = 2
 
 @dataclass
 class Waiting:
-    """One waiting input: its request id, token ids, arrival (``time.monotonic``) and
-    group."""
+    """One waiting input: its request id, token ids, arrival (``time.monotonic``), group
+    and rank (the same for every input of a group)."""
 
     request_id: str
     token_ids: list[int]
     arrival: float
     group: str
+    rank: Rank = (0, 0)
 
 
 def _interleave(queues: Iterable[deque[Waiting]], limit: int) -> list[Waiting]:
@@ -119,13 +126,15 @@ class PoolingQueue:
         if last is not None and len(self.groups) > 1:
             self.groups[last] = self.groups.pop(last)  # behind everyone waiting now
         window = BATCH_WINDOW * max_rows
-        leader, queue = next(iter(self.groups.items()))
+        best = min(queue[0].rank for queue in self.groups.values())
+        turns = [(g, queue) for g, queue in self.groups.items() if queue[0].rank == best]
+        leader, queue = turns[0]
         self._last_leader = leader
         own = list(islice(queue, window))
         batch = [own[0]]
         mine = len(own[0].token_ids)
         longest = _fill(batch, own[1:], mine, mine, budget, max_rows, budget)
-        others = _interleave(islice(self.groups.values(), 1, None), window)
+        others = _interleave((queue for _, queue in turns[1:]), window)
         _fill(batch, others, mine, longest, FILL_LENGTH_FACTOR * longest, max_rows, budget)
         taken: dict[str, set[int]] = {}
         for request in batch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from typing import Any
 
@@ -12,6 +13,9 @@ from trio_llm.messages import SamplingParams
 
 #: A block-table entry where a sliding-window KV cache group holds no block.
 NO_BLOCK = -1
+
+#: Numbers the requests of this process in arrival order (`Request.arrival_index`).
+_arrivals = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -29,6 +33,12 @@ class Request:
     Attributes:
         group: the requests of one API request (its ``n`` choices, its batch of prompts)
             share a group; the scheduler shares batch slots fairly between groups.
+        priority: lower is handled earlier, under the ``priority`` scheduling policy
+            (`trio_llm.engine.request_queue`; `Scheduling.priority`).
+        batch: in the batch lane (`Scheduling.batch`): ranks after every interactive
+            request.
+        arrival_index: the order of arrival among this process's requests (ties of
+            ``arrival_time`` broken).
         token_ids: prompt followed by every sampled token (the sequence the model sees).
         num_prompt_tokens: length of the prompt part of ``token_ids``.
         num_computed_tokens: how many leading tokens have their keys/values in the KV cache.
@@ -52,7 +62,9 @@ class Request:
     """
 
     __slots__ = (
+        "arrival_index",
         "arrival_time",
+        "batch",
         "block_keys",
         "block_tables",
         "error",
@@ -67,6 +79,7 @@ class Request:
         "num_prompt_tokens",
         "num_registered",
         "params",
+        "priority",
         "queue_seconds",
         "queue_time_reported",
         "request_id",
@@ -80,9 +93,15 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         group: str | None = None,
+        *,
+        priority: int = 0,
+        batch: bool = False,
     ) -> None:
         self.request_id = request_id
         self.group = group if group is not None else request_id
+        self.priority = priority
+        self.batch = batch
+        self.arrival_index = next(_arrivals)
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

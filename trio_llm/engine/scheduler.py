@@ -3,34 +3,44 @@
 The policy follows vLLM V1's scheduler. There is no separate prefill or decode phase: each
 request simply has some tokens whose keys/values are not yet in the KV cache
 (``num_uncomputed_tokens``: the whole prompt at first, then one sampled token per step),
-and each step hands out a token budget (``max_num_batched_tokens``):
+and each step hands out a token budget (``max_num_batched_tokens``). Requests *rank*
+(`trio_llm.engine.request_queue`): interactive ones before the batch lane, then by
+priority under ``--scheduling-policy priority``; with one rank for all (the default) ranks
+change nothing below.
 
-1. Fair shares first. The requests of one API request (its ``n`` choices, its batch of
-   prompts) form a *group*. When requests wait for a batch slot (``max_num_seqs``) and
-   the batch is full, slots are shared max-min fairly between groups (`fair_shares`): a
-   group holding more than its share gives back its newest requests (preempted), so a
-   short request arriving behind one ``n=128`` request joins at the next step.
-2. Running requests, oldest first. Each gets ``min(uncomputed, budget left)`` tokens, so
-   a long prompt is prefilled in chunks across steps. A request with more than
-   ``long_prefill_token_threshold`` tokens left is *long*: it takes at most that many
-   per step, and at most ``max_num_partial_prefills`` long requests prefill in one step,
-   so one long prompt cannot stall every running stream (vLLM's names). When the KV
-   cache has no room, a request is preempted (blocks freed, progress reset; it is
-   recomputed from its prompt plus its outputs when rescheduled): the newest request of
-   the group holding the most slots, among those not yet scheduled in this step.
+1. Batch slots first. When requests wait for a batch slot (``max_num_seqs``) and the
+   batch is full, running requests give theirs back (preempted;
+   `trio_llm.engine.slot_shares`): worse-ranked ones to better-ranked ones (the batch
+   lane only down to its share, ``--max-batch-share``, while interactive requests wait),
+   and within a rank by max-min fair shares between *groups* (the requests of one API
+   request: its ``n`` choices, its prompts), so a short request arriving behind one
+   ``n=128`` request joins at the next step.
+2. Running requests, in rank order, oldest first. Each gets ``min(uncomputed, budget
+   left)`` tokens, so a long prompt is prefilled in chunks across steps. A request with
+   more than ``long_prefill_token_threshold`` tokens left is *long*: it takes at most that
+   many per step, and at most ``max_num_partial_prefills`` long requests prefill in one
+   step, so one long prompt cannot stall every running stream (vLLM's names). When the
+   KV cache has no room, a request is preempted (blocks freed, progress reset; it is
+   recomputed from its prompt plus its outputs when rescheduled): of those not yet
+   scheduled in this step, the newest of the worst rank's group holding the most slots.
 3. Then, if nothing was preempted for room this step, waiting requests join while the
    batch has fewer than ``max_num_seqs`` requests, budget remains and blocks are free:
-   first those whose group holds the fewest slots, in arrival order within that (plain
-   arrival order when every request is its own group). A long one waits while the long
-   prefill places are taken, and a short one may go ahead of it. With prefix caching,
-   a joining request first takes the cached blocks of its longest cached prefix and only
-   computes the rest (`BlockManager.lookup`).
+   the best rank first, then those whose group holds the fewest slots, in line order
+   (`RequestQueue.next_ready`). A long one waits while the long prefill places are taken,
+   and a short one may go ahead of it. One that finds no KV blocks takes those of
+   worse-ranked running requests (preempted, the worst first), or waits. With prefix
+   caching, a joining request first takes the cached blocks of its longest cached prefix
+   and only computes the rest (`BlockManager.lookup`).
+
+Steps 2 and 3 run for the interactive requests, then for the batch lane: interactive
+requests come first in the token budget, and the batch lane joins only while no
+interactive request waits.
 
 Paused requests (`pause`: their consumer stopped reading) sit outside both queues, with
 no KV blocks, until `resume` puts them back in line. A request waiting for its grammar
 (`Request.waits_for_grammar`: a structured output compiling in a worker thread) stays in
 the waiting queue, skipped: it is not admitted, holds no KV blocks and claims no batch
-slot in the fair shares until the engine core gives it its matcher.
+slot until the engine core gives it its matcher.
 
 After the model ran, `Scheduler.update` records the sampled tokens and finishes requests
 (EOS / stop token -> "stop", ``max_tokens`` or a full context -> "length").
@@ -39,76 +49,36 @@ After the model ran, `Scheduler.update` records the sampled tokens and finishes 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 from trio_llm.config import SchedulerConfig
-from trio_llm.engine.block_manager import BlockManager
+from trio_llm.engine.block_manager import BlockManager, PrefixHit
 from trio_llm.engine.request import Request, RequestStatus
+from trio_llm.engine.request_queue import Rank, RequestQueue
+from trio_llm.engine.scheduled_batch import ScheduledBatch
+from trio_llm.engine.slot_shares import fair_shares, slot_victims
+
+__all__ = ["ScheduledBatch", "Scheduler", "fair_shares"]
 
 
 @dataclass
-class ScheduledBatch:
-    """The work of one step.
+class _Step:
+    """What is left of a step being scheduled: its token budget, the long prefills it
+    holds, and whether waiting requests may still join (not after a preemption for room or
+    for blocks, nor behind a waiting request that could not join)."""
 
-    Attributes:
-        requests: the scheduled requests with the number of new tokens each computes:
-            running requests in the running queue's order, then the requests admitted
-            this step in admission order. (The model runner packs single-token requests
-            first, then the longer chunks, each part in this order.)
-        num_preemptions: requests preempted while building this batch.
-        num_prefill_tokens: the scheduled tokens that are not decodes (a decode feeds a
-            running request's last sampled token; a one-token prompt or last prompt
-            chunk is prefill).
-    """
-
-    requests: list[tuple[Request, int]] = field(default_factory=list)
-    num_preemptions: int = 0
-    num_prefill_tokens: int = 0
-
-    def is_empty(self) -> bool:
-        """True when nothing was scheduled."""
-        return not self.requests
-
-
-def fair_shares(demands: dict[str, int], capacity: int) -> dict[str, int]:
-    """Max-min fair shares of ``capacity`` slots between groups (water-filling).
-
-    Args:
-        demands: slots each group could use (running plus waiting requests), > 0.
-        capacity: slots to share (``max_num_seqs``).
-
-    Returns:
-        Each group's share: no group gets more than its demand, and no group's share can
-        grow without shrinking a share that is not larger. Groups with equal demands get
-        shares that differ by at most one (the earlier group, in ``demands`` order, gets
-        the larger one).
-    """
-    shares = dict.fromkeys(demands, 0)
-    left = capacity
-    ordered = sorted(demands, key=demands.__getitem__)
-    for index, group in enumerate(ordered):
-        level = left // (len(ordered) - index)
-        if demands[group] > level:
-            # Every group from here on wants more than an equal split of what is left.
-            for other in ordered[index:]:
-                shares[other] = level
-            left -= level * (len(ordered) - index)
-            break
-        shares[group] = demands[group]
-        left -= demands[group]
-    # What the integer division left over (fewer slots than groups that want more): one
-    # each, in ``demands`` order, so ties go to the earlier groups.
-    for group in [g for g in demands if shares[g] < demands[g]][: max(left, 0)]:
-        shares[group] += 1
-    return shares
+    budget: int
+    num_long: int = 0
+    admitting: bool = True
 
 
 class Scheduler:
     """Owns the waiting queue, the running batch and the paused requests of an engine core.
 
     Args:
-        config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_num_partial_prefills``.
+        config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_num_partial_prefills``,
+            the scheduling policy and the batch lane's share.
         block_manager: the KV block allocator shared with the model runner.
         max_model_len: context length; a request whose sequence reaches it finishes.
         eos_token_ids: ids that finish a request unless ``ignore_eos``.
@@ -129,7 +99,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.waiting: deque[Request] = deque()
+        #: Waiting requests, best rank first (`RequestQueue`).
+        self.waiting = RequestQueue(config.scheduling_policy)
+        #: A request's rank (`RequestQueue.rank`): lane, then priority; lower is better.
+        self.rank = self.waiting.rank
+        #: Running requests in rank order, then in the order they started running.
         self.running: list[Request] = []
         self.paused: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}
@@ -138,7 +112,7 @@ class Scheduler:
     # ------------------------------------------------------------ queue
 
     def add(self, request: Request) -> None:
-        """Queue a request at the back of the waiting queue.
+        """Queue a request behind the waiting requests of its rank.
 
         Raises:
             ValueError: the id is already in use.
@@ -183,12 +157,13 @@ class Scheduler:
         return paused
 
     def resume(self, request_ids: list[str]) -> None:
-        """Put paused requests back at the front of the waiting queue (unknown ids: ignored)."""
+        """Put paused requests back in line (`RequestQueue.prepend`: under ``fcfs`` at the
+        front of their lane); unknown ids are ignored."""
         for request_id in request_ids:
             request = self.paused.pop(request_id, None)
             if request is not None:
                 request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
+                self.waiting.prepend(request)
 
     def _leave_queues(self, request: Request) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -219,64 +194,110 @@ class Scheduler:
         """Choose the requests and token counts of the next step (see the module docstring)."""
         batch = ScheduledBatch()
         self._share_slots(batch)
-        budget = self.config.max_num_batched_tokens
-        num_long = 0
-        out_of_room = False
-        index = 0
-        while index < len(self.running) and budget > 0:
+        step = _Step(self.config.max_num_batched_tokens)
+        index = 0  # running[:index] had their turn
+        while True:
+            running = self.rank(self.running[index]) if index < len(self.running) else None
+            waiting = self._first_ready_rank() if step.admitting else None
+            if waiting is not None and (running is None or waiting < running):
+                index += self._admit_waiting(batch, step, waiting)
+            elif running is not None and step.budget > 0:
+                index = self._schedule_running(batch, step, index)
+            else:
+                return batch
+
+    def _first_ready_rank(self) -> Rank | None:
+        """The rank of the first waiting request not waiting for its grammar."""
+        ready = next((r for r in self.waiting if not r.waits_for_grammar), None)
+        return self.rank(ready) if ready is not None else None
+
+    def _schedule_running(self, batch: ScheduledBatch, step: _Step, index: int) -> int:
+        """Schedule the running requests of the rank of ``running[index]`` (step 2 of the
+        module docstring); returns the index after the last one that had its turn."""
+        level = self.rank(self.running[index])
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new, long = self._num_new_tokens(request.num_uncomputed_tokens, budget, num_long)
+            if self.rank(request) != level:
+                break
+            num_uncomputed = request.num_uncomputed_tokens
+            num_new, long = self._num_new_tokens(num_uncomputed, step.budget, step.num_long)
             if num_new == 0:
                 index += 1  # a long prefill waiting for its turn
                 continue
             preempted_before = batch.num_preemptions
             fits = self._make_room(index, request.num_computed_tokens + num_new, batch)
-            out_of_room |= batch.num_preemptions > preempted_before
+            if batch.num_preemptions > preempted_before:
+                step.admitting = False  # preempted for room: no request joins this step
             if not fits:
                 continue  # the request itself was preempted; running[index] is the next one
             self.block_manager.allocate(request, request.num_computed_tokens + num_new)
-            self._add(batch, request, num_new)
-            budget -= num_new
-            num_long += long
+            batch.add(request, num_new)
+            step.budget -= num_new
+            step.num_long += long
             index += 1
+        return index
 
-        if out_of_room:
-            return batch
+    def _admit_waiting(self, batch: ScheduledBatch, step: _Step, level: Rank) -> int:
+        """Let the waiting requests of rank ``level`` join (step 3 of the module
+        docstring); returns how many joined. If one of that rank is left waiting, or
+        worse-ranked requests were preempted for blocks, no other request joins in this
+        step (the preempted ones are not taken back at once)."""
         manager = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._next_waiting(skip_long=num_long >= self._max_long)
+        admitted = 0
+        preempted_before = batch.num_preemptions
+        while step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            long_taken = step.num_long >= self._max_long
+            request = self.waiting.next_ready(level, self._num_running, self._is_long, long_taken)
             if request is None:
                 break
             hit = manager.lookup(request)
             num_cached = hit.num_blocks * manager.block_size
-            num_new, long = self._num_new_tokens(request.num_tokens - num_cached, budget, num_long)
-            if num_new == 0 or not manager.can_take(request, hit, num_cached + num_new):
+            num_uncomputed = request.num_tokens - num_cached
+            num_new, long = self._num_new_tokens(num_uncomputed, step.budget, step.num_long)
+            if num_new == 0:
                 break
-            self.waiting.remove(request)
-            if request.queue_seconds is None:
-                request.queue_seconds = time.monotonic() - request.arrival_time
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
-            manager.take(request, hit)
-            manager.allocate(request, num_cached + num_new)
-            self._start_running(request)
-            self._add(batch, request, num_new)
-            budget -= num_new
-            num_long += long
-        return batch
+            if not manager.can_take(request, hit, num_cached + num_new):
+                if self._preempt_worse_ranked(level, batch):
+                    continue  # look again with the blocks it freed
+                break
+            self._start(request, hit, num_cached, num_new)
+            batch.add(request, num_new)
+            step.budget -= num_new
+            step.num_long += long
+            admitted += 1
+        if self._first_ready_rank() == level or batch.num_preemptions > preempted_before:
+            step.admitting = False  # worse-ranked requests do not go ahead of it
+        return admitted
 
-    @staticmethod
-    def _add(batch: ScheduledBatch, request: Request, num_new: int) -> None:
-        """Append ``request`` computing ``num_new`` tokens (before they are computed)."""
-        batch.requests.append((request, num_new))
-        position = request.num_computed_tokens
-        is_decode = (
-            num_new == 1
-            and position == request.num_tokens - 1
-            and position >= request.num_prompt_tokens
-        )
-        if not is_decode:
-            batch.num_prefill_tokens += num_new
+    def _start(self, request: Request, hit: PrefixHit, num_cached: int, num_new: int) -> None:
+        """Move a waiting request into the running batch with its cached prefix ``hit``
+        and blocks for ``num_new`` more tokens."""
+        self.waiting.remove(request)
+        if request.queue_seconds is None:
+            request.queue_seconds = time.monotonic() - request.arrival_time
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
+        self.block_manager.take(request, hit)
+        self.block_manager.allocate(request, num_cached + num_new)
+        self._start_running(request)
+
+    def _preempt_worse_ranked(self, level: Rank, batch: ScheduledBatch) -> bool:
+        """Free KV blocks for a waiting request of rank ``level``: preempt the worst-ranked
+        running request ranked below it (of that rank, the newest of the group holding the
+        most slots); False if there is none. (Those ranked below it have not had their
+        turn in this step: `schedule` goes rank by rank.)"""
+        worse = [i for i, other in enumerate(self.running) if self.rank(other) > level]
+        if not worse:
+            return False
+        self._preempt(self.running[max(worse, key=self._victim_order)])
+        batch.num_preemptions += 1
+        return True
+
+    def _victim_order(self, index: int) -> tuple[tuple[int, int], int, int]:
+        """How much ``running[index]`` is a victim for room: worst rank, then the group
+        holding the most slots, then the newest (the largest is preempted first)."""
+        request = self.running[index]
+        return (self.rank(request), self._num_running[request.group], index)
 
     @property
     def _max_long(self) -> int:
@@ -295,70 +316,35 @@ class Scheduler:
             return min(self.long_prefill_token_threshold, budget), True
         return min(num_uncomputed, budget), False
 
-    def _next_waiting(self, *, skip_long: bool) -> Request | None:
-        """The waiting request to admit next: of the group with the fewest running
-        requests, the first in the queue (long ones skipped when ``skip_long``, and those
-        waiting for their grammar always)."""
-        best: Request | None = None
-        best_count = 0
-        for request in self.waiting:
-            if request.waits_for_grammar or (skip_long and self._is_long(request.num_tokens)):
-                continue
-            count = self._num_running[request.group]
-            if best is None or count < best_count:
-                best, best_count = request, count
-                if count == 0:
-                    break
-        return best
-
     def _share_slots(self, batch: ScheduledBatch) -> None:
-        """Preempt requests of groups above their fair share while others wait for a slot."""
+        """Preempt running requests for waiting ones that find no free batch slot
+        (`trio_llm.engine.slot_shares.slot_victims`)."""
         free = self.config.max_num_seqs - len(self.running)
         if not self.waiting or free >= len(self.waiting):
             return
-        ready = [request for request in self.waiting if not request.waits_for_grammar]
-        if free >= len(ready):
-            return
-        num_waiting: Counter[str] = Counter(request.group for request in ready)
-        demands = {
-            group: self._num_running[group] + num_waiting[group]
-            for group in (*self._num_running, *num_waiting)
-            if self._num_running[group] + num_waiting[group] > 0
-        }
-        shares = fair_shares(demands, self.config.max_num_seqs)
-        wanted = sum(
-            min(count, max(0, shares[group] - self._num_running[group]))
-            for group, count in num_waiting.items()
+        victims = slot_victims(
+            self.running,
+            [request for request in self.waiting if not request.waits_for_grammar],
+            self._num_running,
+            max_num_seqs=self.config.max_num_seqs,
+            rank=self.rank,
+            batch_lane_slots=self.config.batch_lane_slots,
         )
-        excess = {
-            group: count - shares[group]
-            for group, count in self._num_running.items()
-            if count > shares.get(group, 0)
-        }
-        for _ in range(wanted - free):
-            if not excess:
-                break
-            group = max(excess, key=excess.__getitem__)
-            victim = next(r for r in reversed(self.running) if r.group == group)
+        for victim in victims:
             self._preempt(victim)
             batch.num_preemptions += 1
-            excess[group] -= 1
-            if not excess[group]:
-                del excess[group]
 
     def _make_room(self, index: int, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt requests not yet scheduled this step until ``running[index]`` fits
         ``num_tokens``; False if it was preempted itself.
 
-        The victim is the newest request of the group holding the most running requests
-        (with every request its own group: the newest request).
+        The victim is the newest request of the worst rank's group holding the most
+        running requests (with every request its own group and of one rank: the newest
+        request).
         """
         request = self.running[index]
         while not self.block_manager.can_allocate(request, num_tokens):
-            victim = max(
-                range(index, len(self.running)),
-                key=lambda i: (self._num_running[self.running[i].group], i),
-            )
+            victim = max(range(index, len(self.running)), key=self._victim_order)
             victim_request = self.running[victim]
             self._preempt(victim_request)
             batch.num_preemptions += 1
@@ -367,8 +353,13 @@ class Scheduler:
         return True
 
     def _start_running(self, request: Request) -> None:
+        """Add ``request`` to the running batch, behind the running requests of its rank."""
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        level = self.rank(request)
+        index = len(self.running)
+        while index and self.rank(self.running[index - 1]) > level:
+            index -= 1
+        self.running.insert(index, request)
         self._num_running[request.group] += 1
 
     def _preempt(self, request: Request) -> None:
@@ -377,7 +368,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
         """Advance progress after the model ran; returns the requests that finished.

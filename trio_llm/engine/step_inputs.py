@@ -18,7 +18,7 @@ from trio_llm.engine.attention_metadata import PagedAttentionMetadata, PrefillBa
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.engine.kv_cache import KVCache, context_slots
 from trio_llm.engine.request import Request
-from trio_llm.engine.scheduler import ScheduledBatch
+from trio_llm.engine.scheduled_batch import ScheduledBatch
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from trio_llm.errors import EngineOverloadedError, EngineShutdownError
-from trio_llm.messages import SamplingParams
+from trio_llm.messages import DEFAULT_SCHEDULING, SamplingParams, Scheduling
 
 if TYPE_CHECKING:
     from trio_llm.frontend.request_stream import RequestStream
@@ -113,7 +113,10 @@ class AdmissionControl:
             self._idle.set()
 
     def open_requests(
-        self, requests: Requests, admission: Admission | None = None
+        self,
+        requests: Requests,
+        admission: Admission | None = None,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> AbstractAsyncContextManager[list[RequestStream]]:
         """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams
         (see `trio_llm.frontend.engine_client.EngineClient.open_requests`)."""
@@ -121,10 +124,14 @@ class AdmissionControl:
 
     @asynccontextmanager
     async def open_request(
-        self, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> AsyncIterator[RequestStream]:
         """Submit one request and yield its `RequestStream` (see `open_requests`)."""
-        async with self.open_requests([(prompt_token_ids, params)]) as (stream,):
+        requests = [(prompt_token_ids, params)]
+        async with self.open_requests(requests, None, scheduling) as (stream,):
             yield stream
 
     def _busy(self) -> None:

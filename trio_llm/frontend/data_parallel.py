@@ -38,7 +38,7 @@ from trio_llm.errors import EngineDeadError, EngineError, EngineShutdownError
 from trio_llm.frontend.admission import Admission, AdmissionControl, Requests
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.request_stream import RequestStream
-from trio_llm.messages import EngineReady
+from trio_llm.messages import DEFAULT_SCHEDULING, EngineReady, Scheduling
 
 #: Open requests by which the engine holding a prompt's prefix may exceed the least-loaded
 #: one and still be chosen for it.
@@ -229,7 +229,10 @@ class DataParallelClient(AdmissionControl):
 
     @asynccontextmanager
     async def open_requests(
-        self, requests: Requests, admission: Admission | None = None
+        self,
+        requests: Requests,
+        admission: Admission | None = None,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> AsyncIterator[list[RequestStream]]:
         """Submit requests to one engine (`route` on the first prompt) and yield their
         streams; as `EngineClient.open_requests`.
@@ -250,7 +253,7 @@ class DataParallelClient(AdmissionControl):
             finally:
                 if admission is not None:
                     self.release(admission)
-            async with engine.open_requests(requests, inner) as streams:
+            async with engine.open_requests(requests, inner, scheduling) as streams:
                 yield streams
         finally:
             self._num_open_calls -= 1

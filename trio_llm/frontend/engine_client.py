@@ -45,12 +45,14 @@ from trio_llm.frontend.request_timing import (
     record_finished,
 )
 from trio_llm.messages import (
+    DEFAULT_SCHEDULING,
     AddRequest,
     EngineFailed,
     EngineReady,
     FromEngine,
     HealthReply,
     Heartbeat,
+    Scheduling,
     StepOutputs,
     ToEngine,
 )
@@ -203,7 +205,10 @@ class EngineClient(AdmissionControl):
 
     @asynccontextmanager
     async def open_requests(
-        self, requests: Requests, admission: Admission | None = None
+        self,
+        requests: Requests,
+        admission: Admission | None = None,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> AsyncIterator[list[RequestStream]]:
         """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams.
 
@@ -213,6 +218,7 @@ class EngineClient(AdmissionControl):
 
         Args:
             admission: places reserved with `admit`; consumed here (released on exit).
+            scheduling: the priority and lane of every one of them (`Scheduling`).
 
         Raises:
             EngineError: the engine is dead or stopping (before anything is sent), or
@@ -239,7 +245,8 @@ class EngineClient(AdmissionControl):
         group = streams[0].request_id if len(streams) > 1 else None
         try:
             for stream, (prompt_token_ids, params) in zip(streams, requests, strict=True):
-                await self._send(AddRequest(stream.request_id, prompt_token_ids, params, group))
+                message = AddRequest(stream.request_id, prompt_token_ids, params, group, scheduling)
+                await self._send(message)
             yield streams
         finally:
             await self._abort([(s.request_id, s.finish_reason or "abort") for s in streams])

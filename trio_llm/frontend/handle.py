@@ -18,7 +18,7 @@ import trio
 from trio_llm.errors import EngineError
 from trio_llm.frontend.admission import Admission, Requests
 from trio_llm.frontend.request_stream import RequestStream
-from trio_llm.messages import EngineReady, SamplingParams
+from trio_llm.messages import DEFAULT_SCHEDULING, EngineReady, SamplingParams, Scheduling
 
 if TYPE_CHECKING:
     from trio_llm.frontend.engine_client import EngineClient
@@ -90,14 +90,21 @@ class EngineHandle(Protocol):
         ...
 
     def open_requests(
-        self, requests: Requests, admission: Admission | None = None
+        self,
+        requests: Requests,
+        admission: Admission | None = None,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> AbstractAsyncContextManager[list[RequestStream]]:
-        """Submit requests (``(prompt_token_ids, params)`` each); yield their streams.
-        Leaving the block aborts the unfinished ones in the engine."""
+        """Submit requests (``(prompt_token_ids, params)`` each, all with ``scheduling``:
+        their priority and lane); yield their streams. Leaving the block aborts the
+        unfinished ones in the engine."""
         ...
 
     def open_request(
-        self, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        scheduling: Scheduling = DEFAULT_SCHEDULING,
     ) -> AbstractAsyncContextManager[RequestStream]:
         """Submit one request; yield its `RequestStream`."""
         ...
