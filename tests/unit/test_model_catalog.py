@@ -1,0 +1,67 @@
+"""The catalog of models one server serves: --model flags with their aliases and the
+files and folders of --models-dir, found again on a rescan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trio_llm.model_catalog import Catalog, flagged_entries, scan_models_dir
+
+
+def _hf(folder: Path, *, sentence_transformers: bool = False) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if sentence_transformers:
+        (folder / "modules.json").write_text("[]")
+    return folder
+
+
+def test_a_models_dir_holds_gguf_files_and_both_kinds_of_folder(tmp_path: Path) -> None:
+    (tmp_path / "tiny.Q4_1.gguf").write_bytes(b"GGUF")
+    _hf(tmp_path / "chat-model")
+    _hf(tmp_path / "minilm", sentence_transformers=True)
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "empty-folder").mkdir()
+    _hf(tmp_path / ".hidden")
+    found = {entry.name: entry for entry in scan_models_dir(tmp_path)}
+    assert sorted(found) == ["chat-model", "minilm", "tiny.Q4_1"]
+    assert found["tiny.Q4_1"].kind == "gguf"
+    assert found["chat-model"].kind == "hf"
+    assert found["minilm"].kind == "sentence-transformers"
+    assert found["minilm"].model == str((tmp_path / "minilm").resolve())
+    with pytest.raises(NotADirectoryError, match="--models-dir"):
+        scan_models_dir(tmp_path / "notes.txt")
+
+
+def test_served_model_name_groups_follow_the_model_flags_in_order(tmp_path: Path) -> None:
+    chat = _hf(tmp_path / "chat")
+    entries = flagged_entries([str(chat), "smollm2"], [["chat", "gpt-4o"]])
+    assert [e.names for e in entries] == [("chat", "gpt-4o"), ("smollm2",)]
+    assert entries[0].kind == "hf" and entries[1].kind == "named"
+    with pytest.raises(ValueError, match="2 --served-model-name groups for 1 --model"):
+        flagged_entries(["a"], [["x"], ["y"]])
+    with pytest.raises(ValueError, match="given to both"):
+        Catalog(flagged_entries(["a", "b"], [["same"], ["same"]]))
+
+
+def test_flags_win_name_clashes_and_a_rescan_follows_the_folder(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    _hf(models / "one")
+    _hf(models / "taken")
+    catalog = Catalog(flagged_entries(["/somewhere/else"], [["taken"]]), models)
+    assert catalog.names() == ["taken", "one"]
+    assert catalog.default.model == "/somewhere/else"
+    assert catalog.get("taken").source == "flag"
+    _hf(models / "two")
+    (models / "one" / "config.json").unlink()
+    added, removed = catalog.rescan()
+    assert [e.name for e in added] == ["two"] and [e.name for e in removed] == ["one"]
+    assert catalog.get("one") is None and catalog.get("two").source == "dir"
+
+
+def test_no_model_at_all_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no model to serve"):
+        Catalog([], tmp_path)
