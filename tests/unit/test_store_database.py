@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.support.store_faults import fill_sqlite_to_the_brim
 from trio_llm.cli_types import parse_duration, parse_size_or_none
 from trio_llm.store import RetentionPolicy, Store, StoreUnavailable, open_store
 from trio_llm.store.database import Database, StoreError, Transaction, open_database, redact
@@ -119,17 +120,6 @@ async def test_a_sqlite_file_locked_by_another_writer_is_store_unavailable(
     store.close()
 
 
-def fill_sqlite_to_the_brim(store: Store) -> None:
-    """Cap the store's SQLite file at its present size (``PRAGMA max_page_count`` on its
-    connection): the next write that needs a new page finds the "disk" full."""
-
-    def cap(tx: Transaction) -> None:
-        pages = tx.one("PRAGMA page_count")[0]
-        tx.one(f"PRAGMA max_page_count = {pages}")
-
-    store.transaction_sync(cap)
-
-
 def test_a_full_sqlite_disk_is_store_unavailable_and_reads_go_on(
     sqlite_store_url: str, tmp_path: Path
 ) -> None:
@@ -196,6 +186,51 @@ def test_retention_evicts_by_age_then_size_and_leaves_tombstones(
     assert isinstance(sized, Evicted) and "--store-max-size" in str(sized)
     never = store.transaction_sync(lambda tx: missing(tx, "response", "nope"))
     assert type(never) is NotFound and "no response with id 'nope'" in str(never)
+
+
+def test_replicas_sweeping_at_once_evict_each_object_once(store_url: str, tmp_path: Path) -> None:
+    # Every replica on one PostgreSQL store runs the retention sweep: two at the same
+    # moment both succeed, and what they evict is evicted once, with one tombstone each.
+    day = 86400
+    policy = RetentionPolicy(max_age=2 * day, max_bytes=None)
+    stores = [open_store(store_url, tmp_path / f"replica{i}", policy) for i in range(2)]
+
+    def fill(tx: Transaction) -> None:
+        for i in range(50):
+            _add_response(tx, f"old{i:02}", 5 * day - 3 * day, "completed", 1)
+        _add_response(tx, "new", 5 * day, "completed", 1)
+
+    stores[0].transaction_sync(fill)
+    both_ready = threading.Barrier(2)
+    removed: list[list[tuple[str, str]] | BaseException] = []
+
+    def sweep_now(store: Store) -> None:
+        both_ready.wait()
+        try:
+            removed.append(store.transaction_sync(lambda tx: sweep(tx, policy, at=5 * day)))
+        except BaseException as exc:
+            removed.append(exc)
+
+    threads = [threading.Thread(target=sweep_now, args=(store,)) for store in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert not [r for r in removed if isinstance(r, BaseException)], removed
+        old = {("response", f"old{i:02}") for i in range(50)}
+        assert set().union(*removed) == old  # type: ignore[arg-type]
+        left = stores[1].transaction_sync(
+            lambda tx: [r[0] for r in tx.rows("SELECT id FROM responses")]
+        )
+        assert left == ["new"]
+        tombstones = stores[1].transaction_sync(
+            lambda tx: tx.one("SELECT COUNT(*), COUNT(DISTINCT id) FROM evicted")
+        )
+        assert tuple(tombstones) == (50, 50)
+    finally:
+        for store in stores:
+            store.close()
 
 
 def test_durations_sizes_and_pages() -> None:
