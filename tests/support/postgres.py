@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from tests.support.procfs import descendants, is_running
 
@@ -196,7 +196,7 @@ class PostgresServer:
         with psycopg.connect(self.url(), autocommit=True) as connection:
             connection.execute(sql)
 
-    def _as_server_user(self) -> dict[str, object]:
+    def _as_server_user(self) -> dict[str, Any]:
         """`subprocess` arguments that run a program as the server's user."""
         if self._user is None:
             return {}
@@ -213,7 +213,7 @@ class PostgresServer:
             timeout=TIMEOUT,
             env=_server_env(),
             check=False,
-            **self._as_server_user(),  # type: ignore[arg-type]
+            **self._as_server_user(),
         )
         if done.returncode != 0:
             raise PostgresStartError(f"initdb failed:\n{done.stdout}{done.stderr}")
@@ -232,7 +232,7 @@ class PostgresServer:
             stderr=self._log,
             env=_server_env(),
             preexec_fn=_stop_with_parent,
-            **self._as_server_user(),  # type: ignore[arg-type]
+            **self._as_server_user(),
         )
         self._wait_ready()
 
