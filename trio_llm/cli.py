@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from trio_llm.errors import EngineDeadError, ModelNotFoundError
     from trio_llm.model_loader import locate_model
+    from trio_llm.store import StoreError
     from trio_llm.supervisor import check_bindable, serve
 
     try:
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     try:
         lifecycle = trio.run(serve, config)
+    except StoreError as exc:  # the store cannot be opened: before anything started
+        print(f"trio-llm: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except BaseExceptionGroup as group:
         expected, rest = group.split((EngineDeadError, OSError))
         if expected is None or rest is not None:

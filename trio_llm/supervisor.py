@@ -45,7 +45,8 @@ from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.generation_defaults import load_generation_defaults
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.server_config import ServerConfig
-from trio_llm.store import RetentionPolicy, Store, open_store
+from trio_llm.store import RetentionPolicy, Store, StoreError, open_store
+from trio_llm.store.database import redact
 from trio_llm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -114,15 +115,20 @@ async def open_server_store(config: ServerConfig) -> Store | None:
     none``.
 
     Raises:
-        ValueError: a malformed ``--store-url``.
-        StoreError: the database cannot be opened or is newer than this server.
+        StoreError: a malformed ``--store-url``, psycopg missing for PostgreSQL, or a
+            database that cannot be opened or is newer than this server (the message
+            names ``--store-url``).
     """
     if not config.store.enabled:
         return None
     cache_dir = config.engine.cache_dir()
     url = config.store.resolved_url(cache_dir)
     policy = RetentionPolicy(max_age=config.store.retention, max_bytes=config.store.max_size)
-    store = await trio.to_thread.run_sync(open_store, url, cache_dir, policy)
+    try:
+        store = await trio.to_thread.run_sync(open_store, url, cache_dir, policy)
+    except (ValueError, StoreError) as exc:
+        message = str(exc) if "--store-url" in str(exc) else f"--store-url {redact(url)}: {exc}"
+        raise StoreError(message) from exc
     logger.info(f"store: {store.database.url}")
     return store
 
