@@ -7,7 +7,8 @@ ended: ``completed``, ``incomplete``, ``failed`` (with ``error``: the engine's, 
 admission's) or, when cancelled (``POST /v1/responses/{id}/cancel``: the scope around the
 generation is cancelled, which aborts its engine request), ``cancelled`` with what it had
 generated. A response cancelled or deleted by another request is not written over
-(`trio_llm.store.responses.update` writes only an active one).
+(`trio_llm.store.responses.update` writes only an active one); one the server cannot
+admit because it is stopping stays ``queued``, for the next start.
 
 At start-up the responses a stopped server left ``queued`` or ``in_progress`` run again
 from their stored request and context (`resume_unfinished`): the server that stopped
@@ -113,6 +114,8 @@ class BackgroundResponses:
             plan = run.plan
             admission = serving.admit(plan)
         except APIError as exc:
+            if serving.engine.draining:  # the server is stopping: left for the next start
+                return None
             return run.failed(exc)
         try:
             started = _format(plan).status_response(plan, "in_progress")

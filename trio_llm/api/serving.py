@@ -1,8 +1,9 @@
 """The route handlers of the generating and embedding APIs: body, plan, admission, answer.
 
 `OpenAIServing` serves ``/v1/completions`` and ``/v1/chat/completions``, the routes
-translated into a chat completion (``/v1/messages`` and its ``count_tokens``,
-``/v1/responses``) and ``/v1/embeddings``. Every generating route walks one path: read
+translated into a chat completion (``/v1/messages`` and its ``count_tokens``;
+``/v1/responses`` through `trio_llm.api.stored_responses`, which plans with `plan_as` and
+runs with `run_plan`) and ``/v1/embeddings``. Every generating route walks one path: read
 and validate the body (`parse`), build the request's `Plan` (`plan`, with the `Planner`
 of `trio_llm.api.plan`: one engine request per choice, every prompt of a batch times
 ``n``), reserve places in the waiting line (`admit`), then either collect every choice
