@@ -16,9 +16,9 @@ proper HTTP error. The embeddings route takes its pieces from `trio_llm.api.embe
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import trio
 from fastapi import Request
@@ -48,7 +48,7 @@ from trio_llm.api.response_format import Plan
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.responses_format import ResponsesFormat
 from trio_llm.api.run_choices import run_choices, run_connected
-from trio_llm.api.streaming import Stream
+from trio_llm.api.streaming import Finish, Stream
 from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.errors import EngineError, InvalidRequest
 from trio_llm.frontend.engine_client import Admission
@@ -62,9 +62,6 @@ from trio_llm.text.choice import Choice
 from trio_llm.text.tokenizer import Tokenizer
 
 _Request = TypeVar("_Request", bound=BaseModel)
-
-#: Given a whole response before it is sent (`OpenAIServing.run_plan`).
-Finish = Callable[[dict[str, Any]], Awaitable[None]]
 
 #: HTTP status for a request whose client disconnected (nginx's convention; never seen).
 CLIENT_CLOSED_REQUEST = 499

@@ -37,6 +37,9 @@ from trio_llm.text.choice import Choice, ChoiceDelta
 
 logger = logging.getLogger(__name__)
 
+#: Given a whole response before it is sent (`Stream.finish`, `OpenAIServing.run_plan`).
+Finish = Callable[[dict[str, Any]], Awaitable[None]]
+
 #: Seconds of silence after which a stream sends its format's keep-alive event.
 KEEPALIVE_SECONDS = 15.0
 
@@ -60,7 +63,7 @@ class Stream:
     plan: Plan
     choices: list[Choice]
     admission: Admission
-    finish: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+    finish: Finish | None = None
     _lock: trio.Lock = field(default_factory=trio.Lock, init=False)
     _emit: Emit | None = field(default=None, init=False)
     _started: bool = field(default=False, init=False)
