@@ -9,8 +9,10 @@ Shutdown order (docs/shutdown.md has the whole story):
    connections get 503, /health answers 503.
 2. SIGTERM only: drain. Accepted requests run on for up to ``shutdown_timeout`` seconds.
    SIGINT, an engine failure, or a second signal during the drain skip this.
-3. Every request still open ends with an explicit error (SSE error event, 503 JSON body,
-   WebSocket error event), and the engine is told to stop.
+3. Background responses still running are cancelled (left in progress in the store, to
+   run again at the next start); every request still open ends with an explicit error
+   (SSE error event, 503 JSON body, WebSocket error event), and the engine is told to
+   stop.
 4. After a last grace for those error events, connections whose client stopped reading
    are shut down in the kernel (`trio_llm.connections`), so nothing can hold the exit.
 5. The children are reaped (end-of-file, then SIGTERM, then SIGKILL); exit 0 after a
@@ -35,6 +37,7 @@ import trio
 from trio_llm.api import connection_guard
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.stored_responses import ResponsesAPI
 from trio_llm.config import EngineConfig
 from trio_llm.connections import shutdown_client_connections
 from trio_llm.dtype_choice import dtype_is_timed
@@ -146,8 +149,11 @@ async def _serve_engines(
         _engines_ready(engine, config)
         serving = await _open_serving(engine, config)
         serving.store = store
-        app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
+        responses = ResponsesAPI(serving)
+        app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config, responses)
         connection_guard.install()  # one connection's protocol error ends only it
+        # Background responses: tasks of this nursery, stopped before the engine is.
+        await engine_nursery.start(responses.serve_background)
         async with trio.open_nursery() as http_nursery:
             binds = await http_nursery.start(
                 partial(
@@ -158,12 +164,13 @@ async def _serve_engines(
                 )
             )
             port = urlsplit(binds[0]).port or config.port
-            root.start_soon(_shut_down, lifecycle, engine, config, port)
+            root.start_soon(_shut_down, lifecycle, engine, config, port, responses.stop_background)
             lifecycle.serving = True
             names = ", ".join(config.model_names())
             # CLI output, not a log line: the bound address, on stdout at every level.
             print(f"trio-llm: serving {names} on {binds[0]}", flush=True)
             task_status.started(binds)
+        responses.stop_background()
         await engine.stop(config.shutdown_timeout)
 
 
@@ -210,9 +217,15 @@ async def _open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAISer
 
 
 async def _shut_down(
-    lifecycle: Lifecycle, engine: EngineHandle, config: ServerConfig, port: int
+    lifecycle: Lifecycle,
+    engine: EngineHandle,
+    config: ServerConfig,
+    port: int,
+    stop_background: Callable[[], None],
 ) -> None:
-    """Steps 2-4 of the shutdown order (see the module docstring)."""
+    """Steps 2-4 of the shutdown order (see the module docstring); ``stop_background``
+    cancels the background responses still running before the engine stops (they stay
+    in progress in the store, and run again at the next start)."""
     await lifecycle.stop_requested.wait()
     logger.info(f"shutting down: {lifecycle.reason}")
     engine.close_admissions()
@@ -229,6 +242,7 @@ async def _shut_down(
     if left:
         logger.warning(f"ending {left} unfinished requests with an error")
     lifecycle.aborting = True
+    stop_background()
     await engine.stop(config.shutdown_timeout)
     await trio.sleep(FINAL_WRITE_GRACE)
     cut = shutdown_client_connections(port)
