@@ -14,11 +14,13 @@ from starlette.types import Receive
 
 from trio_llm.api import metrics
 from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
+from trio_llm.api.batches import install_batch_routes
 from trio_llm.api.chat_page import install_chat_page
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError, install_error_handlers
+from trio_llm.api.files import install_file_routes
 from trio_llm.api.middleware import install_middleware
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.routes import ROUTES
@@ -65,6 +67,9 @@ def build_app(
     _add_metrics(app, serving, config)
     _add_models(app, serving)
     _add_body_routes(app, serving)
+    # Files and batches (issue 34): the routes, and the batch runner the supervisor starts.
+    install_file_routes(app, serving, config)
+    install_batch_routes(app, serving, config)
     install_chat_page(app)
     return app
 
