@@ -211,7 +211,7 @@ async def call_app(
         leave: once set, the "client" disconnects (the handler aborts the request's
             engine work and the call returns what the app answered, if anything).
     """
-    leave = leave or trio.Event()
+    leave = trio.Event() if leave is None else leave
     all_headers = [(b"content-type", b"application/json"), (b"host", b"batch")]
     all_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     scope = {

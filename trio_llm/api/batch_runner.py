@@ -26,7 +26,7 @@ from starlette.types import ASGIApp
 
 from trio_llm.api.batch_lines import InputLines, check_input, error_line, parse_line
 from trio_llm.api.line_runner import LineRunner, Wakeup, api_key_headers, run_line
-from trio_llm.errors import EngineError
+from trio_llm.errors import EngineError, first_leaf
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.store import Store, StoreError, StoreUnavailable
 from trio_llm.store import batches as stored
@@ -39,8 +39,10 @@ logger = logging.getLogger(__name__)
 #: a cancel of a running batch, besides the wake-ups of this server's own routes.
 POLL_INTERVAL = 5.0
 STATUS_INTERVAL = 2.0
-#: Tries of one line's record before the batch's work stops (tried again later).
+#: Tries of one line's record before the batch's work stops (tried again later), and
+#: the seconds before the second (doubling after).
 RECORD_TRIES = 5
+RECORD_RETRY = 0.5
 
 
 class BatchRunner:
@@ -108,7 +110,8 @@ class BatchRunner:
                 logger.warning(f"batch {batch_id}: stopped for now, tried again later: {exc!r}")
                 return
             logger.exception(f"batch {batch_id} failed")
-            error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
+            leaf = first_leaf(exc)
+            error = {"code": "internal_error", "message": f"{type(leaf).__name__}: {leaf}"}
             await self._fail(batch_id, [{**error, "param": None, "line": None}])
         finally:
             self._running.discard(batch_id)
@@ -215,7 +218,7 @@ class BatchRunner:
             StoreError: the store cannot be written (the batch's work stops for now).
         """
         record = partial(stored.record_result, batch_id=batch_id, line=index, ok=ok, result=result)
-        delay = 0.5
+        delay = RECORD_RETRY
         for attempt in range(RECORD_TRIES):
             try:
                 await self.store.transaction(record)
