@@ -69,14 +69,15 @@ def _line(custom_id: str, **body: Any) -> dict[str, Any]:
 def test_a_line_that_cannot_run_is_a_line_error_naming_why(
     raw: bytes, code: str, param: str | None
 ) -> None:
-    parsed = parse_line(6, raw, ENDPOINT)
+    parsed = parse_line(6, raw, (ENDPOINT,))
     assert isinstance(parsed, LineError)
     assert (parsed.code, parsed.param, parsed.index) == (code, param, 6)
     assert "line 7" in parsed.message
 
 
 def test_a_good_line_carries_its_body_as_json() -> None:
-    parsed = parse_line(0, json.dumps(_line("x", max_tokens=3, stop="\ud800")).encode(), ENDPOINT)
+    raw = json.dumps(_line("x", max_tokens=3, stop="\ud800")).encode()
+    parsed = parse_line(0, raw, (ENDPOINT,))
     assert isinstance(parsed, LineRequest) and parsed.custom_id == "x"
     # ASCII JSON: the lone surrogate reaches the request path as the escape it was.
     assert json.loads(parsed.body) == {"prompt": "p", "max_tokens": 3, "stop": "\ud800"}
@@ -192,7 +193,7 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _request(prompt: str) -> LineRequest:
-    return LineRequest(0, "c", json.dumps({"prompt": prompt}).encode())
+    return LineRequest(0, "c", ENDPOINT, json.dumps({"prompt": prompt}).encode())
 
 
 async def test_an_engine_failure_is_run_again_and_never_the_lines_result(quick_retries) -> None:
@@ -208,7 +209,7 @@ async def test_an_engine_failure_is_run_again_and_never_the_lines_result(quick_r
         return status, {"status": status}
 
     app = FakeApp(answer)
-    ok, line = await LineRunner(app, engine, {}).run(_request("p"), ENDPOINT)
+    ok, line = await LineRunner(app, engine, {}).run(_request("p"))
     assert ok and app.calls["p"] == 3
     result = json.loads(line)
     assert result["response"]["status_code"] == 200 and result["response"]["body"] == {
@@ -222,7 +223,7 @@ async def test_client_errors_and_repeated_server_errors_are_the_lines_result(qui
         return 400, {"error": {"message": "no", "param": "prompt"}}
 
     app = FakeApp(bad_request)
-    ok, line = await LineRunner(app, FakeEngine(), {}).run(_request("p"), ENDPOINT)
+    ok, line = await LineRunner(app, FakeEngine(), {}).run(_request("p"))
     assert not ok and app.calls["p"] == 1
     assert json.loads(line)["response"] == {
         "status_code": 400,
@@ -234,7 +235,7 @@ async def test_client_errors_and_repeated_server_errors_are_the_lines_result(qui
         return 500, {"error": {"message": "bug"}}
 
     app = FakeApp(broken)
-    ok, line = await LineRunner(app, FakeEngine(), {}).run(_request("p"), ENDPOINT)
+    ok, line = await LineRunner(app, FakeEngine(), {}).run(_request("p"))
     assert not ok and app.calls["p"] == line_runner.MAX_SERVER_ERRORS
     assert json.loads(line)["response"]["status_code"] == 500
 
@@ -244,7 +245,7 @@ async def test_an_engine_gone_for_good_ends_the_line_with_its_error(quick_retrie
     engine.client.error = EngineDeadError("gone")
     engine.ended.set()
     with pytest.raises(EngineDeadError, match="gone"):
-        await LineRunner(FakeApp(), engine, {}).run(_request("p"), ENDPOINT)
+        await LineRunner(FakeApp(), engine, {}).run(_request("p"))
 
 
 # ------------------------------------------------------------------ the runner

@@ -43,10 +43,11 @@ _LINES_PER_READ = 512
 @dataclass(frozen=True)
 class LineRequest:
     """A line that can run: its index among the input's lines (0-based, blank lines not
-    counted), ``custom_id`` and JSON ``body``."""
+    counted), ``custom_id``, ``url`` (the endpoint's path) and JSON ``body``."""
 
     index: int
     custom_id: str
+    url: str
     body: bytes
 
 
@@ -63,8 +64,9 @@ class LineError:
     param: str | None = None
 
 
-def parse_line(index: int, raw: bytes, endpoint: str) -> LineRequest | LineError:
-    """Read input line ``index`` of a batch for ``endpoint``: a `LineRequest`, or a
+def parse_line(index: int, raw: bytes, endpoints: tuple[str, ...]) -> LineRequest | LineError:
+    """Read input line ``index`` of a batch whose lines may go to ``endpoints`` (a
+    batch's one endpoint; any for ``trio-llm run-batch``): a `LineRequest`, or a
     `LineError` (not JSON, an unknown or missing field, another method or url, a body
     that is not an object or asks for a stream)."""
     try:
@@ -84,10 +86,10 @@ def parse_line(index: int, raw: bytes, endpoint: str) -> LineRequest | LineError
     if line.get("method") != "POST":
         message = f"line {index + 1}: method must be 'POST', not {line.get('method')!r}"
         return LineError(index, custom_id, "invalid_method", message, "method")
-    if line.get("url") != endpoint:
-        message = (
-            f"line {index + 1}: url {line.get('url')!r} is not the batch's endpoint {endpoint!r}"
-        )
+    url = line.get("url")
+    if url not in endpoints:
+        allowed = repr(endpoints[0]) if len(endpoints) == 1 else f"one of {endpoints}"
+        message = f"line {index + 1}: url {url!r} is not {allowed}"
         return LineError(index, custom_id, "invalid_url", message, "url")
     body = line.get("body")
     if not isinstance(body, dict):
@@ -96,8 +98,13 @@ def parse_line(index: int, raw: bytes, endpoint: str) -> LineRequest | LineError
     if body.get("stream") is True:
         message = f"line {index + 1}: body.stream: a batch line cannot be streamed"
         return LineError(index, custom_id, "invalid_request", message, "body.stream")
-    # ASCII JSON: a lone surrogate stays an escape, for the request path to refuse.
-    return LineRequest(index, custom_id, json.dumps(body).encode())
+    try:
+        # ASCII JSON: a lone surrogate stays an escape, for the request path to refuse.
+        text = json.dumps(body)
+    except RecursionError:
+        message = f"line {index + 1}: body is nested too deeply"
+        return LineError(index, custom_id, "invalid_request", message, "body")
+    return LineRequest(index, custom_id, str(url), text.encode())
 
 
 def _read_lines(handle: Any, count: int) -> list[bytes]:

@@ -205,8 +205,8 @@ class BatchRunner:
 
     async def _line(self, batch: dict[str, Any], index: int, raw: bytes) -> None:
         try:
-            parsed = parse_line(index, raw, batch["endpoint"])
-            ok, result = await run_line(self.lines, parsed, batch["endpoint"])
+            parsed = parse_line(index, raw, (batch["endpoint"],))
+            ok, result = await run_line(self.lines, parsed)
             await self._record(batch["id"], index, ok, result)
         finally:
             self.slots.release()
@@ -258,7 +258,7 @@ class BatchRunner:
                 for index, raw in chunk:
                     if index in done:
                         continue
-                    parsed = parse_line(index, raw, batch["endpoint"])
+                    parsed = parse_line(index, raw, (batch["endpoint"],))
                     result = error_line(parsed.custom_id, "batch_expired", message)
                     await self._record(batch_id, index, False, result)
 

@@ -76,9 +76,9 @@ class LineRunner:
             # The engine handle has no event for "serving again": look again shortly.
             await trio.sleep(RETRY_MIN)
 
-    async def run(self, request: LineRequest, path: str) -> tuple[bool, str]:
-        """Run ``request`` as ``POST path``; return whether it succeeded and its line of
-        the output or error file (`answer_line`).
+    async def run(self, request: LineRequest) -> tuple[bool, str]:
+        """Run ``request`` (``POST`` to its url); return whether it succeeded and its
+        line of the output or error file (`answer_line`).
 
         Raises:
             EngineDeadError: the engine stopped for good before the line had an answer.
@@ -88,7 +88,7 @@ class LineRunner:
         while True:
             await self._engine_back()
             restarts = self._restarts()
-            answer = await call_app(self.app, path, request.body, headers=self.headers)
+            answer = await call_app(self.app, request.url, request.body, headers=self.headers)
             if answer.status < 500 and answer.status != CLIENT_CLOSED_REQUEST:
                 return answer_line(request, answer)
             engine_failure = (
@@ -108,14 +108,12 @@ class LineRunner:
             delay = min(2 * delay, RETRY_MAX)
 
 
-async def run_line(
-    lines: LineRunner, parsed: LineRequest | LineError, path: str
-) -> tuple[bool, str]:
+async def run_line(lines: LineRunner, parsed: LineRequest | LineError) -> tuple[bool, str]:
     """The result of one parsed input line: run it, or the error line of a line that
     cannot run."""
     if isinstance(parsed, LineError):
         return False, error_line(parsed.custom_id, parsed.code, parsed.message)
-    return await lines.run(parsed, path)
+    return await lines.run(parsed)
 
 
 class Wakeup:
