@@ -188,7 +188,8 @@ def plan_trials(
                 index=index,
                 fault=fault,
                 detokenizer_mode=mode,
-                restart=rng.random() < 0.5,
+                # An engine kill during a batch is survived by a restart only.
+                restart=rng.random() < 0.5 or fault == "sigkill-engine-batch",
                 fault_delay=rng.uniform(0.3, 3.0),
                 stop_seconds=stop,
                 seed=rng.randrange(2**31),
