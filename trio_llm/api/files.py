@@ -160,12 +160,12 @@ async def _receive_upload(request: Request, upload: _Upload, stall: float) -> No
 
 def _check_fields(upload: _Upload) -> str:
     """The upload's purpose, once its fields are checked."""
-    if not upload.ended or upload.filename is None:
-        raise bad_request("the upload has no `file` part", "file")
     for name in upload.fields:
         if name != "purpose":
             message = f"the form field `{name}` is not supported by this server"
             raise bad_request(message, name.split("[", 1)[0])
+    if not upload.ended or upload.filename is None:
+        raise bad_request("the upload has no `file` part (or it was cut short)", "file")
     purpose = upload.fields.get("purpose", b"").decode("utf-8", "replace")
     if purpose not in stored.UPLOAD_PURPOSES:
         allowed = ", ".join(repr(p) for p in stored.UPLOAD_PURPOSES)

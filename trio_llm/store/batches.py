@@ -23,7 +23,7 @@ from typing import Any
 
 from trio_llm.store.database import StoreError, Transaction
 from trio_llm.store.files import BATCH_OUTPUT, FileWriter, get_file, insert_file
-from trio_llm.store.objects import Page, dumps, loads, missing, new_id, now
+from trio_llm.store.objects import Page, dumps, loads, missing, new_ordered_id, now
 from trio_llm.store.retention import ACTIVE_BATCH
 
 #: The endpoints a batch may run (OpenAI's, those this server serves).
@@ -58,8 +58,8 @@ class BatchConflict(StoreError):
 
 
 def new_batch_id() -> str:
-    """A new batch id (``batch_`` and 32 hex digits)."""
-    return new_id("batch_")
+    """A new batch id (``batch_`` and 32 hex digits, in creation order)."""
+    return new_ordered_id("batch_")
 
 
 def output_file_id(batch_id: str, kind: str) -> str:

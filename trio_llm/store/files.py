@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trio_llm.store.database import StoreError, Transaction
-from trio_llm.store.objects import Page, missing, new_id
+from trio_llm.store.objects import Page, missing, new_ordered_id
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ class FileInUse(StoreError):
 
 
 def new_file_id() -> str:
-    """A new file id (``file-`` and 32 hex digits)."""
-    return new_id("file-")
+    """A new file id (``file-`` and 32 hex digits, in creation order)."""
+    return new_ordered_id("file-")
 
 
 def content_path(files_dir: Path, file_id: str) -> Path:
