@@ -4,6 +4,7 @@ own limit (not ``--max-request-body-bytes``), and the routes' answers
 
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from trio_llm.api.files import install_file_routes
 from trio_llm.api.middleware import install_middleware
 from trio_llm.server_config import ServerConfig, StoreConfig
 from trio_llm.store import Store
+from trio_llm.store.files import FileWriter
 
 MAX_FILE = 1000
 MAX_BODY = 100
@@ -133,3 +135,18 @@ async def test_without_a_store_the_routes_say_so() -> None:
     assert answer.status_code == 400
     assert answer.json()["error"]["code"] == "store_disabled"
     assert "--store-url none" in answer.json()["error"]["message"]
+
+
+async def test_a_full_disk_is_a_507_and_leaves_nothing(
+    client: httpx.AsyncClient, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(self, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileWriter, "write", full)
+    answer = await client.post("/v1/files", files={"file": ("a", b"x")}, data={"purpose": "batch"})
+    assert answer.status_code == 507
+    assert answer.json()["error"]["code"] == "store_unavailable"
+    assert "No space left" in answer.json()["error"]["message"]
+    assert list(store.files_dir.iterdir()) == []
+    assert (await client.get("/v1/files")).json()["data"] == []

@@ -10,8 +10,10 @@ upload is ever held whole in memory. It has its own size limit, ``--max-file-siz
 
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -44,7 +46,7 @@ class _Upload:
     """The state of one ``multipart/form-data`` upload as python-multipart parses it: the
     ``file`` part goes to a `FileWriter`, other fields are kept (short) in memory."""
 
-    def __init__(self, files_dir: Any, file_id: str, max_bytes: int, boundary: bytes) -> None:
+    def __init__(self, files_dir: Path, file_id: str, max_bytes: int, boundary: bytes) -> None:
         self.writer = stored.FileWriter(files_dir, file_id, max_bytes)
         self.filename: str | None = None
         self.fields: dict[str, bytes] = {}
@@ -140,6 +142,17 @@ def _too_large(limit: int) -> APIError:
     )
 
 
+def _write_failed(exc: OSError) -> APIError:
+    """The error of an upload the disk could not take: 507 when it is full."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return APIError(
+        507 if full else 500,
+        f"the store cannot write the file: {exc.strerror or exc}",
+        type="server_error",
+        code="store_unavailable",
+    )
+
+
 async def _receive_upload(request: Request, upload: _Upload, stall: float) -> None:
     """Feed the body to ``upload`` chunk by chunk, each within ``stall`` seconds."""
     chunks = request.stream().__aiter__()
@@ -190,10 +203,12 @@ async def upload_file(request: Request, store: Store, config: ServerConfig) -> d
     try:
         try:
             await _receive_upload(request, upload, config.request_body_timeout)
+            purpose = _check_fields(upload)
+            nbytes = await trio.to_thread.run_sync(upload.writer.finish)
         except stored.FileTooLarge:
             raise _too_large(limit) from None
-        purpose = _check_fields(upload)
-        nbytes = await trio.to_thread.run_sync(upload.writer.finish)
+        except OSError as exc:
+            raise _write_failed(exc) from exc
     except BaseException:
         await trio.to_thread.run_sync(upload.writer.discard)
         raise
