@@ -136,7 +136,8 @@ async def run_batch(config: ServerConfig, source: Path, target: Path) -> Summary
             serving = await open_serving(engine, config)
             serving.store = store
             app = build_app(serving, lambda: True, config)
-            lines = LineRunner(app, engine, api_key_headers(config.api_key))
+            headers = api_key_headers(config.api_key)
+            lines = LineRunner(app, engine, headers, config.max_num_waiting_requests)
             limit = config.store.batch_max_in_flight or (
                 config.engine.scheduler.max_num_seqs * config.data_parallel_size
             )

@@ -118,6 +118,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.client = FakeClient()
         self.ended = trio.Event()
+        self.num_waiting = 0
 
     @property
     def engines(self) -> list[FakeClient]:
@@ -246,6 +247,19 @@ async def test_an_engine_gone_for_good_ends_the_line_with_its_error(quick_retrie
     engine.ended.set()
     with pytest.raises(EngineDeadError, match="gone"):
         await LineRunner(FakeApp(), engine, {}).run(_request("p"))
+
+
+async def test_a_line_waits_while_half_the_waiting_line_is_taken(autojump_clock) -> None:
+    engine = FakeEngine()
+    engine.num_waiting = 2
+    app = FakeApp()
+    lines = LineRunner(app, engine, {}, max_waiting=5)  # room for 2 waiting requests
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lines.run, _request("p"))
+        await trio.sleep(60)  # virtual time: the line looked many times
+        assert app.calls["p"] == 0
+        engine.num_waiting = 1
+    assert app.calls["p"] == 1
 
 
 # ------------------------------------------------------------------ the runner

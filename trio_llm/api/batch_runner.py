@@ -54,6 +54,7 @@ class BatchRunner:
         store: the server's store.
         max_in_flight: most lines (of all batches) running at once.
         api_key: the server's API key (lines carry it), or None.
+        max_waiting: the server's ``--max-num-waiting-requests`` (`LineRunner`).
     """
 
     def __init__(
@@ -64,9 +65,10 @@ class BatchRunner:
         *,
         max_in_flight: int,
         api_key: str | None = None,
+        max_waiting: int | None = None,
     ) -> None:
         self.store = store
-        self.lines = LineRunner(app, engine, api_key_headers(api_key))
+        self.lines = LineRunner(app, engine, api_key_headers(api_key), max_waiting)
         self.slots = trio.Semaphore(max_in_flight)
         self.wakeup = Wakeup()
         self._running: set[str] = set()

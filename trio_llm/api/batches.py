@@ -97,7 +97,12 @@ def install_batch_routes(app: FastAPI, serving: OpenAIServing, config: ServerCon
             config.engine.scheduler.max_num_seqs * config.data_parallel_size
         )
         runner = BatchRunner(
-            app, serving.engine, serving.store, max_in_flight=max_in_flight, api_key=config.api_key
+            app,
+            serving.engine,
+            serving.store,
+            max_in_flight=max_in_flight,
+            api_key=config.api_key,
+            max_waiting=config.max_num_waiting_requests,
         )
     app.state.batch_runner = runner
 

@@ -51,12 +51,22 @@ class LineRunner:
         app: the server's ASGI app.
         engine: the engine handle behind it (to tell an engine failure from an error).
         headers: request headers every line carries (`api_key_headers`).
+        max_waiting: the server's ``--max-num-waiting-requests``: a line starts only
+            while fewer than half that many requests wait for the engine, so batch
+            lines never fill the waiting line interactive requests need. None: no limit.
     """
 
-    def __init__(self, app: ASGIApp, engine: EngineHandle, headers: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        engine: EngineHandle,
+        headers: Mapping[str, str],
+        max_waiting: int | None = None,
+    ) -> None:
         self.app = app
         self.engine = engine
         self.headers = dict(headers)
+        self.waiting_room = None if max_waiting is None else max(1, max_waiting // 2)
 
     def _restarts(self) -> int:
         return sum(client.num_restarts for client in self.engine.engines)
@@ -76,6 +86,12 @@ class LineRunner:
             # The engine handle has no event for "serving again": look again shortly.
             await trio.sleep(RETRY_MIN)
 
+    async def _room(self) -> None:
+        """Return once fewer requests wait for the engine than `waiting_room`."""
+        # Admission has no event for "a place came free": look again shortly.
+        while self.waiting_room is not None and self.engine.num_waiting >= self.waiting_room:  # noqa: ASYNC110
+            await trio.sleep(RETRY_MIN)
+
     async def run(self, request: LineRequest) -> tuple[bool, str]:
         """Run ``request`` (``POST`` to its url); return whether it succeeded and its
         line of the output or error file (`answer_line`).
@@ -87,6 +103,7 @@ class LineRunner:
         delay = RETRY_MIN
         while True:
             await self._engine_back()
+            await self._room()
             restarts = self._restarts()
             answer = await call_app(self.app, request.url, request.body, headers=self.headers)
             if answer.status < 500 and answer.status != CLIENT_CLOSED_REQUEST:
