@@ -501,3 +501,14 @@ async def test_a_full_disk_while_finalizing_is_tried_again(
     assert batch["status"] == "completed" and full == []
     assert [line["custom_id"] for line in _lines_of(store, batch["output_file_id"])] == ["a", "b"]
     assert sum(app.calls.values()) == 2
+
+
+async def test_a_batch_cancelled_before_it_ran_ends_cancelled_with_no_files(
+    store: Store, quick_retries
+) -> None:
+    batch_id = _add_batch(store, [_line("a")])
+    store.transaction_sync(partial(stored.request_cancel, batch_id=batch_id))
+    app = FakeApp()
+    batch = await _run(store, app, batch_id)
+    assert batch["status"] == "cancelled" and sum(app.calls.values()) == 0
+    assert (batch["output_file_id"], batch["error_file_id"]) == (None, None)

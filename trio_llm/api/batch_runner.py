@@ -138,13 +138,10 @@ class BatchRunner:
         if batch["status"] == "validating":
             total, errors = await trio.to_thread.run_sync(check_input, path)
             if errors:
-                await self.store.transaction(
-                    partial(stored.fail_batch, batch_id=batch_id, errors=errors)
-                )
-                return
-            await self.store.transaction(
-                partial(stored.start_batch, batch_id=batch_id, total=total)
-            )
+                validated = partial(stored.fail_batch, batch_id=batch_id, errors=errors)
+            else:
+                validated = partial(stored.start_batch, batch_id=batch_id, total=total)
+            await self.store.transaction(validated)  # unless cancelled meanwhile
             batch = await self.store.transaction(partial(stored.get_batch, batch_id=batch_id))
         ending = None
         if batch["status"] == "in_progress":
