@@ -375,5 +375,11 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             type=parse.parse_bytes,
             metavar="BYTES",
         ),
+        "batch_max_in_flight": Flag(
+            "most lines of /v1/batches running at once, of all batches (default: "
+            "--max-num-seqs per engine)",
+            name="--batch-max-lines-in-flight",
+            **_COUNT,
+        ),
     },
 }

@@ -36,6 +36,7 @@ import trio
 
 from trio_llm.api import connection_guard
 from trio_llm.api.app import build_app
+from trio_llm.api.batches import batch_runner_of
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.stored_responses import ResponsesAPI
 from trio_llm.config import EngineConfig
@@ -145,9 +146,9 @@ async def _serve_engines(
 ) -> None:
     """Start the engines, then the HTTP server; return once both have stopped."""
     async with trio.open_nursery() as engine_nursery:
-        engine: EngineHandle = await engine_nursery.start(_supervise_engines, config, lifecycle)
-        _engines_ready(engine, config)
-        serving = await _open_serving(engine, config)
+        engine: EngineHandle = await engine_nursery.start(supervise_engines, config, lifecycle)
+        engines_ready(engine, config)
+        serving = await open_serving(engine, config)
         serving.store = store
         responses = ResponsesAPI(serving)
         app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config, responses)
@@ -170,11 +171,15 @@ async def _serve_engines(
             # CLI output, not a log line: the bound address, on stdout at every level.
             print(f"trio-llm: serving {names} on {binds[0]}", flush=True)
             task_status.started(binds)
+            # Batches (issue 34): the batch runner, from now until the stop.
+            batch_runner = batch_runner_of(app)
+            if batch_runner is not None:
+                http_nursery.start_soon(batch_runner.run_until, lifecycle.stop_requested)
         responses.stop_background()
         await engine.stop(config.shutdown_timeout)
 
 
-def _engines_ready(engine: EngineHandle, config: ServerConfig) -> None:
+def engines_ready(engine: EngineHandle, config: ServerConfig) -> None:
     """Give every engine the stream interval, and log that it is ready."""
     for rank, client in enumerate(engine.engines):
         client.stream_interval = config.stream_interval
@@ -189,7 +194,7 @@ def _engines_ready(engine: EngineHandle, config: ServerConfig) -> None:
         )
 
 
-async def _open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServing:
+async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServing:
     """The request handlers over ``engine``: load the tokenizer and generation defaults."""
     tokenizer = await trio.to_thread.run_sync(
         Tokenizer.load, engine.info.model_dir, config.chat_template
@@ -287,7 +292,7 @@ def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     return hconfig
 
 
-async def _supervise_engines(
+async def supervise_engines(
     config: ServerConfig,
     lifecycle: Lifecycle,
     *,
@@ -339,7 +344,7 @@ async def _supervise_engines(
 
 
 class _Fleet:
-    """How `_supervise_engines` learns that an engine stopped for good (`ended`), and
+    """How `supervise_engines` learns that an engine stopped for good (`ended`), and
     what follows: a failed start-up, a logged loss, or the server's stop."""
 
     def __init__(self, size: int, lifecycle: Lifecycle) -> None:

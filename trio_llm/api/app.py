@@ -14,6 +14,7 @@ from starlette.types import Receive
 
 from trio_llm.api import metrics
 from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
+from trio_llm.api.batches import install_batch_routes
 from trio_llm.api.chat_page import install_chat_page
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
@@ -25,6 +26,7 @@ from trio_llm.api.conversations import (
 )
 from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError, install_error_handlers
+from trio_llm.api.files import install_file_routes
 from trio_llm.api.lanes import lane_of
 from trio_llm.api.middleware import install_middleware
 from trio_llm.api.request_body import RequestBody
@@ -85,6 +87,9 @@ def build_app(
         "conversations": ConversationsAPI(serving),
     }
     _add_table_routes(app, serving, owners)
+    # Files and batches (issue 34): the routes, and the batch runner the supervisor starts.
+    install_file_routes(app, serving, config)
+    install_batch_routes(app, serving, config)
     install_chat_page(app)
     return app
 

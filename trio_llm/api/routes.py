@@ -37,6 +37,8 @@ class Route:
         errors: the error body of this route and of every path under it (Anthropic's also
             comes with a ``request-id`` header on every response).
         listed: named in the body of a 404 (the public API; docs/api.md has them all).
+        own_body_limit: the route limits its request body itself (an upload to
+            ``/v1/files``: ``--max-file-size``); ``--max-request-body-bytes`` does not apply.
     """
 
     method: str
@@ -45,6 +47,7 @@ class Route:
     body: str | None = None
     errors: ErrorStyle = "openai"
     listed: bool = False
+    own_body_limit: bool = False
 
 
 ROUTES = (
@@ -107,6 +110,11 @@ ROUTES = (
     ),
     Route("POST", "/v1/embeddings", "embed", "EmbeddingRequest", listed=True),
     Route("GET", "/v1/models", listed=True),
+    # Files and batches (issue 34); the paths under them are registered with these.
+    Route("POST", "/v1/files", listed=True, own_body_limit=True),
+    Route("GET", "/v1/files", listed=True),
+    Route("POST", "/v1/batches", listed=True),
+    Route("GET", "/v1/batches", listed=True),
     Route("POST", "/tokenize"),
     Route("POST", "/detokenize"),
     Route("GET", "/health"),
@@ -147,6 +155,9 @@ def route_path(path: str) -> str | None:
             return template
     return None
 
+
+#: ``(method, path)`` of the routes that limit their request body themselves.
+OWN_BODY_LIMITS = frozenset((route.method, route.path) for route in ROUTES if route.own_body_limit)
 
 #: Paths whose requests (and every path under them) get Anthropic's error body.
 _ANTHROPIC_PATHS = tuple(route.path for route in ROUTES if route.errors == "anthropic")
