@@ -38,9 +38,18 @@ MAX_BODY = 64 * 1024
 
 
 @pytest.fixture(scope="module")
-def batch_server(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Iterator[str]:
+def batch_store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The module server's ``--store-url`` (test_postgres_stateful runs these tests again
+    on PostgreSQL)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('batch-store')}/s.db"
+
+
+@pytest.fixture(scope="module")
+def batch_server(
+    batch_store_url: str, tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path
+) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("batch-server")
-    args = [*SMALL_SERVER_ARGS, "--dtype", "float32", "--store-url", f"sqlite:///{folder}/s.db"]
+    args = [*SMALL_SERVER_ARGS, "--dtype", "float32", "--store-url", batch_store_url]
     args += ["--max-file-size", f"{MAX_FILE // 1024}KiB", "--batch-max-lines-in-flight", "4"]
     args += ["--max-request-body-bytes", f"{MAX_BODY // 1024}KiB"]
     process = ServerProcess(args, log_path=folder / "server.log")
