@@ -299,7 +299,7 @@ def test_the_batch_share_rounds_up() -> None:
     assert SchedulerConfig(max_num_seqs=10, max_batch_share=0.3).batch_lane_slots == 3
     assert SchedulerConfig(max_num_seqs=10, max_batch_share=0.25).batch_lane_slots == 3
     assert SchedulerConfig(max_num_seqs=3, max_batch_share=0.1).batch_lane_slots == 1
-    assert SchedulerConfig(max_num_seqs=128).batch_lane_slots == 64
+    assert SchedulerConfig(max_num_seqs=128).batch_lane_slots == 4  # the default, 1/32
     with pytest.raises(ValueError, match="max_batch_share"):
         SchedulerConfig(max_batch_share=0.0)
     with pytest.raises(ValueError, match="scheduling_policy"):
