@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install gemma3 test-gemma3 serve test test-fast lint format browser bench bench-peers bench-kernels compare clean
+.PHONY: install gemma3 test-gemma3 serve test test-fast lint format browser postgres bench bench-peers bench-kernels compare clean
 
 # torch is pinned first so pip takes the CPU build on this disk, not a CUDA build.
 $(STAMP): pyproject.toml
@@ -61,8 +61,26 @@ browser:
 		echo "no chromium (as root: apt-get install chromium); the browser test will skip"; \
 	fi
 
+# PostgreSQL's server programs for the store's PostgreSQL tests (tests/support/postgres.py
+# runs its own server, as the `postgres` user when root, in a temp folder): the Debian
+# package. Best effort, as `browser`: where it cannot be installed those tests skip.
+# (Where services start on install, Debian's package also starts its own cluster on 5432;
+# the tests do not use it.)
+postgres:
+	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing postgresql (apt-get) for the PostgreSQL store tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq --no-install-recommends postgresql >/dev/null 2>&1 \
+		|| { apt-get update -qq >/dev/null 2>&1 \
+			&& apt-get install -y -qq --no-install-recommends postgresql >/dev/null 2>&1; } \
+		|| echo "could not install postgresql; the PostgreSQL store tests will skip"; \
+	else \
+		echo "no PostgreSQL (as root: apt-get install postgresql); the PostgreSQL store tests will skip"; \
+	fi
+
 # Everything, the fast tier first (tests/conftest.py orders them).
-test: lint browser
+test: lint browser postgres
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
 
 # The fast tier alone: no engine, no server, no subprocess (the `slow` marker).

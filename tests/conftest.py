@@ -5,19 +5,22 @@ that start engines (in this process or another), servers or any other subprocess
 ``pytest -m "not slow"`` runs the fast tier alone; plain ``pytest`` runs both, the fast
 tier first. Every test under
 `SLOW_DIRS` is slow (each starts a real server); elsewhere a module or test says so with
-``pytestmark = pytest.mark.slow`` or ``@pytest.mark.slow``.
+``pytestmark = pytest.mark.slow`` or ``@pytest.mark.slow``. A test of the store on
+PostgreSQL (``store_url[postgresql]``, or one that asks for `postgres_server`) is slow too:
+it needs the PostgreSQL server the session starts once.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tests.support.postgres import PostgresServer, is_gone, unavailable_reason
 from tests.support.tiny_model import save_tiny_model
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
 from trio_llm.model_loader import resolve_model_dir
@@ -37,6 +40,8 @@ def pytest_collection_modifyitems(
     for item in items:
         relative = item.path.relative_to(TESTS) if item.path.is_relative_to(TESTS) else None
         if relative is not None and relative.parts[0] in SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)
+        elif "postgres_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
     yield
     items[:] = sorted(items, key=lambda item: item.get_closest_marker("slow") is not None)
@@ -64,10 +69,44 @@ def smol_tokenizer(real_model_dir: Path):
     return Tokenizer.load(real_model_dir)
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A PostgreSQL server for the whole session (started on first use; skips the test,
+    with the reason, where none can run: `tests.support.postgres.unavailable_reason`).
+    Stopped at the end of the session, every one of its processes gone."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no PostgreSQL server for the store tests: {reason}")
+    server = PostgresServer.start()
+    try:
+        yield server
+    finally:
+        pids = server.pids()
+        server.stop()
+    assert pids and is_gone(pids), f"PostgreSQL processes left after the stop: {pids}"
+
+
 @pytest.fixture
-def store_url(tmp_path: Path) -> str:
-    """The ``--store-url`` of a fresh, empty store for one test (a SQLite file)."""
+def sqlite_store_url(tmp_path: Path) -> str:
+    """The ``--store-url`` of a fresh, empty SQLite store (a file under ``tmp_path``)."""
     return f"sqlite:///{tmp_path / 'store' / 'store.db'}"
+
+
+@pytest.fixture
+def postgres_store_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """The ``--store-url`` of a fresh, empty PostgreSQL database, dropped after the test."""
+    url = postgres_server.create_database()
+    yield url
+    postgres_server.drop_database(url)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """The ``--store-url`` of a fresh, empty store for one test: every test that uses it
+    runs on SQLite (`sqlite_store_url`) and on PostgreSQL (`postgres_store_url`, slow)."""
+    if request.param == "sqlite":
+        return request.getfixturevalue("sqlite_store_url")
+    return request.getfixturevalue("postgres_store_url")
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Command line: ``trio-llm serve [options]`` (flag names follow vLLM's).
+"""Command line: ``trio-llm serve [options]`` and ``trio-llm run-batch -i IN -o OUT
+[options]`` (flag names follow vLLM's).
 
 The flags are derived from the configuration dataclasses: `trio_llm.serve_flags` says
 which fields have one; their defaults and choices are the fields' own.
@@ -110,9 +111,28 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("model_tag", nargs="?", help="same as --model")
+    _add_serve_flags(serve)
+    run_batch = commands.add_parser(
+        "run-batch",
+        help="run a file of batch requests (OpenAI's batch input format) offline, without a "
+        "port, and write their results (the batch output-file format)",
+    )
+    run_batch.add_argument(
+        "-i", "--input-file", required=True, help="the requests, one JSON line each (a local file)"
+    )
+    run_batch.add_argument(
+        "-o", "--output-file", required=True, help="where the results go (a local file)"
+    )
+    run_batch.set_defaults(model_tag=None)
+    _add_serve_flags(run_batch)
+    return parser
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``serve`` (the model, the engine, the server) and ``--log-level``."""
     for cls, flags in SERVE_FLAGS.items():
-        add_dataclass_arguments(serve, cls, flags)
-    serve.add_argument(
+        add_dataclass_arguments(parser, cls, flags)
+    parser.add_argument(
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
@@ -120,7 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"least severe log messages shown, in every process (default ${LOG_LEVEL_ENV}, "
         "else info)",
     )
-    return parser
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -161,11 +180,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     os.environ[LOG_LEVEL_ENV] = log_level  # the children inherit it
     configure_logging(log_level)
+    if args.command == "run-batch":
+        sys.exit(_run_batch(config, args.input_file, args.output_file))
 
     import trio
 
     from trio_llm.errors import EngineDeadError, ModelNotFoundError
     from trio_llm.model_loader import locate_model
+    from trio_llm.store import StoreError
     from trio_llm.supervisor import check_bindable, serve
 
     try:
@@ -177,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     try:
         lifecycle = trio.run(serve, config)
+    except StoreError as exc:  # the store cannot be opened: before anything started
+        print(f"trio-llm: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except BaseExceptionGroup as group:
         expected, rest = group.split((EngineDeadError, OSError))
         if expected is None or rest is not None:
@@ -188,3 +213,33 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"trio-llm: stopped ({lifecycle.reason})", file=sys.stderr, flush=True)
     sys.exit(lifecycle.exit_code)
+
+
+def _run_batch(config: ServerConfig, input_file: str, output_file: str) -> int:
+    """``trio-llm run-batch``: the exit status (1 with a one-line error on stderr)."""
+    import trio
+
+    from trio_llm.errors import EngineDeadError, ModelNotFoundError
+    from trio_llm.model_loader import locate_model
+    from trio_llm.run_batch import RunBatchError, check_paths, run_batch
+
+    try:
+        source, target = check_paths(input_file, output_file)
+        locate_model(config.engine.model.model)
+        summary = trio.run(run_batch, config, source, target)
+    except (RunBatchError, ModelNotFoundError) as exc:
+        print(f"trio-llm: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except BaseExceptionGroup as group:
+        expected, rest = group.split((EngineDeadError, OSError, RunBatchError))
+        if expected is None or rest is not None:
+            raise
+        print(f"trio-llm: error: {first_leaf(expected)}", file=sys.stderr, flush=True)
+        return 1
+    print(
+        f"trio-llm: run-batch: {summary.total} lines, {summary.succeeded} succeeded, "
+        f"{summary.failed} failed -> {target}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0

@@ -185,8 +185,11 @@ class SchedulerConfig(CheckedFields):
             arrival; a better one preempts the worst running one when it finds no batch
             slot or KV blocks). See `trio_llm.engine.request_queue`.
         max_batch_share: while interactive requests wait, batch-lane requests hold at
-            most ``ceil(max_batch_share * max_num_seqs)`` batch slots (`batch_lane_slots`);
-            with none waiting they may fill the batch. In (0, 1].
+            most ``ceil(max_batch_share * max_num_seqs)`` batch slots (`batch_lane_slots`),
+            and while interactive requests are served they compute at most that many
+            tokens a step (`trio_llm.engine.batch_lane`); with none around they may fill
+            the batch. In (0, 1]. The default, 1/32 (4 of 128), kept a 500-line batch's
+            cost to interactive TTFT at 1.3x (docs/benchmarks.md, batch lane).
     """
 
     max_num_seqs: int = setting(128, range=Range(1))
@@ -194,7 +197,7 @@ class SchedulerConfig(CheckedFields):
     long_prefill_token_threshold: int | None = setting(None, range=Range(0))
     max_num_partial_prefills: int = setting(1, range=Range(1))
     scheduling_policy: str = setting("fcfs", choices=SCHEDULING_POLICIES)
-    max_batch_share: float = setting(0.5, range=Range(0, 1, exclusive=True))
+    max_batch_share: float = setting(0.03125, range=Range(0, 1, exclusive=True))
 
     @property
     def batch_lane_slots(self) -> int:

@@ -150,9 +150,11 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             "(default %(default)s)"
         ),
         "max_batch_share": Flag(
-            "while interactive requests wait, batch-lane requests (the in-process batch "
-            "runner's) hold at most this share of --max-num-seqs; with none waiting they "
-            "may fill the batch (default %(default)s)",
+            "batch-lane requests (the in-process batch runner's) hold at most this share "
+            "of --max-num-seqs while interactive requests wait, and compute at most that "
+            "many tokens a step while interactive requests are served (and 2 s after); "
+            "with none around they may fill the batch. Larger: faster batches, slower "
+            "interactive first tokens (default %(default)s: 4 of 128)",
             type=parse.parse_share,
             metavar="SHARE",
         ),
@@ -374,6 +376,12 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             name="--max-file-size",
             type=parse.parse_bytes,
             metavar="BYTES",
+        ),
+        "batch_max_in_flight": Flag(
+            "most lines of /v1/batches running at once, of all batches (default: "
+            "--max-num-seqs per engine)",
+            name="--batch-max-lines-in-flight",
+            **_COUNT,
         ),
     },
 }

@@ -113,12 +113,15 @@ class StoreConfig(CheckedFields):
             its room.
         max_size: most bytes of stored objects and file contents; None: no limit.
         max_file_bytes: largest file ``POST /v1/files`` accepts (bytes).
+        batch_max_in_flight: most batch lines (of all batches) running at once; None:
+            ``--max-num-seqs`` per engine.
     """
 
     url: str | None = None
     retention: float | None = setting(30 * 86400.0, range=Range(0, exclusive=True))
     max_size: int | None = setting(10 * 2**30, range=Range(1, unit="byte"))
     max_file_bytes: int = setting(512 * 2**20, range=Range(1, unit="byte"))
+    batch_max_in_flight: int | None = setting(None, range=Range(1), none_means="--max-num-seqs")
 
     @property
     def enabled(self) -> bool:

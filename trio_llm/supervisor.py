@@ -9,8 +9,10 @@ Shutdown order (docs/shutdown.md has the whole story):
    connections get 503, /health answers 503.
 2. SIGTERM only: drain. Accepted requests run on for up to ``shutdown_timeout`` seconds.
    SIGINT, an engine failure, or a second signal during the drain skip this.
-3. Every request still open ends with an explicit error (SSE error event, 503 JSON body,
-   WebSocket error event), and the engine is told to stop.
+3. Background responses still running are cancelled (left in progress in the store, to
+   run again at the next start); every request still open ends with an explicit error
+   (SSE error event, 503 JSON body, WebSocket error event), and the engine is told to
+   stop.
 4. After a last grace for those error events, connections whose client stopped reading
    are shut down in the kernel (`trio_llm.connections`), so nothing can hold the exit.
 5. The children are reaped (end-of-file, then SIGTERM, then SIGKILL); exit 0 after a
@@ -34,7 +36,9 @@ import trio
 
 from trio_llm.api import connection_guard
 from trio_llm.api.app import build_app
+from trio_llm.api.batches import batch_runner_of
 from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.stored_responses import ResponsesAPI
 from trio_llm.config import EngineConfig
 from trio_llm.connections import shutdown_client_connections
 from trio_llm.dtype_choice import dtype_is_timed
@@ -45,7 +49,8 @@ from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.generation_defaults import load_generation_defaults
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.server_config import ServerConfig
-from trio_llm.store import RetentionPolicy, Store, open_store
+from trio_llm.store import RetentionPolicy, Store, StoreError, open_store
+from trio_llm.store.database import redact
 from trio_llm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -114,15 +119,20 @@ async def open_server_store(config: ServerConfig) -> Store | None:
     none``.
 
     Raises:
-        ValueError: a malformed ``--store-url``.
-        StoreError: the database cannot be opened or is newer than this server.
+        StoreError: a malformed ``--store-url``, psycopg missing for PostgreSQL, or a
+            database that cannot be opened or is newer than this server (the message
+            names ``--store-url``).
     """
     if not config.store.enabled:
         return None
     cache_dir = config.engine.cache_dir()
     url = config.store.resolved_url(cache_dir)
     policy = RetentionPolicy(max_age=config.store.retention, max_bytes=config.store.max_size)
-    store = await trio.to_thread.run_sync(open_store, url, cache_dir, policy)
+    try:
+        store = await trio.to_thread.run_sync(open_store, url, cache_dir, policy)
+    except (ValueError, StoreError) as exc:
+        message = str(exc) if "--store-url" in str(exc) else f"--store-url {redact(url)}: {exc}"
+        raise StoreError(message) from exc
     logger.info(f"store: {store.database.url}")
     return store
 
@@ -136,12 +146,15 @@ async def _serve_engines(
 ) -> None:
     """Start the engines, then the HTTP server; return once both have stopped."""
     async with trio.open_nursery() as engine_nursery:
-        engine: EngineHandle = await engine_nursery.start(_supervise_engines, config, lifecycle)
-        _engines_ready(engine, config)
-        serving = await _open_serving(engine, config)
+        engine: EngineHandle = await engine_nursery.start(supervise_engines, config, lifecycle)
+        engines_ready(engine, config)
+        serving = await open_serving(engine, config)
         serving.store = store
-        app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config)
+        responses = ResponsesAPI(serving)
+        app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config, responses)
         connection_guard.install()  # one connection's protocol error ends only it
+        # Background responses: tasks of this nursery, stopped before the engine is.
+        await engine_nursery.start(responses.serve_background)
         async with trio.open_nursery() as http_nursery:
             binds = await http_nursery.start(
                 partial(
@@ -152,16 +165,21 @@ async def _serve_engines(
                 )
             )
             port = urlsplit(binds[0]).port or config.port
-            root.start_soon(_shut_down, lifecycle, engine, config, port)
+            root.start_soon(_shut_down, lifecycle, engine, config, port, responses.stop_background)
             lifecycle.serving = True
             names = ", ".join(config.model_names())
             # CLI output, not a log line: the bound address, on stdout at every level.
             print(f"trio-llm: serving {names} on {binds[0]}", flush=True)
             task_status.started(binds)
+            # Batches (issue 34): the batch runner, from now until the stop.
+            batch_runner = batch_runner_of(app)
+            if batch_runner is not None:
+                http_nursery.start_soon(batch_runner.run_until, lifecycle.stop_requested)
+        responses.stop_background()
         await engine.stop(config.shutdown_timeout)
 
 
-def _engines_ready(engine: EngineHandle, config: ServerConfig) -> None:
+def engines_ready(engine: EngineHandle, config: ServerConfig) -> None:
     """Give every engine the stream interval, and log that it is ready."""
     for rank, client in enumerate(engine.engines):
         client.stream_interval = config.stream_interval
@@ -176,7 +194,7 @@ def _engines_ready(engine: EngineHandle, config: ServerConfig) -> None:
         )
 
 
-async def _open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServing:
+async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServing:
     """The request handlers over ``engine``: load the tokenizer and generation defaults."""
     tokenizer = await trio.to_thread.run_sync(
         Tokenizer.load, engine.info.model_dir, config.chat_template
@@ -204,9 +222,15 @@ async def _open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAISer
 
 
 async def _shut_down(
-    lifecycle: Lifecycle, engine: EngineHandle, config: ServerConfig, port: int
+    lifecycle: Lifecycle,
+    engine: EngineHandle,
+    config: ServerConfig,
+    port: int,
+    stop_background: Callable[[], None],
 ) -> None:
-    """Steps 2-4 of the shutdown order (see the module docstring)."""
+    """Steps 2-4 of the shutdown order (see the module docstring); ``stop_background``
+    cancels the background responses still running before the engine stops (they stay
+    in progress in the store, and run again at the next start)."""
     await lifecycle.stop_requested.wait()
     logger.info(f"shutting down: {lifecycle.reason}")
     engine.close_admissions()
@@ -223,6 +247,7 @@ async def _shut_down(
     if left:
         logger.warning(f"ending {left} unfinished requests with an error")
     lifecycle.aborting = True
+    stop_background()
     await engine.stop(config.shutdown_timeout)
     await trio.sleep(FINAL_WRITE_GRACE)
     cut = shutdown_client_connections(port)
@@ -267,7 +292,7 @@ def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     return hconfig
 
 
-async def _supervise_engines(
+async def supervise_engines(
     config: ServerConfig,
     lifecycle: Lifecycle,
     *,
@@ -319,7 +344,7 @@ async def _supervise_engines(
 
 
 class _Fleet:
-    """How `_supervise_engines` learns that an engine stopped for good (`ended`), and
+    """How `supervise_engines` learns that an engine stopped for good (`ended`), and
     what follows: a failed start-up, a logged loss, or the server's stop."""
 
     def __init__(self, size: int, lifecycle: Lifecycle) -> None:

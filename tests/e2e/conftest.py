@@ -83,6 +83,8 @@ def server(
     once per mode per test session)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     flags = ["--max-num-seqs", "32", "--dtype", "float32", "--detokenizer-mode", detokenizer_mode]
+    # Responses are stored by default (OpenAI's store: true): in a store of the session's.
+    flags += ["--store-url", f"sqlite:///{log.parent / 'store.db'}"]
     # A short body timeout, so the hostile-client test of a withheld body is quick.
     flags += ["--request-body-timeout", "3"]
     # As `make serve`: tool_choice "auto" with the Hermes parser.

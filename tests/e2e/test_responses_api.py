@@ -2,8 +2,8 @@
 through the official openai SDK: a greedy response says what the greedy chat completion of
 the same conversation says, with the same token counts; a stream carries the same response
 in the protocol's order, numbered from 0; function calls are valid against their schemas;
-what this server does not keep (stored responses) or take (images, unknown tool types) is
-a 400 naming the field."""
+what this server does not take (images, unknown tool types, prompt templates) is a 400
+naming the field. Stored responses: tests/e2e/test_stored_responses.py."""
 
 from __future__ import annotations
 
@@ -362,8 +362,7 @@ def test_the_sdk_parses_a_text_format(client: OpenAI) -> None:
 
 
 BAD: list[tuple[str, dict[str, Any], str]] = [
-    ("store", {"store": True}, "store"),
-    ("previous_response_id", {"previous_response_id": "resp_123"}, "previous_response_id"),
+    ("prompt", {"prompt": {"id": "pmpt_1"}}, "prompt"),
     (
         "input_image",
         {
@@ -498,9 +497,9 @@ def test_null_fields_mean_their_defaults(base_url: str) -> None:
 
 def test_the_sdk_raises_the_error_it_was_sent(client: OpenAI) -> None:
     with pytest.raises(BadRequestError) as raised:
-        client.responses.create(model=MODEL, input="hi", store=True, max_output_tokens=5)
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=5, temperature=3)
     assert raised.value.status_code == 400
-    assert raised.value.param == "store"
+    assert raised.value.param == "temperature"
 
 
 def test_an_unknown_model_is_not_found(base_url: str) -> None:

@@ -8,6 +8,8 @@ short seeded sample in ``make test``). One trial:
 2. put it under load: streaming and non-streaming HTTP requests, WebSocket generations,
    and clients that leave after their first token, each on a fresh connection;
 3. after a random delay inject one fault (`FAULTS`);
+   (a batch fault, `tests.support.batch_chaos`, runs a batch instead of the load and
+   checks that it completes with every line exactly once);
 4. wait for the consequence: the server exits, or (restart on) serves a normal request
    again, or (a harmless fault) goes on serving;
 5. stop the load; stop a surviving server with SIGTERM;
@@ -33,6 +35,7 @@ from typing import Any
 
 import trio
 
+from tests.support.batch_chaos import BATCH_FAULTS, run_batch_trial
 from tests.support.checks import (
     check_fds,
     check_records,
@@ -185,7 +188,8 @@ def plan_trials(
                 index=index,
                 fault=fault,
                 detokenizer_mode=mode,
-                restart=rng.random() < 0.5,
+                # An engine kill during a batch is survived by a restart only.
+                restart=rng.random() < 0.5 or fault == "sigkill-engine-batch",
                 fault_delay=rng.uniform(0.3, 3.0),
                 stop_seconds=stop,
                 seed=rng.randrange(2**31),
@@ -233,6 +237,13 @@ async def run_trial(spec: TrialSpec, log_dir: Path) -> TrialResult:
     """Run one trial end to end; never raises for a failed check (see `TrialResult`)."""
     result = TrialResult(spec)
     began = time.monotonic()
+    if spec.fault in BATCH_FAULTS:
+        try:
+            await run_batch_trial(spec, log_dir, result)
+        except Exception as exc:
+            result.failures.append(f"trial error: {exc!r}")
+        result.seconds = time.monotonic() - began
+        return result
     log_path = log_dir / f"trial-{spec.index:03d}.log"
     server = ServerProcess(spec.server_args(), log_path=log_path)
     tree: set[int] = set()

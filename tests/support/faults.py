@@ -38,6 +38,10 @@ FAULTS = (
     "burst",
     "hostile-client",
     "large-request-hangup",
+    # A batch running (tests.support.batch_chaos): kill -9 of the server, then a restart
+    # on the same store; kill -9 of the engine child, restarted.
+    "sigkill-server-batch",
+    "sigkill-engine-batch",
 )
 
 #: What a "hostile-client" fault does (the trial's seed picks one; issue 14's triggers).

@@ -318,7 +318,7 @@ def test_each_cuda_engine_sees_its_own_gpu() -> None:
 
 
 class _FakeProcesses:
-    """`run_engine_process` for `supervisor._supervise_engines`: engine ``rank`` is ready
+    """`run_engine_process` for `supervisor.supervise_engines`: engine ``rank`` is ready
     at once (an in-memory client) unless it is in ``loading``; it fails for good when
     the test sets ``fail[rank]``."""
 
@@ -355,7 +355,7 @@ async def test_an_engine_failing_while_the_others_start_fails_the_start_up(monke
     with pytest.raises(BaseExceptionGroup) as raised, trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             config = ServerConfig(data_parallel_size=2)
-            await nursery.start(supervisor._supervise_engines, config, lifecycle)
+            await nursery.start(supervisor.supervise_engines, config, lifecycle)
     assert raised.group_contains(EngineStartupError, match="engine core 0 failed during start-up")
     assert not lifecycle.stop_requested.is_set()  # never served: no "serving" line, exit 1
 
@@ -366,7 +366,7 @@ async def test_the_server_stops_when_the_last_engine_is_gone(monkeypatch) -> Non
     lifecycle = supervisor.Lifecycle()
     async with trio.open_nursery() as nursery:
         config = ServerConfig(data_parallel_size=2)
-        group = await nursery.start(supervisor._supervise_engines, config, lifecycle)
+        group = await nursery.start(supervisor.supervise_engines, config, lifecycle)
         assert isinstance(group, DataParallelClient)
         fakes.fail[1].set()
         await trio.testing.wait_all_tasks_blocked()
@@ -389,7 +389,7 @@ async def test_engines_load_the_dtype_engine_0_timed(monkeypatch, timed: bool) -
     monkeypatch.setattr(supervisor, "dtype_is_timed", lambda model: timed)
     async with trio.open_nursery() as nursery:
         config = ServerConfig(data_parallel_size=2)
-        await nursery.start(supervisor._supervise_engines, config, supervisor.Lifecycle())
+        await nursery.start(supervisor.supervise_engines, config, supervisor.Lifecycle())
         dtypes = [fakes.configs[rank].model.dtype for rank in range(2)]
         if timed:
             assert dtypes == ["auto", "bfloat16"]

@@ -6,6 +6,7 @@ is pretended to have run, and every completed sequence samples token 7.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -30,14 +31,25 @@ def _scheduler(
     num_blocks: int = 256,
     block_size: int = 4,
     share: float = 0.5,
+    seconds_per_step: float = 0.5,
 ) -> Scheduler:
+    """A scheduler whose clock moves ``seconds_per_step`` at each `Scheduler.schedule`
+    (its only reader): the batch lane's quiet time after interactive requests
+    (`trio_llm.engine.batch_lane.QUIET_SECONDS`) is then counted in steps."""
+    ticks = itertools.count()
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         scheduling_policy=policy,
         max_batch_share=share,
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size), 1000, frozenset({EOS}))
+    return Scheduler(
+        config,
+        BlockManager(num_blocks, block_size),
+        1000,
+        frozenset({EOS}),
+        clock=lambda: next(ticks) * seconds_per_step,
+    )
 
 
 def _request(
@@ -232,13 +244,20 @@ def test_a_batch_lane_request_never_runs_ahead_of_an_interactive_one(policy: str
     assert not any(r.request_id.startswith("chat") for r in scheduler.running)
 
 
-def test_interactive_requests_are_served_first_from_the_token_budget() -> None:
-    scheduler = _scheduler(max_num_seqs=4, budget=10)
+def test_an_interactive_arrival_has_its_step_then_the_batch_lane_takes_its_share() -> None:
+    scheduler = _scheduler(max_num_seqs=4, budget=10)  # share 0.5: 2 batch tokens a step
     scheduler.add(_request("batch", prompt_len=30, batch=True))
-    _step(scheduler)  # alone: it takes the whole budget
+    assert _step(scheduler).requests[0][1] == 10  # alone: it takes the whole budget
     scheduler.add(_request("chat", prompt_len=7))
     batch = _step(scheduler)
-    assert [(r.request_id, n) for r, n in batch.requests] == [("chat", 7), ("batch", 3)]
+    # The interactive request's prefill step is its own: the batch lane sits it out.
+    assert [(r.request_id, n) for r, n in batch.requests] == [("chat", 7)]
+    batch = _step(scheduler)
+    assert [(r.request_id, n) for r, n in batch.requests] == [("chat", 1), ("batch", 2)]
+    scheduler.abort(["chat"])
+    # Until QUIET_SECONDS (2 s: 4 steps of 0.5 s here) after the last step that saw an
+    # interactive request, the lane keeps to its share; then it takes the whole budget.
+    assert [_step(scheduler).requests[0][1] for _ in range(4)] == [2, 2, 2, 10]
 
 
 def test_the_batch_share_is_preempted_down_to_while_interactive_requests_wait() -> None:
@@ -252,7 +271,8 @@ def test_the_batch_share_is_preempted_down_to_while_interactive_requests_wait() 
     scheduler.add(_request("chat0"))
     batch = _step(scheduler)
     assert batch.num_preemptions == 1  # only the slot the one newcomer needs
-    assert "chat0" in _scheduled(batch) and _ids(scheduler.waiting) == ["batch7"]
+    assert _scheduled(batch) == ["chat0"]  # the batch lane sits its step out
+    assert _ids(scheduler.waiting) == ["batch7"]
 
     for i in range(1, 7):
         scheduler.add(_request(f"chat{i}"))
@@ -267,9 +287,11 @@ def test_the_batch_share_is_preempted_down_to_while_interactive_requests_wait() 
         assert _step(scheduler).num_preemptions == 0
         assert sum(r.batch for r in scheduler.running) == 4
 
-    # With no interactive request left, the batch lane fills the engine again.
+    # With no interactive request left (and QUIET_SECONDS gone: 4 steps of 0.5 s), the
+    # batch lane fills the engine again.
     scheduler.abort([f"chat{i}" for i in range(7)])
-    _step(scheduler)
+    for _ in range(5):
+        _step(scheduler)
     assert _ids(scheduler.running) == [f"batch{i}" for i in range(8)]
 
 
@@ -277,7 +299,7 @@ def test_the_batch_share_rounds_up() -> None:
     assert SchedulerConfig(max_num_seqs=10, max_batch_share=0.3).batch_lane_slots == 3
     assert SchedulerConfig(max_num_seqs=10, max_batch_share=0.25).batch_lane_slots == 3
     assert SchedulerConfig(max_num_seqs=3, max_batch_share=0.1).batch_lane_slots == 1
-    assert SchedulerConfig(max_num_seqs=128).batch_lane_slots == 64
+    assert SchedulerConfig(max_num_seqs=128).batch_lane_slots == 4  # the default, 1/32
     with pytest.raises(ValueError, match="max_batch_share"):
         SchedulerConfig(max_batch_share=0.0)
     with pytest.raises(ValueError, match="scheduling_policy"):

@@ -1,18 +1,22 @@
-"""The store's database layer on SQLite files: migrations, transactions, the errors a
-locked or unusable database gives, and retention with its tombstones."""
+"""The store's database layer on SQLite and PostgreSQL (`store_url` runs each test on
+both): migrations, transactions, the errors a locked, full or unusable database gives,
+and retention with its tombstones. PostgreSQL's own failure modes are in
+test_store_postgres.py."""
 
 from __future__ import annotations
 
 import argparse
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 import trio
 
+from tests.support.store_faults import fill_sqlite_to_the_brim
 from trio_llm.cli_types import parse_duration, parse_size_or_none
-from trio_llm.store import RetentionPolicy, StoreUnavailable, open_store
-from trio_llm.store.database import StoreError, Transaction, open_database, redact
+from trio_llm.store import RetentionPolicy, Store, StoreUnavailable, open_store
+from trio_llm.store.database import Database, StoreError, Transaction, open_database, redact
 from trio_llm.store.migrations import MIGRATIONS, SCHEMA_VERSION, migrate, schema_version
 from trio_llm.store.objects import Evicted, NotFound, missing, page_after
 from trio_llm.store.retention import format_duration, stored_bytes, sweep
@@ -26,15 +30,22 @@ def _add_response(tx: Transaction, rid: str, created_at: int, status: str, size:
     )
 
 
+def table_names(tx: Transaction) -> set[str]:
+    """The tables of the store's database (in PostgreSQL's current schema)."""
+    if tx.dialect == "sqlite":
+        return {r[0] for r in tx.rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    query = "SELECT table_name FROM information_schema.tables WHERE table_schema = ?"
+    return {r[0] for r in tx.rows(query, ("public",))}
+
+
 def test_migrations_run_once_and_a_newer_schema_is_refused(store_url: str, tmp_path: Path) -> None:
     store = open_store(store_url, tmp_path)
     assert store.files_dir == tmp_path / "store" / "files" and store.files_dir.is_dir()
     assert store.transaction_sync(schema_version) == SCHEMA_VERSION == len(MIGRATIONS)
     assert migrate(store.database) == (SCHEMA_VERSION, SCHEMA_VERSION)
-    tables = store.transaction_sync(
-        lambda tx: {r[0] for r in tx.rows("SELECT name FROM sqlite_master WHERE type='table'")}
-    )
+    tables = store.transaction_sync(table_names)
     assert {"responses", "conversations", "files", "batches", "batch_results"} <= tables
+    assert "store_schema" in tables
     store.transaction_sync(
         lambda tx: tx.execute("INSERT INTO store_schema VALUES (?)", (SCHEMA_VERSION + 1,))
     )
@@ -43,9 +54,46 @@ def test_migrations_run_once_and_a_newer_schema_is_refused(store_url: str, tmp_p
         open_store(store_url, tmp_path)
 
 
-def test_a_failed_unit_of_work_leaves_nothing(store_url: str, tmp_path: Path) -> None:
-    store = open_store(store_url, tmp_path)
+def test_two_servers_migrating_at_once_apply_each_migration_once(store_url: str, tmp_path: Path):
+    # Two replicas starting together on one new database (PostgreSQL: the advisory lock;
+    # SQLite: BEGIN IMMEDIATE). Without the lock PostgreSQL refuses the second CREATE
+    # TABLE of store_schema (a duplicate key in its catalog).
+    databases = [open_database(store_url, tmp_path) for _ in range(2)]
+    both_ready = threading.Barrier(2)
+    results: list[tuple[int, int] | BaseException] = []
 
+    def start(database: Database) -> None:
+        both_ready.wait()
+        try:
+            results.append(migrate(database))
+        except BaseException as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=start, args=(d,)) for d in databases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        assert sorted(results) == [(0, SCHEMA_VERSION), (SCHEMA_VERSION, SCHEMA_VERSION)]
+        versions = databases[0].transaction_sync(
+            lambda tx: [r[0] for r in tx.rows("SELECT version FROM store_schema ORDER BY 1")]
+        )
+        assert versions == list(range(1, SCHEMA_VERSION + 1))
+    finally:
+        for database in databases:
+            database.close()
+
+
+def test_sql_is_written_once_for_both_databases(store: Store) -> None:
+    # ``?`` placeholders everywhere; a literal % is not one of psycopg's placeholders.
+    row = store.transaction_sync(lambda tx: tx.one("SELECT ? || '%', '100%'", ("50",)))
+    assert tuple(row) == ("50%", "100%")
+    assert store.transaction_sync(lambda tx: tx.one("SELECT '%s'"))[0] == "%s"
+
+
+def test_a_failed_unit_of_work_leaves_nothing(store: Store) -> None:
     def half_done(tx: Transaction) -> None:
         _add_response(tx, "resp_1", 1, "completed", 10)
         raise KeyError("boom")
@@ -55,22 +103,44 @@ def test_a_failed_unit_of_work_leaves_nothing(store_url: str, tmp_path: Path) ->
     assert store.transaction_sync(lambda tx: tx.one("SELECT COUNT(*) FROM responses"))[0] == 0
 
 
-async def test_a_database_locked_by_another_writer_is_store_unavailable(
-    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+async def test_a_sqlite_file_locked_by_another_writer_is_store_unavailable(
+    sqlite_store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # PostgreSQL's counterpart (a table locked by another connection): test_store_postgres.
     monkeypatch.setattr("trio_llm.store.database.SQLITE_BUSY_TIMEOUT", 0.05)
-    store = open_store(store_url, tmp_path)
+    store = open_store(sqlite_store_url, tmp_path)
     other = sqlite3.connect(tmp_path / "store" / "store.db", isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")
-    with pytest.raises(StoreUnavailable, match="busy"):
+    with pytest.raises(StoreUnavailable, match="busy") as caught:
         await store.transaction(lambda tx: _add_response(tx, "r", 1, "completed", 1))
+    assert not caught.value.full
     other.execute("ROLLBACK")
     other.close()
     await store.transaction(lambda tx: _add_response(tx, "r", 1, "completed", 1))
+    store.close()
 
 
-async def test_transactions_from_many_tasks_all_land(store_url: str, tmp_path: Path) -> None:
-    store = open_store(store_url, tmp_path)
+def test_a_full_sqlite_disk_is_store_unavailable_and_reads_go_on(
+    sqlite_store_url: str, tmp_path: Path
+) -> None:
+    store = open_store(sqlite_store_url, tmp_path)
+    store.transaction_sync(lambda tx: _add_response(tx, "kept", 1, "completed", 1))
+    fill_sqlite_to_the_brim(store)
+
+    def big_write(tx: Transaction) -> None:
+        _add_response(tx, "small", 2, "completed", 1)
+        tx.execute("UPDATE responses SET body = ? WHERE id = 'small'", ("x" * 100_000,))
+
+    with pytest.raises(StoreUnavailable, match="full") as caught:
+        store.transaction_sync(big_write)
+    assert caught.value.full
+    # Nothing of the failed unit of work is left; what was stored before still reads.
+    ids = store.transaction_sync(lambda tx: [r[0] for r in tx.rows("SELECT id FROM responses")])
+    assert ids == ["kept"]
+    store.close()
+
+
+async def test_transactions_from_many_tasks_all_land(store: Store) -> None:
     async with trio.open_nursery() as nursery:
         for i in range(20):
             nursery.start_soon(
@@ -79,7 +149,7 @@ async def test_transactions_from_many_tasks_all_land(store_url: str, tmp_path: P
     assert store.transaction_sync(lambda tx: tx.one("SELECT COUNT(*) FROM responses"))[0] == 20
 
 
-def test_bad_urls_are_refused_with_the_flag_named(store_url: str, tmp_path: Path) -> None:
+def test_bad_urls_are_refused_with_the_flag_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--store-url"):
         open_database("mysql://x/y", tmp_path)
     with pytest.raises(ValueError, match="absolute path"):
@@ -88,11 +158,12 @@ def test_bad_urls_are_refused_with_the_flag_named(store_url: str, tmp_path: Path
 
 
 def test_retention_evicts_by_age_then_size_and_leaves_tombstones(
-    store_url: str, tmp_path: Path
+    store_url: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     day = 86400
     policy = RetentionPolicy(max_age=2 * day, max_bytes=250)
     store = open_store(store_url, tmp_path, policy)
+    request.addfinalizer(store.close)
 
     def fill(tx: Transaction) -> None:
         _add_response(tx, "old", 10 * day - 3 * day, "completed", 100)
@@ -115,6 +186,51 @@ def test_retention_evicts_by_age_then_size_and_leaves_tombstones(
     assert isinstance(sized, Evicted) and "--store-max-size" in str(sized)
     never = store.transaction_sync(lambda tx: missing(tx, "response", "nope"))
     assert type(never) is NotFound and "no response with id 'nope'" in str(never)
+
+
+def test_replicas_sweeping_at_once_evict_each_object_once(store_url: str, tmp_path: Path) -> None:
+    # Every replica on one PostgreSQL store runs the retention sweep: two at the same
+    # moment both succeed, and what they evict is evicted once, with one tombstone each.
+    day = 86400
+    policy = RetentionPolicy(max_age=2 * day, max_bytes=None)
+    stores = [open_store(store_url, tmp_path / f"replica{i}", policy) for i in range(2)]
+
+    def fill(tx: Transaction) -> None:
+        for i in range(50):
+            _add_response(tx, f"old{i:02}", 5 * day - 3 * day, "completed", 1)
+        _add_response(tx, "new", 5 * day, "completed", 1)
+
+    stores[0].transaction_sync(fill)
+    both_ready = threading.Barrier(2)
+    removed: list[list[tuple[str, str]] | BaseException] = []
+
+    def sweep_now(store: Store) -> None:
+        both_ready.wait()
+        try:
+            removed.append(store.transaction_sync(lambda tx: sweep(tx, policy, at=5 * day)))
+        except BaseException as exc:
+            removed.append(exc)
+
+    threads = [threading.Thread(target=sweep_now, args=(store,)) for store in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert not [r for r in removed if isinstance(r, BaseException)], removed
+        old = {("response", f"old{i:02}") for i in range(50)}
+        assert set().union(*removed) == old  # type: ignore[arg-type]
+        left = stores[1].transaction_sync(
+            lambda tx: [r[0] for r in tx.rows("SELECT id FROM responses")]
+        )
+        assert left == ["new"]
+        tombstones = stores[1].transaction_sync(
+            lambda tx: tx.one("SELECT COUNT(*), COUNT(DISTINCT id) FROM evicted")
+        )
+        assert tuple(tombstones) == (50, 50)
+    finally:
+        for store in stores:
+            store.close()
 
 
 def test_durations_sizes_and_pages() -> None:

@@ -14,17 +14,26 @@ from starlette.types import Receive
 
 from trio_llm.api import metrics
 from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
+from trio_llm.api.batches import install_batch_routes
 from trio_llm.api.chat_page import install_chat_page
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
+from trio_llm.api.conversations import (
+    ConversationCreateRequest,
+    ConversationItemsRequest,
+    ConversationsAPI,
+    ConversationUpdateRequest,
+)
 from trio_llm.api.embeddings import EmbeddingRequest
 from trio_llm.api.errors import APIError, install_error_handlers
+from trio_llm.api.files import install_file_routes
 from trio_llm.api.lanes import lane_of
 from trio_llm.api.middleware import install_middleware
 from trio_llm.api.request_body import RequestBody
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.routes import ROUTES
 from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.stored_responses import ResponsesAPI
 from trio_llm.api.tokenize_routes import tokenize_router
 from trio_llm.api.websocket import install_websocket
 from trio_llm.frontend.engine_client import EngineClient
@@ -41,6 +50,9 @@ _BODY_MODELS: dict[str, type[BaseModel]] = {
         MessagesRequest,
         CountTokensRequest,
         EmbeddingRequest,
+        ConversationCreateRequest,
+        ConversationUpdateRequest,
+        ConversationItemsRequest,
     )
 }
 
@@ -49,6 +61,7 @@ def build_app(
     serving: OpenAIServing,
     is_serving: Callable[[], bool],
     config: ServerConfig | None = None,
+    responses: ResponsesAPI | None = None,
 ) -> FastAPI:
     """Build the app around a ready engine.
 
@@ -56,6 +69,9 @@ def build_app(
         serving: the completion handlers (engine, tokenizer, model names).
         is_serving: False once the server is stopping; /health then answers 503.
         config: API key, CORS and body-size settings; None uses `ServerConfig`'s defaults.
+        responses: the Responses API over ``serving`` (the supervisor makes it, to run
+            its background responses); None: a new one (background responses are then
+            refused with a 503: nothing runs them).
     """
     config = config or ServerConfig()
     app = FastAPI(title="trio_llm", docs_url=None, redoc_url=None)
@@ -66,7 +82,14 @@ def build_app(
     _add_health(app, serving.engine, is_serving)
     _add_metrics(app, serving, config)
     _add_models(app, serving)
-    _add_body_routes(app, serving)
+    owners = {
+        "responses": responses or ResponsesAPI(serving),
+        "conversations": ConversationsAPI(serving),
+    }
+    _add_table_routes(app, serving, owners)
+    # Files and batches (issue 34): the routes, and the batch runner the supervisor starts.
+    install_file_routes(app, serving, config)
+    install_batch_routes(app, serving, config)
     install_chat_page(app)
     return app
 
@@ -147,25 +170,32 @@ def _add_models(app: FastAPI, serving: OpenAIServing) -> None:
         return JSONResponse(model_card(serving.resolve_model(model)))
 
 
-def _add_body_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    """The JSON body routes of `trio_llm.api.routes.ROUTES` (those with a handler).
+def _add_table_routes(app: FastAPI, serving: OpenAIServing, owners: dict[str, Any]) -> None:
+    """The routes of `trio_llm.api.routes.ROUTES` that have a handler: a method of
+    ``serving``, or ``owner.method`` of one of ``owners``.
 
-    The bodies are parsed by `serving.parse` (limits first, large ones off the event
-    loop), not by FastAPI; the OpenAPI document still describes them.
+    A body route without path parameters is parsed by `serving.parse` (limits first,
+    large ones off the event loop), not by FastAPI; the OpenAPI document still describes
+    every body.
     """
     body_models = []
     for route in ROUTES:
-        if route.handler is None or route.body is None:
+        if route.handler is None:
             continue
-        body_model = _BODY_MODELS[route.body]
+        owner_name, _, method = route.handler.rpartition(".")
+        handler = getattr(owners[owner_name] if owner_name else serving, method)
+        body_model = _BODY_MODELS[route.body] if route.body is not None else None
+        if body_model is not None:
+            body_models.append(body_model)
+        if body_model is not None and "{" not in route.path:
+            handler = _endpoint(serving, body_model, handler)
         app.add_api_route(
             route.path,
-            _endpoint(serving, body_model, getattr(serving, route.handler)),
+            handler,
             methods=[route.method],
-            openapi_extra=_json_body(body_model),
+            openapi_extra=None if body_model is None else _json_body(body_model),
             name=route.path.removeprefix("/v1/").replace("/", "_"),
         )
-        body_models.append(body_model)
     _document_bodies(app, tuple(body_models))
 
 

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trio_llm.api.routes import COUNTED_PATHS
+from trio_llm.api.routes import route_path
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.request_timing import RequestRecord
@@ -237,7 +237,8 @@ class HTTPRequestCounter:
     answered HTTP request by route and status class (``2xx``, ``4xx``, ...), as vLLM's
     ``http_requests_total`` does; a request whose client left before an answer is counted
     as ``499``'s class, ``4xx``. The ``endpoint`` is a path of `trio_llm.api.routes.ROUTES`
-    (``/v1/models/<name>`` counts as ``/v1/models``); any other path is ``other``, so
+    (a path with parameters by its template, ``/v1/responses/{response_id}``;
+    ``/v1/models/<name>`` counts as ``/v1/models``); any other path is ``other``, so
     clients cannot grow the number of series.
 
     Args:
@@ -273,7 +274,7 @@ class HTTPRequestCounter:
             await self.app(scope, receive, counting_send)
         finally:
             path = scope["path"]
-            endpoint = path if path in COUNTED_PATHS else "other"
+            endpoint = route_path(path) or "other"
             if path.startswith("/v1/models/"):
                 endpoint = "/v1/models"
             self.counter.labels(self.model_name, endpoint, f"{status // 100}xx").inc()

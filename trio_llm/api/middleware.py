@@ -23,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trio_llm.api.errors import APIError
-from trio_llm.api.routes import error_style
+from trio_llm.api.routes import OWN_BODY_LIMITS, error_style
 from trio_llm.server_config import ServerConfig
 
 #: Paths under this prefix need the API key when one is configured (as in vLLM).
@@ -151,7 +151,8 @@ class RequestBodyTooLarge(Exception):
 
 
 class BodySizeLimitMiddleware:
-    """Answer 413 to requests whose body is larger than ``max_bytes``.
+    """Answer 413 to requests whose body is larger than ``max_bytes`` (except on the
+    routes that limit their bodies themselves, `trio_llm.api.routes.OWN_BODY_LIMITS`).
 
     A ``Content-Length`` above the limit is refused before any of the body is read. A
     chunked body (or any other) is counted as it arrives: once it passes the limit,
@@ -183,7 +184,7 @@ class BodySizeLimitMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on with a counting ``receive``, or answer 413."""
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (scope["method"], scope["path"]) in OWN_BODY_LIMITS:
             await self.app(scope, receive, send)
             return
         length = _header(scope, b"content-length")

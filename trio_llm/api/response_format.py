@@ -176,6 +176,11 @@ class ResponseFormat:
         """The event that reports ``error`` in the middle of a stream."""
         return (None, error.body())
 
+    def final_body(self, event: Event) -> dict[str, Any] | None:
+        """The whole response an event carries when it ends the stream with it (the
+        Responses API's ``response.completed``), else None (here: none does)."""
+        return None
+
     def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any] | None:
         """The ``choices`` entry of the stream chunk that carries ``piece``, or None when
         there is nothing to send yet."""

@@ -25,9 +25,14 @@ Built-in tools that OpenAI runs itself (`trio_llm.api.responses_tools.HOSTED_TOO
 warning names them once per client connection). Fields that change nothing here
 (``reasoning`` on a model without reasoning, ``include``, ``prompt_cache_key``,
 ``client_metadata``, ``service_tier``, ``safety_identifier``, ``truncation``,
-``text.verbosity``, ``max_tool_calls``) are accepted and echoed. Nothing is stored:
-``store: true``, ``previous_response_id``, ``conversation`` and ``background`` are
-refused with a 400 naming the field, as are non-text inputs.
+``text.verbosity``, ``max_tool_calls``) are accepted and echoed. Non-text inputs and
+``prompt`` are refused with a 400 naming the field.
+
+Stored responses, ``previous_response_id``, ``conversation`` and ``background`` are
+`trio_llm.api.stored_responses`'s: it gives the request its earlier context
+(`ResponsesRequest.continue_from`) and says whether it is stored
+(`ResponsesRequest.stored`); the request reads its input as stored items
+(`trio_llm.api.response_items`), after that context.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt
 
 from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.errors import bad_request
+from trio_llm.api.errors import APIError, bad_request
 from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import INT32_MAX, FiniteFloat, Priority, Text, check_json_text
+from trio_llm.api.response_items import context_items, stored_items
 from trio_llm.api.responses_tools import OfferedTools, offer_tools
 from trio_llm.api.translated_request import ChatTranslated
 
@@ -98,8 +104,8 @@ class _ConnectionWarnings:
 _warnings = _ConnectionWarnings()
 
 
-#: Fields of a stateful or background response; refused unless absent, null or false.
-_STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
+#: Fields refused unless absent, null or false (prompt templates are OpenAI's own).
+_UNSUPPORTED = ("prompt",)
 
 #: A chat tool's place in an error (``tools[2].function.``).
 _CHAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\.")
@@ -132,6 +138,9 @@ class ResponsesRequest(ChatTranslated):
     parallel_tool_calls: StrictBool = True
     stream: StrictBool = False
     store: StrictBool | None = None
+    background: StrictBool | None = None
+    previous_response_id: Text | None = None
+    conversation: Text | dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     user: Text | None = None
     priority: Priority = 0
@@ -148,6 +157,56 @@ class ResponsesRequest(ChatTranslated):
 
     _connection: Any = PrivateAttr(default=None)
     _offered: OfferedTools | None = PrivateAttr(default=None)
+    _context: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _items: list[dict[str, Any]] | None = PrivateAttr(default=None)
+    _stored: bool = PrivateAttr(default=False)
+
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        """The input as stored items, each with an ``id`` (made once per request)."""
+        if self._items is None:
+            self._items = stored_items(self.input)
+        return self._items
+
+    @property
+    def context(self) -> list[dict[str, Any]]:
+        """The earlier items this request continues (`continue_from`), oldest first."""
+        return self._context
+
+    @property
+    def stored(self) -> bool:
+        """Whether the response is stored (``store`` as the server resolved it)."""
+        return self._stored
+
+    def continue_from(
+        self,
+        context: list[dict[str, Any]],
+        items: list[dict[str, Any]] | None = None,
+        *,
+        stored: bool,
+    ) -> None:
+        """Put ``context`` (stored items of a previous response or a conversation) before
+        the input, say whether the response is ``stored``, and take ``items`` (the input
+        as stored before) when running a stored request again."""
+        self._context = context
+        self._stored = stored
+        if items is not None:
+            self._items = items
+
+    @property
+    def conversation_id(self) -> str | None:
+        """The ``conversation`` field's id (a string, or ``{"id": ...}``), or None.
+
+        Raises:
+            APIError: 400 naming ``conversation`` for another shape.
+        """
+        given = self.conversation
+        if isinstance(given, dict):
+            given = given.get("id")
+            if not isinstance(given, str):
+                message = 'conversation must be an id or {"id": "conv_..."}'
+                raise bad_request(message, "conversation")
+        return given
 
     def bind_connection(self, client: Any) -> None:
         """Name the client connection the request came on (the ASGI ``client``,
@@ -166,20 +225,10 @@ class ResponsesRequest(ChatTranslated):
         return self._offered
 
     def _check_supported(self) -> None:
-        if self.store:
-            raise bad_request(
-                "store: true is not supported: this server keeps no responses (send "
-                "store: false, and the whole conversation as input)",
-                "store",
-            )
         extra = self.model_extra or {}
-        for name in _STATEFUL:
+        for name in _UNSUPPORTED:
             if extra.get(name) is not None and extra.get(name) is not False:
-                raise bad_request(
-                    f"`{name}` is not supported: this server keeps no responses or "
-                    "conversations (send the whole conversation as input)",
-                    name,
-                )
+                raise bad_request(f"`{name}` is not supported by this server", name)
         # Echoed in the response as given: they must be valid Unicode to the last key.
         echoed = {"metadata": self.metadata, "tools": self.tools, "text": self.text}
         echoed["tool_choice"] = self.tool_choice
@@ -190,12 +239,13 @@ class ResponsesRequest(ChatTranslated):
                 check_json_text(dumped, name)
         calls = any(
             isinstance(item, dict) and item.get("type") in ("function_call", "function_call_output")
-            for item in (self.input if isinstance(self.input, list) else ())
+            for item in (*self._context, *self.items)
         )
         if calls and not self.tools:
+            where = "input" if not self._context else "the input or the context it continues"
             raise bad_request(
-                "input with function_call or function_call_output items needs the tools the "
-                "calls used in `tools` (the chat template shows calls only with their tools)",
+                f"{where} has function_call or function_call_output items: send the tools "
+                "the calls used in `tools` (the chat template shows calls only with their tools)",
                 "tools",
             )
 
@@ -227,11 +277,10 @@ class ResponsesRequest(ChatTranslated):
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            messages.append({"role": "user", "content": self.input})
-        else:
-            for i, item in enumerate(self.input):
-                _add_item(messages, item, i, offered)
+        for k, item in enumerate(context_items(self._context)):
+            _add_item(messages, item, f"context item {k} ({item.get('id')})", offered)
+        for i, item in enumerate(self.items):
+            _add_item(messages, item, f"input[{i}]", offered)
         if not messages:
             raise bad_request("input must hold at least one message", "input")
         body: dict[str, Any] = {
@@ -328,13 +377,33 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def check_items(items: list[dict[str, Any]], param: str) -> None:
+    """Refuse an item the chat path could not read as a later response's context (the
+    checks of a request's input items; reasoning items are kept, and never shown to the
+    model), or text that is not valid Unicode.
+
+    Raises:
+        APIError: 400 naming ``param`` (the item's place in the message).
+    """
+    check_json_text(items, param)
+    messages: list[dict[str, Any]] = []
+    offered = offer_tools([])
+    for i, item in enumerate(items):
+        if item.get("type") == "reasoning":
+            continue
+        try:
+            _add_item(messages, item, f"{param}[{i}]", offered)
+        except APIError as exc:
+            exc.param = param
+            raise
+
+
 def _add_item(
-    messages: list[dict[str, Any]], item: dict[str, Any], i: int, offered: OfferedTools
+    messages: list[dict[str, Any]], item: dict[str, Any], where: str, offered: OfferedTools
 ) -> None:
-    """Append one input item to the chat ``messages`` (a function call joins the
-    assistant message before it, as a chat turn holds all its calls; a call of a
-    namespace's function gets the name the model knows it by)."""
-    where = f"input[{i}]"
+    """Append one input item (at ``where``, for errors) to the chat ``messages`` (a
+    function call joins the assistant message before it, as a chat turn holds all its
+    calls; a call of a namespace's function gets the name the model knows it by)."""
     kind = item.get("type", "message")
     if kind not in _ITEM_TYPES:
         raise bad_request(f"{where}: items of type {kind!r} are not supported", "input")

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from trio_llm.api.plan import Plan
 
 
+#: The stream events that end a response, each carrying the whole response object.
+FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
 class ResponsesFormat(BlockFormat):
     """Renders a chat response as a Responses API ``response`` (see the module doc).
 
@@ -105,6 +109,7 @@ class ResponsesFormat(BlockFormat):
         if finish_reason == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         reasoning = request.reasoning or ReasoningConfig()
+        conversation = request.conversation_id
         text: dict[str, Any] = {
             "format": (request.text.format if request.text else None) or {"type": "text"},
             "verbosity": (request.text.verbosity if request.text else None) or "medium",
@@ -114,8 +119,9 @@ class ResponsesFormat(BlockFormat):
             "object": "response",
             "created_at": plan.created or int(time.time()),
             "status": status,
-            "background": False,
+            "background": bool(request.background),
             "completed_at": int(time.time()) if status == "completed" else None,
+            "conversation": None if conversation is None else {"id": conversation},
             "error": None,
             "incomplete_details": incomplete,
             "instructions": request.instructions,
@@ -124,7 +130,7 @@ class ResponsesFormat(BlockFormat):
             "model": plan.model,
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": request.previous_response_id,
             "prompt_cache_key": request.prompt_cache_key,
             "prompt_cache_retention": request.prompt_cache_retention,
             "reasoning": {
@@ -133,7 +139,7 @@ class ResponsesFormat(BlockFormat):
             },
             "safety_identifier": request.safety_identifier,
             "service_tier": "default",
-            "store": False,
+            "store": request.stored,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": text,
             # OpenAI's default, echoed with or without tools.
@@ -264,15 +270,28 @@ class ResponsesFormat(BlockFormat):
     def stream_end(self, plan: Plan, choices: list[Choice], *, include_usage: bool) -> list[Event]:
         return []
 
+    def status_response(
+        self, plan: Plan, status: str, error: APIError | None = None
+    ) -> dict[str, Any]:
+        """The response object with no output yet (``queued``, ``in_progress``), or
+        ``failed`` with ``error`` (its ``code`` and ``message``)."""
+        response = self._response(plan, status, [])
+        if error is not None:
+            response["error"] = {"code": error.code, "message": error.message}
+        return response
+
     def stream_failed(self, plan: Plan, error: APIError) -> list[Event]:
         """The whole stream of a response that failed before any output: created,
         in progress, then ``response.failed`` with ``error`` (its ``code`` and
         ``message``): how OpenAI streams a context overflow, and where Codex looks for
         ``context_length_exceeded``."""
         events = self.stream_start(plan, [])
-        response = self._response(plan, "failed", [])
-        response["error"] = {"code": error.code, "message": error.message}
+        response = self.status_response(plan, "failed", error)
         return [*events, self._event("response.failed", response=response)]
+
+    def final_body(self, event: Event) -> dict[str, Any] | None:
+        name, data = event
+        return data["response"] if name in FINAL_EVENTS else None
 
     def stream_error(self, error: APIError) -> Event:
         return self._event("error", code=error.code, message=error.message, param=error.param)

@@ -8,6 +8,7 @@ middleware and the metrics can read it without importing the request models.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,15 +22,23 @@ class Route:
     """One HTTP route.
 
     Attributes:
-        method: ``GET`` or ``POST``.
-        path: the path (no path parameters).
-        handler: the `trio_llm.api.serving.OpenAIServing` method answering a JSON body
-            (the route is registered by `trio_llm.api.app.build_app` from this table);
-            None: the route is registered with its own code.
-        body: the class name of the request model the body is parsed as (with ``handler``).
+        method: ``GET``, ``POST`` or ``DELETE``.
+        path: the path; ``{name}`` is a path parameter (one segment).
+        handler: what answers the route, registered by `trio_llm.api.app.build_app` from
+            this table: a `trio_llm.api.serving.OpenAIServing` method, or
+            ``owner.method`` for another object of the app's (``responses``: the
+            `trio_llm.api.stored_responses.ResponsesAPI`; ``conversations``: the
+            `trio_llm.api.conversations.ConversationsAPI`). A route with a ``body``
+            and no path parameter is parsed first and its handler given the request
+            model and ``receive``; any other handler is given the request. None: the
+            route is registered with its own code.
+        body: the class name of the request model the body is parsed as (with ``handler``;
+            a route with path parameters parses it itself: the name documents it).
         errors: the error body of this route and of every path under it (Anthropic's also
             comes with a ``request-id`` header on every response).
         listed: named in the body of a 404 (the public API; docs/api.md has them all).
+        own_body_limit: the route limits its request body itself (an upload to
+            ``/v1/files``: ``--max-file-size``); ``--max-request-body-bytes`` does not apply.
     """
 
     method: str
@@ -38,12 +47,58 @@ class Route:
     body: str | None = None
     errors: ErrorStyle = "openai"
     listed: bool = False
+    own_body_limit: bool = False
 
 
 ROUTES = (
     Route("POST", "/v1/chat/completions", "respond", "ChatCompletionRequest", listed=True),
     Route("POST", "/v1/completions", "respond", "CompletionRequest", listed=True),
-    Route("POST", "/v1/responses", "respond_as", "ResponsesRequest", listed=True),
+    Route("POST", "/v1/responses", "responses.create", "ResponsesRequest", listed=True),
+    Route("GET", "/v1/responses/{response_id}", "responses.retrieve", listed=True),
+    Route("DELETE", "/v1/responses/{response_id}", "responses.delete", listed=True),
+    Route("GET", "/v1/responses/{response_id}/input_items", "responses.input_items", listed=True),
+    Route("POST", "/v1/responses/{response_id}/cancel", "responses.cancel", listed=True),
+    Route(
+        "POST",
+        "/v1/conversations",
+        "conversations.create",
+        "ConversationCreateRequest",
+        listed=True,
+    ),
+    Route("GET", "/v1/conversations/{conversation_id}", "conversations.retrieve", listed=True),
+    Route(
+        "POST",
+        "/v1/conversations/{conversation_id}",
+        "conversations.update",
+        "ConversationUpdateRequest",
+        listed=True,
+    ),
+    Route("DELETE", "/v1/conversations/{conversation_id}", "conversations.delete", listed=True),
+    Route(
+        "GET",
+        "/v1/conversations/{conversation_id}/items",
+        "conversations.list_items",
+        listed=True,
+    ),
+    Route(
+        "POST",
+        "/v1/conversations/{conversation_id}/items",
+        "conversations.add_items",
+        "ConversationItemsRequest",
+        listed=True,
+    ),
+    Route(
+        "GET",
+        "/v1/conversations/{conversation_id}/items/{item_id}",
+        "conversations.get_item",
+        listed=True,
+    ),
+    Route(
+        "DELETE",
+        "/v1/conversations/{conversation_id}/items/{item_id}",
+        "conversations.delete_item",
+        listed=True,
+    ),
     Route("POST", "/v1/messages", "respond_as", "MessagesRequest", "anthropic", listed=True),
     Route(
         "POST",
@@ -55,6 +110,11 @@ ROUTES = (
     ),
     Route("POST", "/v1/embeddings", "embed", "EmbeddingRequest", listed=True),
     Route("GET", "/v1/models", listed=True),
+    # Files and batches (issue 34); the paths under them are registered with these.
+    Route("POST", "/v1/files", listed=True, own_body_limit=True),
+    Route("GET", "/v1/files", listed=True),
+    Route("POST", "/v1/batches", listed=True),
+    Route("GET", "/v1/batches", listed=True),
     Route("POST", "/tokenize"),
     Route("POST", "/detokenize"),
     Route("GET", "/health"),
@@ -65,9 +125,39 @@ ROUTES = (
 LISTED_ENDPOINTS = tuple(f"{route.method} {route.path}" for route in ROUTES if route.listed)
 
 #: The paths counted by name in ``trio_llm:http_requests_total`` (every route of the
-#: table; any other path is counted as ``other``, so clients cannot grow the number of
-#: series).
+#: table, a path with parameters by its template; any other path is counted as
+#: ``other``, so clients cannot grow the number of series).
 COUNTED_PATHS = frozenset(route.path for route in ROUTES)
+
+#: The routes' paths with parameters, as patterns (``{name}``: one segment).
+_TEMPLATES = tuple(
+    (
+        re.compile(
+            "/".join(
+                "[^/]+" if part.startswith("{") else re.escape(part) for part in path.split("/")
+            )
+            + "$"
+        ),
+        path,
+    )
+    for path in sorted(COUNTED_PATHS)
+    if "{" in path
+)
+
+
+def route_path(path: str) -> str | None:
+    """The table's path ``path`` is (a template for a path with parameters:
+    ``/v1/responses/resp_1`` is ``/v1/responses/{response_id}``), or None."""
+    if path in COUNTED_PATHS:
+        return path
+    for pattern, template in _TEMPLATES:
+        if pattern.match(path):
+            return template
+    return None
+
+
+#: ``(method, path)`` of the routes that limit their request body themselves.
+OWN_BODY_LIMITS = frozenset((route.method, route.path) for route in ROUTES if route.own_body_limit)
 
 #: Paths whose requests (and every path under them) get Anthropic's error body.
 _ANTHROPIC_PATHS = tuple(route.path for route in ROUTES if route.errors == "anthropic")

@@ -1,8 +1,9 @@
 """The route handlers of the generating and embedding APIs: body, plan, admission, answer.
 
 `OpenAIServing` serves ``/v1/completions`` and ``/v1/chat/completions``, the routes
-translated into a chat completion (``/v1/messages`` and its ``count_tokens``,
-``/v1/responses``) and ``/v1/embeddings``. Every generating route walks one path: read
+translated into a chat completion (``/v1/messages`` and its ``count_tokens``;
+``/v1/responses`` through `trio_llm.api.stored_responses`, which plans with `plan_as` and
+runs with `run_plan`) and ``/v1/embeddings``. Every generating route walks one path: read
 and validate the body (`parse`), build the request's `Plan` (`plan`, with the `Planner`
 of `trio_llm.api.plan`: one engine request per choice, every prompt of a batch times
 ``n``), reserve places in the waiting line (`admit`), then either collect every choice
@@ -14,7 +15,6 @@ proper HTTP error. The embeddings route takes its pieces from `trio_llm.api.embe
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from functools import partial
@@ -31,7 +31,7 @@ from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
 from trio_llm.api.anthropic_format import MessagesFormat
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
-from trio_llm.api.disconnect import Emit, EventStreamResponse, run_while_connected
+from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
 from trio_llm.api.embeddings import (
     EmbeddingRequest,
     collect_embeddings,
@@ -48,9 +48,9 @@ from trio_llm.api.response_format import Plan
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.responses_format import ResponsesFormat
 from trio_llm.api.run_choices import run_choices, run_connected
-from trio_llm.api.streaming import Stream
+from trio_llm.api.streaming import Finish, Stream
 from trio_llm.api.translated_request import ChatTranslated
-from trio_llm.errors import CONTEXT_LENGTH_EXCEEDED, EngineError, InvalidRequest
+from trio_llm.errors import EngineError, InvalidRequest
 from trio_llm.frontend.engine_client import Admission
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.handle import EngineHandle
@@ -211,7 +211,7 @@ class OpenAIServing:
         plan = await run_while_connected(receive, partial(self.plan, request))
         if plan is None:  # the client left while the request was checked
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return await self._respond(plan, request, receive)
+        return await self.run_plan(plan, request, receive)
 
     async def plan(
         self,
@@ -266,12 +266,26 @@ class OpenAIServing:
         body = await embeddings_body(model, vectors, request, sum(plan.prompt_lengths))
         return Response(body, media_type="application/json")
 
-    async def respond_as(
-        self, request: MessagesRequest | ResponsesRequest, receive: Receive
-    ) -> Response:
-        """Handle ``POST /v1/messages`` (Anthropic) and ``POST /v1/responses`` (OpenAI):
-        the request is translated into a chat completion and runs that one path; only
-        the output format differs."""
+    async def respond_as(self, request: MessagesRequest, receive: Receive) -> Response:
+        """Handle ``POST /v1/messages`` (Anthropic): the request is translated into a chat
+        completion and runs that one path; only the output format differs. (``POST
+        /v1/responses`` is `trio_llm.api.stored_responses.ResponsesAPI.create`'s.)"""
+        planned = await self.plan_as(request, receive)
+        if planned is None:  # the client left while the request was checked
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        chat, plan = planned
+        return await self.run_plan(plan, chat, receive)
+
+    async def plan_as(
+        self, request: MessagesRequest | ResponsesRequest, receive: Receive | None
+    ) -> tuple[ChatCompletionRequest, Plan] | None:
+        """The chat request a translated request asks for and its `Plan`; None if the
+        client left (``receive``) while it was checked. Without ``receive`` (a background
+        response) the checks run to their end.
+
+        Raises:
+            APIError: as `plan`, naming the translated request's own fields.
+        """
         to_chat: Callable[[], ChatCompletionRequest] = request.to_chat
         if isinstance(request, MessagesRequest):
             make_format: Callable[..., ChatFormat] = MessagesFormat
@@ -280,35 +294,8 @@ class OpenAIServing:
         else:
             make_format = partial(ResponsesFormat, request=request)
             endpoint = "/v1/responses"
-        try:
-            planned = await run_while_connected(
-                receive,
-                partial(self._plan_translated, request, make_format, endpoint, to_chat),
-            )
-        except APIError as exc:
-            streamed_response = isinstance(request, ResponsesRequest) and request.stream
-            if streamed_response and exc.code == CONTEXT_LENGTH_EXCEEDED:
-                return self._failed_response_stream(request, exc)
-            raise
-        if planned is None:  # the client left while the request was checked
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        chat, plan = planned
-        return await self._respond(plan, chat, receive)
-
-    def _failed_response_stream(self, request: ResponsesRequest, error: APIError) -> Response:
-        """A streamed Responses request whose prompt does not fit: OpenAI's stream of a
-        failed response (``response.failed`` carrying ``context_length_exceeded``), which
-        Codex reads as a full context window; other clients see the same error there."""
-        response_format = ResponsesFormat(self.tokenizer, request=request)
-        plan = Plan(response_format, self.resolve_model(request.model))
-        plan.response_id = response_format.new_id()
-        plan.created = int(time.time())
-
-        async def produce(emit: Emit) -> None:
-            for name, data in response_format.stream_failed(plan, error):
-                await emit(json.dumps(data, ensure_ascii=False), name)
-
-        return EventStreamResponse(produce)
+        work = partial(self._plan_translated, request, make_format, endpoint, to_chat)
+        return await (work() if receive is None else run_while_connected(receive, work))
 
     async def _plan_translated(
         self,
@@ -375,8 +362,9 @@ class OpenAIServing:
             admission = self.engine.admit(len(plan.requests), limit)
         except EngineError as exc:
             raise engine_error(exc) from exc
-        plan.response_id = plan.format.new_id()
-        plan.created = int(time.time())
+        if not plan.response_id:  # a background response has its id from the start
+            plan.response_id = plan.format.new_id()
+            plan.created = int(time.time())
         return admission
 
     def make_choices(self, plan: Plan) -> list[Choice]:
@@ -386,11 +374,25 @@ class OpenAIServing:
             for i, (ids, params) in enumerate(plan.requests)
         ]
 
-    async def _respond(self, plan: Plan, request: GenerationRequest, receive: Receive) -> Response:
+    async def run_plan(
+        self,
+        plan: Plan,
+        request: GenerationRequest,
+        receive: Receive,
+        finish: Finish | None = None,
+    ) -> Response:
+        """Admit and run ``plan``: one JSON body, or server-sent events with ``stream``.
+        ``finish`` gets the whole response before it is sent (a stored response is
+        written there: `trio_llm.api.stored_responses`); an `APIError` it raises is the
+        answer (or the stream's error event) instead.
+
+        Raises:
+            APIError: the request was refused (`admit`) or the engine failed it.
+        """
         admission = self.admit(plan)
         choices = self.make_choices(plan)
         if request.stream:
-            stream = Stream(self.engine, plan, choices, admission)
+            stream = Stream(self.engine, plan, choices, admission, finish)
             return EventStreamResponse(
                 lambda emit: stream.run(emit, include_usage=request.include_usage)
             )
@@ -399,4 +401,6 @@ class OpenAIServing:
         if not await run_connected(self.engine, receive, admission, collect, plan.structured_param):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         body = plan.format.response(plan, choices)
+        if finish is not None:
+            await finish(body)
         return JSONResponse(body)

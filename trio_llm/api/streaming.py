@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -35,6 +37,9 @@ from trio_llm.text.choice import Choice, ChoiceDelta
 
 logger = logging.getLogger(__name__)
 
+#: Given a whole response before it is sent (`Stream.finish`, `OpenAIServing.run_plan`).
+Finish = Callable[[dict[str, Any]], Awaitable[None]]
+
 #: Seconds of silence after which a stream sends its format's keep-alive event.
 KEEPALIVE_SECONDS = 15.0
 
@@ -48,12 +53,17 @@ class Stream:
         plan: the response's `Plan`.
         choices: one `Choice` per engine request of the plan.
         admission: places reserved in the waiting line; released when the stream ends.
+        finish: given the whole response before the event that ends the stream with it
+            goes out (`ResponseFormat.final_body`: a stored response is written first);
+            an `APIError` it raises is sent in that event's place, as the stream's error
+            event.
     """
 
     engine: EngineHandle
     plan: Plan
     choices: list[Choice]
     admission: Admission
+    finish: Finish | None = None
     _lock: trio.Lock = field(default_factory=trio.Lock, init=False)
     _emit: Emit | None = field(default=None, init=False)
     _started: bool = field(default=False, init=False)
@@ -69,9 +79,24 @@ class Stream:
         assert self._emit is not None
         async with self._lock:  # choices stream concurrently; events must not interleave
             for name, data in events:
+                if self.finish is not None:
+                    name, data = await self._finished((name, data))
                 text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
                 await self._emit(text, name)
                 self._last_sent = trio.current_time()
+
+    async def _finished(self, event: Event) -> Event:
+        """``event``, after `finish` had the whole response it carries (if it ends the
+        stream with one); the error event in its place when `finish` refused."""
+        assert self.finish is not None
+        body = self.plan.format.final_body(event)
+        if body is None:
+            return event
+        try:
+            await self.finish(body)
+        except APIError as exc:
+            return self.plan.format.stream_error(exc)
+        return event
 
     async def _keep_alive(self, event: Event) -> None:
         """Send ``event`` whenever the stream has been silent for `KEEPALIVE_SECONDS`

@@ -50,9 +50,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trio_llm.config import SchedulerConfig
+from trio_llm.engine.batch_lane import BatchLaneThrottle
 from trio_llm.engine.block_manager import BlockManager, PrefixHit
 from trio_llm.engine.request import Request, RequestStatus
 from trio_llm.engine.request_queue import Rank, RequestQueue
@@ -71,6 +73,21 @@ class _Step:
     budget: int
     num_long: int = 0
     admitting: bool = True
+    #: Tokens the batch lane may still compute in this step (`BatchLaneThrottle`).
+    batch_budget: int | None = None
+
+    def cap(self, request: Request, num_new: int) -> int:
+        """``num_new`` within what the batch lane may still take (for its requests)."""
+        if request.batch and self.batch_budget is not None:
+            return min(num_new, self.batch_budget)
+        return num_new
+
+    def take(self, request: Request, num_new: int, long: bool) -> None:
+        """Count ``num_new`` scheduled tokens of ``request`` against the budgets."""
+        self.budget -= num_new
+        self.num_long += long
+        if request.batch and self.batch_budget is not None:
+            self.batch_budget -= num_new
 
 
 class Scheduler:
@@ -84,6 +101,7 @@ class Scheduler:
         eos_token_ids: ids that finish a request unless ``ignore_eos``.
         long_prefill_token_threshold: tokens (0: off); see the module docstring. The
             engine resolves `SchedulerConfig.long_prefill_token_threshold` for its device.
+        clock: monotonic seconds, for the batch lane's throttle (`BatchLaneThrottle`).
     """
 
     def __init__(
@@ -93,8 +111,11 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         long_prefill_token_threshold: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        #: The batch lane's share of each step while interactive requests are served.
+        self.throttle = BatchLaneThrottle(config.batch_lane_slots, clock)
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -195,6 +216,10 @@ class Scheduler:
         batch = ScheduledBatch()
         self._share_slots(batch)
         step = _Step(self.config.max_num_batched_tokens)
+        step.batch_budget = self.throttle.budget(
+            interactive_waiting=any(not r.batch and not r.waits_for_grammar for r in self.waiting),
+            interactive_running=any(not r.batch for r in self.running),
+        )
         index = 0  # running[:index] had their turn
         while True:
             running = self.rank(self.running[index]) if index < len(self.running) else None
@@ -221,8 +246,9 @@ class Scheduler:
                 break
             num_uncomputed = request.num_uncomputed_tokens
             num_new, long = self._num_new_tokens(num_uncomputed, step.budget, step.num_long)
+            num_new = step.cap(request, num_new)
             if num_new == 0:
-                index += 1  # a long prefill waiting for its turn
+                index += 1  # a long prefill waiting for its turn, or the batch lane's
                 continue
             preempted_before = batch.num_preemptions
             fits = self._make_room(index, request.num_computed_tokens + num_new, batch)
@@ -232,8 +258,7 @@ class Scheduler:
                 continue  # the request itself was preempted; running[index] is the next one
             self.block_manager.allocate(request, request.num_computed_tokens + num_new)
             batch.add(request, num_new)
-            step.budget -= num_new
-            step.num_long += long
+            step.take(request, num_new, long)
             index += 1
         return index
 
@@ -254,6 +279,7 @@ class Scheduler:
             num_cached = hit.num_blocks * manager.block_size
             num_uncomputed = request.num_tokens - num_cached
             num_new, long = self._num_new_tokens(num_uncomputed, step.budget, step.num_long)
+            num_new = step.cap(request, num_new)
             if num_new == 0:
                 break
             if not manager.can_take(request, hit, num_cached + num_new):
@@ -262,8 +288,7 @@ class Scheduler:
                 break
             self._start(request, hit, num_cached, num_new)
             batch.add(request, num_new)
-            step.budget -= num_new
-            step.num_long += long
+            step.take(request, num_new, long)
             admitted += 1
         if self._first_ready_rank() == level or batch.num_preemptions > preempted_before:
             step.admitting = False  # worse-ranked requests do not go ahead of it

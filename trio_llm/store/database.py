@@ -12,7 +12,12 @@ placeholders and the subset both dialects share (``ON CONFLICT ... DO NOTHING``,
 
 The database's own failures become `StoreError`s that say what the client can do: a
 database locked by another writer beyond the busy timeout, a lost connection or a full
-disk is `StoreUnavailable` (the API answers 503), never a crash of the server.
+disk is `StoreUnavailable` (the API answers 503, 507 for the full disk), never a crash of
+the server. On PostgreSQL every transaction waits at most `POSTGRES_LOCK_TIMEOUT` for a
+lock (``lock_timeout``) and runs each statement for at most `POSTGRES_STATEMENT_TIMEOUT`
+(``statement_timeout``), so a row or table held by another connection, or a server that
+stopped answering, is a `StoreUnavailable` in bounded time, not a request that hangs; a
+connection that failed is closed, not reused.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ T = TypeVar("T")
 
 #: Seconds a SQLite writer waits for another process's write lock before giving up.
 SQLITE_BUSY_TIMEOUT = 5.0
+
+#: Seconds a PostgreSQL statement waits for a lock another connection holds
+#: (``lock_timeout``), and the longest it may run (``statement_timeout``).
+POSTGRES_LOCK_TIMEOUT = 5.0
+POSTGRES_STATEMENT_TIMEOUT = 30.0
+
+#: Seconds to wait for a PostgreSQL server to accept a connection.
+POSTGRES_CONNECT_TIMEOUT = 10
 
 Dialect = Literal["sqlite", "postgresql"]
 
@@ -62,7 +75,8 @@ class Transaction:
 
     Args:
         cursor: the DB-API cursor of the connection.
-        dialect: which database the SQL runs on (``?`` becomes ``%s`` for PostgreSQL).
+        dialect: which database the SQL runs on (for PostgreSQL ``?`` becomes ``%s``, and
+            a literal ``%`` is escaped for psycopg's placeholder syntax).
     """
 
     def __init__(self, cursor: Any, dialect: Dialect) -> None:
@@ -85,7 +99,9 @@ class Transaction:
         return self._cursor.fetchone()
 
     def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s") if self.dialect == "postgresql" else sql
+        if self.dialect == "postgresql":
+            return sql.replace("%", "%%").replace("?", "%s")
+        return sql
 
 
 class Database:
@@ -138,7 +154,7 @@ class Database:
         with self._connection() as connection:
             cursor = connection.cursor()
             try:
-                cursor.execute("BEGIN IMMEDIATE" if self.dialect == "sqlite" else "BEGIN")
+                cursor.execute(_begin(self.dialect))
                 result = work(Transaction(cursor, self.dialect))
                 cursor.execute("COMMIT")
                 return result
@@ -162,23 +178,46 @@ class Database:
             if self._closed:
                 raise StoreError("the store is closed")
             connection = self._idle.pop() if self._idle else None
-        broken = False
         try:
             with _database_errors(self.dialect):
                 if connection is None:
                     connection = self._connect()
                 yield connection
-        except StoreUnavailable:
-            broken = self.dialect == "postgresql"
-            raise
         finally:
             if connection is not None:
                 with self._lock:
-                    keep = not broken and not self._closed
+                    keep = not self._closed and _reusable(connection, self.dialect)
                     if keep:
                         self._idle.append(connection)
                 if not keep:
                     connection.close()
+
+
+def _begin(dialect: Dialect) -> str:
+    """The statement that opens a transaction: SQLite's takes the write lock at once (no
+    deadlock between two readers that both write later); PostgreSQL's sets the
+    transaction's lock and statement timeouts (in one round trip)."""
+    if dialect == "sqlite":
+        return "BEGIN IMMEDIATE"
+    lock_ms = round(POSTGRES_LOCK_TIMEOUT * 1000)
+    statement_ms = round(POSTGRES_STATEMENT_TIMEOUT * 1000)
+    return (
+        f"BEGIN; SET LOCAL lock_timeout = {lock_ms}; SET LOCAL statement_timeout = {statement_ms}"
+    )
+
+
+def _reusable(connection: Any, dialect: Dialect) -> bool:
+    """Whether a connection may serve the next transaction: a PostgreSQL connection that
+    is closed, broken or still inside a transaction (its rollback failed) is not."""
+    if dialect == "sqlite":
+        return True
+    from psycopg.pq import TransactionStatus
+
+    return (
+        not connection.closed
+        and not connection.broken
+        and connection.info.transaction_status == TransactionStatus.IDLE
+    )
 
 
 def _rollback(cursor: Any) -> None:
@@ -213,12 +252,18 @@ def _is_postgres_error(exc: Exception) -> bool:
 
 
 def _postgres_error(exc: Exception) -> StoreError:
-    import psycopg
+    """A psycopg error as a `StoreError`: a full disk, a lock or statement timeout, a
+    deadlock, a lost or refused connection (PostgreSQL's "operational" errors) are
+    `StoreUnavailable`; anything else (a bad statement, a broken constraint) is not."""
+    from psycopg import OperationalError, errors
 
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, psycopg.errors.DiskFull):
+    if isinstance(exc, errors.DiskFull):
         return StoreUnavailable(f"the store cannot write: {text}", full=True)
-    if isinstance(exc, (psycopg.OperationalError, psycopg.errors.LockNotAvailable)):
+    busy = (errors.LockNotAvailable, errors.QueryCanceled, errors.TransactionRollback)
+    if isinstance(exc, busy):
+        return StoreUnavailable(f"the store is busy: {text}")
+    if isinstance(exc, OperationalError):
         return StoreUnavailable(f"the store is unavailable: {text}")
     return StoreError(f"store error: {text}")
 
@@ -296,7 +341,7 @@ def _open_postgres(url: str, cache_dir: Path) -> Database:
         ) from None
 
     def connect() -> Any:
-        return psycopg.connect(url, connect_timeout=10, autocommit=True)
+        return psycopg.connect(url, connect_timeout=POSTGRES_CONNECT_TIMEOUT, autocommit=True)
 
     with _database_errors("postgresql"):
         connect().close()

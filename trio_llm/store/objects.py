@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -43,6 +44,13 @@ class Evicted(NotFound):
 def new_id(prefix: str) -> str:
     """A new object id: ``prefix`` and 32 hex digits (``resp_...``, ``file-...``)."""
     return f"{prefix}{uuid.uuid4().hex}"
+
+
+def new_ordered_id(prefix: str) -> str:
+    """A new object id whose 32 hex digits sort in creation order (the time in
+    nanoseconds, then 64 random bits): a list ordered by ``(created_at, id)`` keeps the
+    order objects were made in within a second."""
+    return f"{prefix}{time.time_ns():016x}{secrets.token_hex(8)}"
 
 
 def now() -> int:

@@ -1,0 +1,27 @@
+"""test_batches_api's tests of files and batches, run again with the server's store on
+PostgreSQL: results equal to the online answers with an error file, and a cancel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.test_batches_api import (  # noqa: F401 (fixtures and tests run here too)
+    batch_server,
+    client,
+    test_a_cancelled_batch_stops_and_keeps_each_finished_line_once,
+    test_batch_results_equal_the_online_answers_and_bad_lines_go_to_the_error_file,
+    test_files_upload_list_retrieve_download_delete,
+)
+from tests.support.postgres import PostgresServer
+
+pytest.importorskip("psycopg")
+
+
+@pytest.fixture(scope="module")
+def batch_store_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A fresh PostgreSQL database for the module's server."""
+    url = postgres_server.create_database()
+    yield url
+    postgres_server.drop_database(url)

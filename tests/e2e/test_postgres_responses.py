@@ -1,0 +1,30 @@
+"""test_stored_responses' tests of the Responses API's stored side, run again with the
+server's store on PostgreSQL (replicas behind a router share one): a continuation, a
+deleted response, a background response, a conversation, and a restart."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.test_stored_responses import (  # noqa: F401 (fixtures and tests run here too)
+    client,
+    first_server,
+    test_a_background_response_is_polled_until_completed,
+    test_a_continuation_says_what_the_whole_conversation_says,
+    test_a_conversation_is_the_context_and_keeps_the_turns,
+    test_a_deleted_response_is_not_found,
+    test_stored_responses_survive_a_restart,
+)
+from tests.support.postgres import PostgresServer
+
+pytest.importorskip("psycopg")
+
+
+@pytest.fixture(scope="module")
+def store_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A fresh PostgreSQL database for the module's servers (the restart uses it again)."""
+    url = postgres_server.create_database()
+    yield url
+    postgres_server.drop_database(url)
