@@ -29,7 +29,13 @@ from trio_llm.logging_setup import (
     resolve_log_level,
 )
 from trio_llm.serve_flags import FIELD_DEFAULT, SERVE_FLAGS, Flag
-from trio_llm.server_config import RequestLimits, RestartPolicy, ServerConfig, StoreConfig
+from trio_llm.server_config import (
+    ModelsConfig,
+    RequestLimits,
+    RestartPolicy,
+    ServerConfig,
+    StoreConfig,
+)
 
 #: Annotations of the fields whose flag parses with ``int`` when the `Flag` names no type.
 _INT_TYPES = ("int", "int | None")
@@ -57,7 +63,7 @@ def _argument(spec: dataclasses.Field[Any], flag: Flag) -> dict[str, Any]:
         kwargs["action"] = "store_true" if not default else argparse.BooleanOptionalAction
         return kwargs
     kwargs["type"] = flag.type or (int if spec.type in _INT_TYPES else None)
-    for key in ("metavar", "nargs"):
+    for key in ("metavar", "nargs", "action"):
         if getattr(flag, key) is not None:
             kwargs[key] = getattr(flag, key)
     if spec.metadata.get("choices") is not None:
@@ -149,7 +155,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         return dataclass_values(args, cls, SERVE_FLAGS[cls])
 
     # The engine's fields first: their errors come before the server's (as they always did).
-    model = values(ModelConfig) | {"model": args.model or args.model_tag or DEFAULT_MODEL}
+    models = _models(args)
+    model = values(ModelConfig) | {"model": models.default}
     engine = engine_config(
         **model,
         **values(CacheConfig),
@@ -162,8 +169,51 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         restart=RestartPolicy(**values(RestartPolicy)),
         limits=RequestLimits(**values(RequestLimits)),
         store=StoreConfig(**values(StoreConfig)),
-        **values(ServerConfig),
+        models=ModelsConfig(flagged=models.flagged, **values(ModelsConfig)),
+        **values(ServerConfig) | {"served_model_names": models.default_names},
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Models:
+    """What ``--model``, ``--served-model-name`` and ``--models-dir`` say: the default
+    model and its names, and every ``--model`` with its names."""
+
+    default: str
+    default_names: tuple[str, ...]
+    flagged: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def _models(args: argparse.Namespace) -> _Models:
+    """The models of ``args`` (`trio_llm.model_catalog`): the i-th ``--served-model-name``
+    group names the i-th ``--model``; with ``--models-dir`` and no ``--model`` the
+    folder's first model is the default.
+
+    Raises:
+        ValueError: more name groups than models, a name given twice, a models folder
+            that is not one or holds no model.
+    """
+    from pathlib import Path
+
+    from trio_llm.model_catalog import Catalog, flagged_entries
+
+    groups = [tuple(group) for group in args.served_model_name or []]
+    models = list(args.model or [])
+    if args.model_tag is not None and not models:
+        models = [args.model_tag]
+    folder = getattr(args, "models_dir", None)
+    if not models and folder is None:
+        models = [DEFAULT_MODEL]
+    entries = flagged_entries(models, groups)
+    try:
+        catalog = Catalog(entries, Path(folder).expanduser() if folder is not None else None)
+    except NotADirectoryError as exc:
+        raise ValueError(str(exc)) from None
+    default = catalog.default
+    groups += [()] * (len(models) - len(groups))  # a model without names: its string
+    if not entries:  # the folder's first model
+        return _Models(default.model, default.names, ())
+    return _Models(default.model, groups[0], tuple(zip(models, groups, strict=True)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         # Fail in a second, not after the model has loaded.
-        locate_model(config.engine.model.model)
+        for model in [model for model, _ in config.models.flagged] or [config.engine.model.model]:
+            locate_model(model)
         check_bindable(config.host, config.port)
     except (ModelNotFoundError, OSError) as exc:
         print(f"trio-llm: error: {exc}", file=sys.stderr, flush=True)
@@ -225,7 +276,8 @@ def _run_batch(config: ServerConfig, input_file: str, output_file: str) -> int:
 
     try:
         source, target = check_paths(input_file, output_file)
-        locate_model(config.engine.model.model)
+        for model in [model for model, _ in config.models.flagged] or [config.engine.model.model]:
+            locate_model(model)
         summary = trio.run(run_batch, config, source, target)
     except (RunBatchError, ModelNotFoundError) as exc:
         print(f"trio-llm: error: {exc}", file=sys.stderr, flush=True)

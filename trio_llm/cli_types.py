@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any
 
-from trio_llm.server_config import MAX_STREAM_INTERVAL
+from trio_llm.server_config import MAX_STREAM_INTERVAL, keep_alive_seconds
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -141,3 +141,12 @@ def parse_duration(text: str) -> float | None:
 def parse_size_or_none(text: str) -> int | None:
     """As `parse_bytes`; ``"0"`` or ``"none"`` -> None (no limit)."""
     return None if text.strip().lower() in ("0", "none") else parse_bytes(text)
+
+
+def parse_keep_alive(text: str) -> float | None:
+    """``--keep-alive``: seconds (`trio_llm.server_config.keep_alive_seconds`); None:
+    forever."""
+    try:
+        return keep_alive_seconds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

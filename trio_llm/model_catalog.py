@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trio_llm.server_config import ServerConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -175,3 +177,20 @@ def flagged_entries(
         kind = _kind_of(Path(model).expanduser()) or "named"
         entries.append(CatalogEntry(tuple(dict.fromkeys(names)), model, "flag", kind))
     return entries
+
+
+def catalog_of(config: ServerConfig) -> Catalog:
+    """The catalog of a server's configuration: its ``--model`` flags (or its one model)
+    and its ``--models-dir``.
+
+    Raises:
+        ValueError: as `Catalog`.
+        NotADirectoryError: as `Catalog`.
+    """
+    models = config.models
+    folder = Path(models.models_dir).expanduser() if models.models_dir is not None else None
+    flagged = list(models.flagged)
+    if not flagged and folder is None:
+        flagged = [(config.engine.model.model, config.model_names())]
+    entries = flagged_entries([model for model, _ in flagged], [names for _, names in flagged])
+    return Catalog(entries, folder)

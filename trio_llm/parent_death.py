@@ -58,6 +58,8 @@ def start_child(prog: str, *fd_options: str) -> argparse.Namespace:
     parser.add_argument("--parent-pid", type=int, required=True)
     # Only shown by ps: which of the server's data-parallel engines this child serves.
     parser.add_argument("--data-parallel-rank", type=int, default=None)
+    # Likewise: which model, on a server of several models.
+    parser.add_argument("--served-model-name", default=None)
     args = parser.parse_args()
     guard_child(args.parent_pid)
     configure_logging()

@@ -23,15 +23,12 @@ import trio
 from trio_llm.api.app import build_app
 from trio_llm.api.batch_lines import InputLines, check_input, parse_line
 from trio_llm.api.line_runner import LineRunner, api_key_headers, run_line
+from trio_llm.api.model_router import RouterEngines
+from trio_llm.model_catalog import catalog_of
+from trio_llm.model_pool import ModelPool
 from trio_llm.server_config import ServerConfig
 from trio_llm.store.batches import ENDPOINTS
-from trio_llm.supervisor import (
-    Lifecycle,
-    engines_ready,
-    open_server_store,
-    open_serving,
-    supervise_engines,
-)
+from trio_llm.supervisor import Lifecycle, open_server_store
 
 logger = logging.getLogger(__name__)
 
@@ -131,18 +128,19 @@ async def run_batch(config: ServerConfig, source: Path, target: Path) -> Summary
     store = await open_server_store(config)
     try:
         async with trio.open_nursery() as nursery:
-            engine = await nursery.start(supervise_engines, config, Lifecycle())
-            engines_ready(engine, config)
-            serving = await open_serving(engine, config)
-            serving.store = store
-            app = build_app(serving, lambda: True, config)
+            # The server's models (each line's ``model`` chooses; the default model
+            # loaded first), with no port.
+            pool = ModelPool(config, catalog_of(config), Lifecycle())
+            pool.store = store
+            await nursery.start(pool.run)
+            app = build_app(pool, lambda: True, config)
             headers = api_key_headers(config.api_key)
-            lines = LineRunner(app, engine, headers, config.max_num_waiting_requests)
+            lines = LineRunner(app, RouterEngines(pool), headers, config.max_num_waiting_requests)
             limit = config.store.batch_max_in_flight or (
                 config.engine.scheduler.max_num_seqs * config.data_parallel_size
             )
             summary = await _run_lines(lines, source, target, limit)
-            await engine.stop(config.shutdown_timeout)
+            await pool.stop(config.shutdown_timeout)
     finally:
         if store is not None:
             store.close()

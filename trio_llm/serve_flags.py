@@ -28,6 +28,7 @@ from trio_llm.config import (
 )
 from trio_llm.server_config import (
     API_KEY_ENV,
+    ModelsConfig,
     RequestLimits,
     RestartPolicy,
     ServerConfig,
@@ -55,6 +56,8 @@ class Flag:
         default: the value when the flag is absent; `FIELD_DEFAULT`: the field's.
         convert: the parsed value -> the field's value; None: the parsed value.
         exclusive: the name of a group of flags of which at most one may be given.
+        action: argparse's ``action`` (``"append"``: the flag may be given several times,
+            its values gathered in a list).
     """
 
     help: str | None = None
@@ -66,6 +69,7 @@ class Flag:
     default: Any = FIELD_DEFAULT
     convert: Callable[[Any], Any] | None = None
     exclusive: str | None = None
+    action: str | None = None
 
 
 def _env_api_key(value: str | None) -> str | None:
@@ -96,7 +100,10 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
         "model": Flag(
             default=None,
             help=f"local HF folder, .gguf file, {DEFAULT_MODEL} (default) or "
-            f"{GEMMA3_270M_MODEL} (make gemma3)",
+            f"{GEMMA3_270M_MODEL} (make gemma3); give it several times to serve several "
+            "models (the first is the default, loaded at start-up; the others load on "
+            "their first request)",
+            action="append",
         ),
         "dtype": Flag("auto = bfloat16 on CUDA or a CPU with native bf16, else float32"),
         "device": Flag("where the model runs"),
@@ -185,7 +192,11 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
     },
     ServerConfig: {
         "served_model_names": Flag(
-            "name(s) clients use in `model`", name="--served-model-name", nargs="+"
+            "name(s) clients use in `model`; with several --model flags, the i-th "
+            "--served-model-name names the i-th --model",
+            name="--served-model-name",
+            nargs="+",
+            action="append",
         ),
         "host": Flag(),
         "port": Flag("0 picks a free port", type=parse.parse_port),
@@ -346,6 +357,28 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             "longest stop string, in characters (default %(default)s)",
             type=parse.parse_positive_int,
             metavar="CHARS",
+        ),
+    },
+    ModelsConfig: {
+        "models_dir": Flag(
+            "serve every model in this folder too: each .gguf file, Hugging Face folder "
+            "and sentence-transformers folder, named after the file or folder (found at "
+            "start-up and on POST /models/reload; loaded on its first request)",
+            metavar="DIR",
+        ),
+        "max_loaded_models": Flag(
+            "most models loaded at once: loading one more first unloads the least "
+            "recently used idle one (0: no limit, the default)",
+            type=parse.parse_non_negative_int,
+            metavar="N",
+            convert=_zero_is_none,
+        ),
+        "keep_alive": Flag(
+            "how long an idle model stays loaded (Ollama's keep_alive: 5m, 30s, 1h; 0: "
+            "unloaded when its last request ends; -1 or forever: until unloaded, the "
+            "default); a request's keep_alive field changes it for its model",
+            type=parse.parse_keep_alive,
+            metavar="DURATION",
         ),
     },
     StoreConfig: {

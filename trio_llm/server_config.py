@@ -7,7 +7,9 @@ the request-level options (CORS, API key, tool and reasoning parsers).
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,78 @@ class StoreConfig(CheckedFields):
         return self.url
 
 
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def keep_alive_seconds(value: object) -> float | None:
+    """Ollama's ``keep_alive`` in seconds: a number of seconds, or a duration (``"5m"``,
+    ``"30s"``, ``"1h30m"``, ``"300"``); a negative one or ``"forever"`` -> None (never
+    unloaded); 0: unloaded once its last request ends.
+
+    Raises:
+        ValueError: anything else (the message says what is accepted).
+    """
+    problem = (
+        f"keep_alive must be a number of seconds or a duration like 5m, 30s or 1h30m "
+        f"(negative or 'forever': never unloaded), not {value!r}"
+    )
+    if isinstance(value, bool):
+        raise ValueError(problem)
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("-")
+        if text == "forever":
+            return None
+        if re.fullmatch(r"\d+(?:\.\d+)?", body):
+            seconds = sign * float(body)
+        elif body and _DURATION_PART.sub("", body) == "":
+            total = sum(
+                float(number) * _DURATION_UNITS[unit]
+                for number, unit in _DURATION_PART.findall(body)
+            )
+            seconds = sign * total
+        else:
+            raise ValueError(problem)
+    else:
+        raise ValueError(problem)
+    if not math.isfinite(seconds):
+        raise ValueError(problem)
+    return None if seconds < 0 else seconds
+
+
+@dataclass(frozen=True)
+class ModelsConfig(CheckedFields):
+    """The models of a server of several (``--model`` more than once, ``--models-dir``):
+    which, how many loaded at once, and how long an idle one stays loaded.
+
+    Attributes:
+        flagged: every ``--model`` flag in order, each with its ``--served-model-name``
+            names (empty: the model string); the first is the default model (the
+            `ServerConfig`'s ``engine.model.model``). Empty: the one model of ``engine``
+            (and, with ``models_dir``, the folder's models, the first of them the default).
+        models_dir: a folder whose GGUF files, Hugging Face and sentence-transformers
+            folders are served too (found at start-up and on ``POST /models/reload``).
+        max_loaded_models: most models loaded at once; loading one more first unloads the
+            least recently used idle one. None: no limit.
+        keep_alive: seconds an idle model stays loaded (Ollama's ``keep_alive``; 0: it is
+            unloaded when its last request ends); None: until unloaded (the default).
+    """
+
+    flagged: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    models_dir: str | None = None
+    max_loaded_models: int | None = setting(None, range=Range(1), none_means="no limit")
+    keep_alive: float | None = setting(None, range=Range(0), none_means="forever")
+
+    @property
+    def several(self) -> bool:
+        """Whether the server may serve more than one model."""
+        return len(self.flagged) > 1 or self.models_dir is not None
+
+
 @dataclass(frozen=True)
 class ServerConfig(CheckedFields):
     """The API server's own settings.
@@ -201,6 +275,8 @@ class ServerConfig(CheckedFields):
             cache (`trio_llm.frontend.data_parallel`): on CUDA one GPU each, on the CPU
             an equal share of the cores each unless ``engine.num_threads`` says otherwise.
         store: the database of stored responses, conversations, files and batches.
+        models: the models of a server of several (`ModelsConfig`); a server of one
+            leaves it at its default.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -238,6 +314,7 @@ class ServerConfig(CheckedFields):
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     data_parallel_size: int = setting(1, range=Range(1))
     store: StoreConfig = field(default_factory=StoreConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -282,6 +359,17 @@ class ServerConfig(CheckedFields):
     def model_names(self) -> tuple[str, ...]:
         """The served model names, defaulting to the ``--model`` string."""
         return self.served_model_names or (self.engine.model.model,)
+
+    def for_model(
+        self, model: str, names: tuple[str, ...], kv_cache_memory: int | None = None
+    ) -> ServerConfig:
+        """This config for another model of the server: ``engine.model.model`` and the
+        served names replaced, and with ``kv_cache_memory`` (bytes) that KV cache size
+        (unless ``--num-kv-blocks`` fixes the cache)."""
+        engine = replace(self.engine, model=replace(self.engine.model, model=model))
+        if kv_cache_memory is not None and engine.cache.num_kv_blocks is None:
+            engine = replace(engine, cache=replace(engine.cache, kv_cache_memory=kv_cache_memory))
+        return replace(self, engine=engine, served_model_names=names)
 
 
 def _check_api_key(api_key: str) -> None:

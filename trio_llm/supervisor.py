@@ -37,21 +37,17 @@ import trio
 from trio_llm.api import connection_guard
 from trio_llm.api.app import build_app
 from trio_llm.api.batches import batch_runner_of
-from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.stored_responses import ResponsesAPI
-from trio_llm.config import EngineConfig
 from trio_llm.connections import shutdown_client_connections
-from trio_llm.dtype_choice import dtype_is_timed
-from trio_llm.errors import EngineDeadError, EngineStartupError
-from trio_llm.frontend.data_parallel import DataParallelClient
-from trio_llm.frontend.engine_client import EngineClient
-from trio_llm.frontend.engine_process import run_engine_process
-from trio_llm.frontend.generation_defaults import load_generation_defaults
-from trio_llm.frontend.handle import EngineHandle
+from trio_llm.engine_fleet import engines_ready, open_serving, supervise_engines
+from trio_llm.model_catalog import catalog_of
+from trio_llm.model_pool import ModelPool
 from trio_llm.server_config import ServerConfig
 from trio_llm.store import RetentionPolicy, Store, StoreError, open_store
 from trio_llm.store.database import redact
-from trio_llm.text.tokenizer import Tokenizer
+
+#: Re-exported for the embedders and tests that start engines as the server does.
+__all__ = ["Lifecycle", "engines_ready", "open_serving", "serve", "supervise_engines"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,16 +140,16 @@ async def _serve_engines(
     root: trio.Nursery,
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
-    """Start the engines, then the HTTP server; return once both have stopped."""
+    """Start the models' pool (the default model's engines), then the HTTP server;
+    return once both have stopped."""
     async with trio.open_nursery() as engine_nursery:
-        engine: EngineHandle = await engine_nursery.start(supervise_engines, config, lifecycle)
-        engines_ready(engine, config)
-        serving = await open_serving(engine, config)
-        serving.store = store
-        responses = ResponsesAPI(serving)
-        app = build_app(serving, lambda: not lifecycle.stop_requested.is_set(), config, responses)
+        pool = ModelPool(config, catalog_of(config), lifecycle)
+        pool.store = store
+        await engine_nursery.start(pool.run)
+        responses = ResponsesAPI(pool)
+        app = build_app(pool, lambda: not lifecycle.stop_requested.is_set(), config, responses)
         connection_guard.install()  # one connection's protocol error ends only it
-        # Background responses: tasks of this nursery, stopped before the engine is.
+        # Background responses: tasks of this nursery, stopped before the engines are.
         await engine_nursery.start(responses.serve_background)
         async with trio.open_nursery() as http_nursery:
             binds = await http_nursery.start(
@@ -165,9 +161,9 @@ async def _serve_engines(
                 )
             )
             port = urlsplit(binds[0]).port or config.port
-            root.start_soon(_shut_down, lifecycle, engine, config, port, responses.stop_background)
+            root.start_soon(_shut_down, lifecycle, pool, config, port, responses.stop_background)
             lifecycle.serving = True
-            names = ", ".join(config.model_names())
+            names = ", ".join(pool.names())
             # CLI output, not a log line: the bound address, on stdout at every level.
             print(f"trio-llm: serving {names} on {binds[0]}", flush=True)
             task_status.started(binds)
@@ -176,79 +172,37 @@ async def _serve_engines(
             if batch_runner is not None:
                 http_nursery.start_soon(batch_runner.run_until, lifecycle.stop_requested)
         responses.stop_background()
-        await engine.stop(config.shutdown_timeout)
-
-
-def engines_ready(engine: EngineHandle, config: ServerConfig) -> None:
-    """Give every engine the stream interval, and log that it is ready."""
-    for rank, client in enumerate(engine.engines):
-        client.stream_interval = config.stream_interval
-        info = client.info
-        name = "engine" if len(engine.engines) == 1 else f"engine {rank}"
-        logger.info(
-            f"{name} ready (pid {info.pid}, {info.dtype}, "
-            f"detokenizer {config.detokenizer_mode}, "
-            f"max_model_len {info.max_model_len}, "
-            f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens, "
-            f"engine restart {config.engine_restart})"
-        )
-
-
-async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServing:
-    """The request handlers over ``engine``: load the tokenizer and generation defaults."""
-    tokenizer = await trio.to_thread.run_sync(
-        Tokenizer.load, engine.info.model_dir, config.chat_template
-    )
-    generation_defaults = await trio.to_thread.run_sync(
-        load_generation_defaults,
-        config.generation_config,
-        engine.info.model_dir,
-        config.override_generation_config,
-    )
-    return OpenAIServing(
-        engine,
-        tokenizer,
-        config.model_names(),
-        max_tokens_policy=config.max_tokens_policy,
-        generation_defaults=generation_defaults,
-        max_logprobs=config.max_logprobs,
-        max_num_waiting_requests=config.max_num_waiting_requests,
-        limits=config.limits,
-        request_body_timeout=config.request_body_timeout,
-        tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
-        reasoning_parser=config.reasoning_parser,
-        disable_additional_properties=config.disable_additional_properties,
-    )
+        await pool.stop(config.shutdown_timeout)
 
 
 async def _shut_down(
     lifecycle: Lifecycle,
-    engine: EngineHandle,
+    pool: ModelPool,
     config: ServerConfig,
     port: int,
     stop_background: Callable[[], None],
 ) -> None:
     """Steps 2-4 of the shutdown order (see the module docstring); ``stop_background``
-    cancels the background responses still running before the engine stops (they stay
+    cancels the background responses still running before the engines stop (they stay
     in progress in the store, and run again at the next start)."""
     await lifecycle.stop_requested.wait()
     logger.info(f"shutting down: {lifecycle.reason}")
-    engine.close_admissions()
-    if lifecycle.drain and engine.num_in_flight:
+    pool.close_admissions()
+    if lifecycle.drain and pool.num_in_flight:
         logger.info(
-            f"draining {engine.num_in_flight} requests for up to "
+            f"draining {pool.num_in_flight} requests for up to "
             f"{config.shutdown_timeout:g} s (signal again to skip)"
         )
     if lifecycle.drain:
         with lifecycle.drain_scope:
             lifecycle.drain_scope.deadline = trio.current_time() + config.shutdown_timeout
-            await engine.wait_idle()
-    left = engine.num_in_flight
+            await pool.wait_idle()
+    left = pool.num_in_flight
     if left:
         logger.warning(f"ending {left} unfinished requests with an error")
     lifecycle.aborting = True
     stop_background()
-    await engine.stop(config.shutdown_timeout)
+    await pool.stop(config.shutdown_timeout)
     await trio.sleep(FINAL_WRITE_GRACE)
     cut = shutdown_client_connections(port)
     if cut:
@@ -290,119 +244,6 @@ def _hypercorn_config(config: ServerConfig) -> hypercorn.config.Config:
     # A larger WebSocket message is refused with close code 1009 (see docs/websocket.md).
     hconfig.websocket_max_message_size = config.max_request_body_bytes
     return hconfig
-
-
-async def supervise_engines(
-    config: ServerConfig,
-    lifecycle: Lifecycle,
-    *,
-    task_status: trio.TaskStatus[EngineHandle] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Start ``config.data_parallel_size`` engines at once and supervise each; report one
-    `EngineClient`, or a `DataParallelClient` over several, once every engine is ready.
-    Where ``--dtype auto`` is decided by timing (`dtype_is_timed`), engine 0 starts first
-    and the others load the dtype it chose.
-
-    One engine's failure for good (no restart, or its restarts used up) leaves the others
-    serving; the server stops (exit 1) when the last one is gone.
-
-    Raises:
-        EngineStartupError: (inside an ExceptionGroup) an engine failed to start.
-    """
-    size = config.data_parallel_size
-    clients: list[EngineClient | None] = [None] * size
-    fleet = _Fleet(size, lifecycle)
-    configs = [config.engine_for_rank(rank) for rank in range(size)]
-    async with trio.open_nursery() as nursery:
-
-        async def start(rank: int) -> None:
-            clients[rank] = await nursery.start(
-                _supervise_engine, configs[rank], config, rank, fleet.ended
-            )
-
-        async with trio.open_nursery() as starting:
-            first = 0
-            if size > 1 and dtype_is_timed(config.engine.model):
-                # Each engine would time bfloat16 against float32 by itself, while the
-                # others load on the same cores: engine 0 decides, the others load its dtype.
-                await start(0)
-                dtype = clients[0].info.dtype
-                configs = [engine.with_dtype(dtype) for engine in configs]
-                first = 1
-            for rank in range(first, size):
-                starting.start_soon(start, rank)
-        ready = [client for client in clients if client is not None]
-        fleet.started = True
-        if size == 1:
-            task_status.started(ready[0])
-        else:
-            caches = config.engine.cache.enable_prefix_caching
-            fleet.group = DataParallelClient(
-                ready, prefix_aware=caches and ready[0].info.task == "generate"
-            )
-            task_status.started(fleet.group)
-
-
-class _Fleet:
-    """How `supervise_engines` learns that an engine stopped for good (`ended`), and
-    what follows: a failed start-up, a logged loss, or the server's stop."""
-
-    def __init__(self, size: int, lifecycle: Lifecycle) -> None:
-        self.size = size
-        self.lifecycle = lifecycle
-        #: Every engine was ready once.
-        self.started = False
-        #: The handle over several engines (None with one).
-        self.group: DataParallelClient | None = None
-
-    def ended(self, rank: int, error: EngineDeadError | None) -> None:
-        """Engine ``rank`` stopped for good: after `EngineClient.stop` (None) or failed."""
-        if not self.started and error is not None:
-            # Ready, then failed while the others were still starting: a failed start-up.
-            raise EngineStartupError(f"engine core {rank} failed during start-up: {error}")
-        group, lifecycle = self.group, self.lifecycle
-        if group is None:
-            if error is not None:
-                lifecycle.request_stop(f"engine core died: {error}", exit_code=1)
-            return
-        group.engine_ended()
-        if error is None:
-            return
-        left = group.num_serving + sum(e.is_restarting for e in group.engines)
-        if left == 0:
-            lifecycle.request_stop(
-                f"engine core {rank} died: {error} (no engine left)", exit_code=1
-            )
-        else:
-            logger.error(f"engine core {rank} died: {error}; {left} of {self.size} engines left")
-
-
-async def _supervise_engine(
-    engine_config: EngineConfig,
-    config: ServerConfig,
-    rank: int,
-    ended: Callable[[int, EngineDeadError | None], None],
-    *,
-    task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run engine ``rank`` (`run_engine_process`) and tell ``ended`` when it stops for good:
-    with None after `EngineClient.stop`, with the error when it failed."""
-    try:
-        await run_engine_process(
-            engine_config,
-            grace_period=config.shutdown_timeout,
-            detokenizer_mode=config.detokenizer_mode,
-            step_timeout=config.engine_step_timeout,
-            restart=config.restart_policy(),
-            data_parallel_rank=None if config.data_parallel_size == 1 else rank,
-            task_status=task_status,
-        )
-    except EngineStartupError:
-        raise  # the first start failed: nothing is serving yet
-    except EngineDeadError as exc:
-        ended(rank, exc)
-    else:
-        ended(rank, None)
 
 
 async def _handle_signals(lifecycle: Lifecycle, root: trio.CancelScope) -> None:

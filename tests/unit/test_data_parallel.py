@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
-from trio_llm import supervisor
+from trio_llm import engine_fleet, supervisor
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import EngineConfig, engine_config
@@ -350,7 +350,7 @@ class _FakeProcesses:
 async def test_an_engine_failing_while_the_others_start_fails_the_start_up(monkeypatch) -> None:
     fakes = _FakeProcesses(2, loading={1})
     fakes.fail[0].set()
-    monkeypatch.setattr(supervisor, "run_engine_process", fakes)
+    monkeypatch.setattr(engine_fleet, "run_engine_process", fakes)
     lifecycle = supervisor.Lifecycle()
     with pytest.raises(BaseExceptionGroup) as raised, trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -362,7 +362,7 @@ async def test_an_engine_failing_while_the_others_start_fails_the_start_up(monke
 
 async def test_the_server_stops_when_the_last_engine_is_gone(monkeypatch) -> None:
     fakes = _FakeProcesses(2)
-    monkeypatch.setattr(supervisor, "run_engine_process", fakes)
+    monkeypatch.setattr(engine_fleet, "run_engine_process", fakes)
     lifecycle = supervisor.Lifecycle()
     async with trio.open_nursery() as nursery:
         config = ServerConfig(data_parallel_size=2)
@@ -385,8 +385,8 @@ async def test_engines_load_the_dtype_engine_0_timed(monkeypatch, timed: bool) -
     """Where ``--dtype auto`` is decided by timing, engine 0 decides alone and the others
     start after it with its choice; elsewhere every engine resolves auto at once."""
     fakes = _FakeProcesses(2, dtype="bfloat16")
-    monkeypatch.setattr(supervisor, "run_engine_process", fakes)
-    monkeypatch.setattr(supervisor, "dtype_is_timed", lambda model: timed)
+    monkeypatch.setattr(engine_fleet, "run_engine_process", fakes)
+    monkeypatch.setattr(engine_fleet, "dtype_is_timed", lambda model: timed)
     async with trio.open_nursery() as nursery:
         config = ServerConfig(data_parallel_size=2)
         await nursery.start(supervisor.supervise_engines, config, supervisor.Lifecycle())

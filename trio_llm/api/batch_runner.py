@@ -25,9 +25,14 @@ import trio
 from starlette.types import ASGIApp
 
 from trio_llm.api.batch_lines import InputLines, check_input, error_line, parse_line
-from trio_llm.api.line_runner import LineRunner, Wakeup, api_key_headers, run_line
+from trio_llm.api.line_runner import (
+    LineEngines,
+    LineRunner,
+    Wakeup,
+    api_key_headers,
+    run_line,
+)
 from trio_llm.errors import EngineError, first_leaf
-from trio_llm.frontend.handle import EngineHandle
 from trio_llm.store import Store, StoreError, StoreUnavailable
 from trio_llm.store import batches as stored
 from trio_llm.store.files import content_path, remove_orphans
@@ -50,7 +55,7 @@ class BatchRunner:
 
     Args:
         app: the server's ASGI app (lines run through it, in this process).
-        engine: the engine handle behind it.
+        engine: the engines behind it (`trio_llm.api.line_runner.LineEngines`).
         store: the server's store.
         max_in_flight: most lines (of all batches) running at once.
         api_key: the server's API key (lines carry it), or None.
@@ -60,7 +65,7 @@ class BatchRunner:
     def __init__(
         self,
         app: ASGIApp,
-        engine: EngineHandle,
+        engine: LineEngines,
         store: Store,
         *,
         max_in_flight: int,

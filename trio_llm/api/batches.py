@@ -18,8 +18,8 @@ from pydantic import Field, StringConstraints, model_validator
 
 from trio_llm.api.batch_runner import BatchRunner
 from trio_llm.api.errors import APIError, bad_request
+from trio_llm.api.model_router import ModelRouter, RouterEngines
 from trio_llm.api.request_body import RequestBody, Text, refuse_unimplemented
-from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.store_routes import list_query, require_store
 from trio_llm.server_config import ServerConfig
 from trio_llm.store import NotFound, Store
@@ -53,17 +53,17 @@ class BatchRequest(RequestBody):
         return self
 
 
-async def create_batch(
-    request: BatchRequest, store: Store, serving: OpenAIServing
-) -> dict[str, Any]:
+async def create_batch(request: BatchRequest, store: Store, router: ModelRouter) -> dict[str, Any]:
     """Store a new batch; return its object.
 
     Raises:
-        APIError: 400 for an endpoint the served model does not serve or an input file
+        APIError: 400 for an endpoint the served model does not serve (a server of one
+            model; with several, each line's model answers its line) or an input file
             of another purpose; 404 naming ``input_file_id`` for a file not stored.
     """
-    task = serving.engine.info.task
-    if _ENDPOINT_TASKS[request.endpoint] != task:
+    serving = None if router.several else router.statuses()[0].serving
+    task = serving.engine.info.task if serving is not None else None
+    if task is not None and _ENDPOINT_TASKS[request.endpoint] != task:
         kind = "an embedding model" if task == "embed" else "a model that generates text"
         message = f"the model served here is {kind}: it does not serve {request.endpoint}"
         raise bad_request(message, "endpoint")
@@ -84,22 +84,22 @@ async def create_batch(
         raise bad_request(str(exc), exc.param) from None
 
 
-def install_batch_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
+def install_batch_routes(app: FastAPI, router: ModelRouter, config: ServerConfig) -> None:
     """``/v1/batches`` and the paths under it, and the server's `BatchRunner` (with a
     store; `batch_runner_of`)."""
 
     def get_store() -> Store | None:
-        return serving.store
+        return router.store
 
     runner = None
-    if serving.store is not None:
+    if router.store is not None:
         max_in_flight = config.store.batch_max_in_flight or (
             config.engine.scheduler.max_num_seqs * config.data_parallel_size
         )
         runner = BatchRunner(
             app,
-            serving.engine,
-            serving.store,
+            RouterEngines(router),
+            router.store,
             max_in_flight=max_in_flight,
             api_key=config.api_key,
             max_waiting=config.max_num_waiting_requests,
@@ -113,8 +113,8 @@ def install_batch_routes(app: FastAPI, serving: OpenAIServing, config: ServerCon
     @app.post("/v1/batches")
     async def create(request: Request) -> JSONResponse:
         store = require_store(get_store(), "/v1/batches")
-        body = await serving.parse(BatchRequest, request)
-        batch = await create_batch(body, store, serving)
+        body = await router.parse(BatchRequest, request)
+        batch = await create_batch(body, store, router)
         wake()
         return JSONResponse(batch)
 

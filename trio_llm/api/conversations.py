@@ -21,11 +21,11 @@ from pydantic import AfterValidator, Field
 from starlette.types import Receive
 
 from trio_llm.api.list_params import ListParams
+from trio_llm.api.model_router import ModelRouter
 from trio_llm.api.request_body import RequestBody, Text
 from trio_llm.api.response_items import stored_items
 from trio_llm.api.response_store import need_store
 from trio_llm.api.responses import check_items
-from trio_llm.api.serving import OpenAIServing
 from trio_llm.store import Store, conversations
 from trio_llm.store.objects import Page
 
@@ -75,11 +75,11 @@ class ConversationItemsRequest(RequestBody):
 class ConversationsAPI:
     """The Conversations API's routes over the server's store (see the module doc)."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
+    def __init__(self, router: ModelRouter) -> None:
+        self.router = router
 
     def _store(self) -> Store:
-        return need_store(self.serving.store, "conversations")
+        return need_store(self.router.store, "conversations")
 
     async def create(self, body: ConversationCreateRequest, receive: Receive) -> Response:
         """``POST /v1/conversations``: a new conversation."""
@@ -96,7 +96,7 @@ class ConversationsAPI:
     async def update(self, request: Request) -> Response:
         """``POST /v1/conversations/{conversation_id}``: replace the metadata."""
         store = self._store()
-        body = await self.serving.parse(ConversationUpdateRequest, request)
+        body = await self.router.parse(ConversationUpdateRequest, request)
         work = partial(conversations.update, conversation_id=_id(request), metadata=body.metadata)
         return JSONResponse(await store.transaction(work))
 
@@ -123,7 +123,7 @@ class ConversationsAPI:
         """``POST /v1/conversations/{conversation_id}/items``: append items; the list of
         those added."""
         store = self._store()
-        body = await self.serving.parse(ConversationItemsRequest, request)
+        body = await self.router.parse(ConversationItemsRequest, request)
         work = partial(conversations.add_items, conversation_id=_id(request))
         added = await store.transaction(partial(work, items=_checked(body.items)))
         return JSONResponse(Page(added, has_more=False).body())

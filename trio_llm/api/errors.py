@@ -116,6 +116,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def unknown_model(name: str, served: list[str]) -> APIError:
+    """The 404 for a ``model`` the server does not serve (``served``: the names it does)."""
+    return APIError(
+        404,
+        f"the model `{name}` does not exist; this server serves {served}",
+        type="not_found_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def invalid_request(exc: InvalidRequest) -> APIError:
     """The 400 for a refusal of the request layer: its message, ``param`` and ``code``
     (``context_length_exceeded`` for a `ContextLengthError`, with Anthropic's words for

@@ -24,7 +24,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 
 from trio_llm.api.errors import APIError, bad_request
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.model_router import ModelRouter
 from trio_llm.api.store_routes import list_query, require_store
 from trio_llm.server_config import ServerConfig
 from trio_llm.store import Store
@@ -239,11 +239,12 @@ async def _read_chunks(handle: Any) -> AsyncIterator[bytes]:
         await handle.aclose()
 
 
-def install_file_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
-    """``/v1/files`` and the paths under it, on ``serving``'s store (refused without)."""
+def install_file_routes(app: FastAPI, router: ModelRouter, config: ServerConfig) -> None:
+    """``/v1/files`` and the paths under it, on the server's store (``router.store``;
+    refused without)."""
 
     def get_store() -> Store | None:
-        return serving.store
+        return router.store
 
     @app.post("/v1/files")
     async def create_file(request: Request) -> JSONResponse:

@@ -11,7 +11,8 @@ the line's failure; a 4xx answer is the line's failure, and so is a 5xx that com
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import trio
 from starlette.types import ASGIApp
@@ -23,8 +24,8 @@ from trio_llm.api.batch_lines import (
     call_app,
     error_line,
 )
-from trio_llm.errors import EngineDeadError
-from trio_llm.frontend.handle import EngineHandle
+from trio_llm.errors import EngineDeadError, EngineError
+from trio_llm.frontend.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,36 @@ MAX_SERVER_ERRORS = 3
 CLIENT_CLOSED_REQUEST = 499
 
 
+class LineEngines(Protocol):
+    """What `LineRunner` reads of the engines behind the app: an `EngineHandle`'s
+    attributes (`trio_llm.api.model_router.RouterEngines` over several models)."""
+
+    @property
+    def engines(self) -> Sequence[EngineClient]:
+        """The engine clients."""
+        ...
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether requests can be served now."""
+        ...
+
+    @property
+    def ended(self) -> trio.Event:
+        """Set once nothing serves any more, for good."""
+        ...
+
+    @property
+    def error(self) -> EngineError | None:
+        """Why nothing serves."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for an engine."""
+        ...
+
+
 def api_key_headers(api_key: str | None) -> dict[str, str]:
     """The request headers that carry the server's own API key (none without one)."""
     return {} if api_key is None else {"authorization": f"Bearer {api_key}"}
@@ -49,7 +80,8 @@ class LineRunner:
 
     Args:
         app: the server's ASGI app.
-        engine: the engine handle behind it (to tell an engine failure from an error).
+        engine: the engines behind it (to tell an engine failure from an error): an
+            `EngineHandle`, or `trio_llm.api.model_router.RouterEngines`.
         headers: request headers every line carries (`api_key_headers`).
         max_waiting: the server's ``--max-num-waiting-requests``: a line starts only
             while fewer than half that many requests wait for the engine, so batch
@@ -59,7 +91,7 @@ class LineRunner:
     def __init__(
         self,
         app: ASGIApp,
-        engine: EngineHandle,
+        engine: LineEngines,
         headers: Mapping[str, str],
         max_waiting: int | None = None,
     ) -> None:

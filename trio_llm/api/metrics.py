@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from trio_llm.api.model_router import ModelRouter
 from trio_llm.api.routes import route_path
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
@@ -30,23 +31,29 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class EngineCollector(Collector):
-    """Scheduler and step statistics of each engine (the ``engine`` label is its rank)."""
+    """Scheduler and step statistics of each engine of each loaded model (the
+    ``model_name`` label is the model's first name, the ``engine`` label its rank).
 
-    def __init__(self, engine: EngineHandle, model_name: str) -> None:
-        self.engine = engine
-        self.model_name = model_name
+    Args:
+        engines: the loaded models' engine handles, by name, at scrape time
+            (`trio_llm.api.model_router.ModelRouter.engines`).
+    """
+
+    def __init__(self, engines: Callable[[], list[tuple[str, EngineHandle]]]) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-        for rank, engine in enumerate(self.engine.engines):
-            for kind, name, doc, read in ENGINE_SERIES:
-                family = families.get(name)
-                if family is None:
-                    make = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-                    family = families[name] = make(
-                        f"trio_llm:{name}", doc, labels=["model_name", "engine"]
-                    )
-                family.add_metric([self.model_name, str(rank)], read(engine))
+        for model_name, handle in self.engines():
+            for rank, engine in enumerate(handle.engines):
+                for kind, name, doc, read in ENGINE_SERIES:
+                    family = families.get(name)
+                    if family is None:
+                        make = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                        family = families[name] = make(
+                            f"trio_llm:{name}", doc, labels=["model_name", "engine"]
+                        )
+                    family.add_metric([model_name, str(rank)], read(engine))
         yield from families.values()
 
 
@@ -154,10 +161,9 @@ class RequestMetrics:
 
     Args:
         registry: where the metrics are registered.
-        model_name: value of the ``model_name`` label.
     """
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["model_name", "engine"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -168,7 +174,6 @@ class RequestMetrics:
                 f"trio_llm:{name}", doc, labels, registry=registry, buckets=LATENCY_BUCKETS
             )
 
-        self.model_name = model_name
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of scheduled requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = counter(
@@ -185,17 +190,18 @@ class RequestMetrics:
             "request_queue_time_seconds", "Engine arrival to first scheduling (s)."
         )
 
-    def observer(self, rank: int) -> EngineRequestMetrics:
-        """The observer of engine ``rank`` (its series carry ``engine="<rank>"``)."""
-        return EngineRequestMetrics(self, str(rank))
+    def observer(self, model_name: str, rank: int) -> EngineRequestMetrics:
+        """The observer of engine ``rank`` of model ``model_name`` (its series carry
+        ``model_name="<model_name>", engine="<rank>"``)."""
+        return EngineRequestMetrics(self, model_name, str(rank))
 
 
 class EngineRequestMetrics:
     """One engine's `RequestObserver`: label children resolved once, so the per-token
     path only observes."""
 
-    def __init__(self, metrics: RequestMetrics, engine: str) -> None:
-        labels = (metrics.model_name, engine)
+    def __init__(self, metrics: RequestMetrics, model_name: str, engine: str) -> None:
+        labels = (model_name, engine)
         self._success_by_reason = {
             reason: metrics.success.labels(*labels, reason) for reason in ("stop", "length")
         }
@@ -280,17 +286,21 @@ class HTTPRequestCounter:
             self.counter.labels(self.model_name, endpoint, f"{status // 100}xx").inc()
 
 
-def make_registry(engine: EngineHandle, model_name: str) -> CollectorRegistry:
+def make_registry(router: ModelRouter) -> CollectorRegistry:
     """A registry holding only this server's metrics; also attaches `RequestMetrics`.
 
-    Each engine client reports each request's timing to the registry's `RequestMetrics`
-    from then on (its ``observer``).
+    Each engine client of each model loaded now or later reports each request's timing
+    to the registry's `RequestMetrics` from then on (its ``observer``).
     """
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(EngineCollector(engine, model_name))
-    metrics = RequestMetrics(registry, model_name)
-    for rank, client in enumerate(engine.engines):
-        client.observer = metrics.observer(rank)
+    registry.register(EngineCollector(router.engines))
+    metrics = RequestMetrics(registry)
+
+    def attach(model_name: str, engine: EngineHandle) -> None:
+        for rank, client in enumerate(engine.engines):
+            client.observer = metrics.observer(model_name, rank)
+
+    router.on_loaded(attach)
     return registry
 
 

@@ -26,8 +26,9 @@ from trio_llm.api.errors import APIError
 from trio_llm.api.routes import OWN_BODY_LIMITS, error_style
 from trio_llm.server_config import ServerConfig
 
-#: Paths under this prefix need the API key when one is configured (as in vLLM).
-PROTECTED_PREFIX = "/v1"
+#: Paths under these prefixes need the API key when one is configured: ``/v1`` (as in
+#: vLLM) and ``/models/`` (loading and unloading models, llama.cpp's routes).
+PROTECTED_PREFIXES = ("/v1", "/models/")
 
 
 async def send_error(
@@ -100,8 +101,8 @@ class _RequestCheck:
 
 
 class APIKeyMiddleware(_RequestCheck):
-    """Refuse requests to ``/v1...`` without ``Authorization: Bearer <api_key>`` or
-    ``x-api-key: <api_key>`` (HTTP 401).
+    """Refuse requests to ``/v1...`` and ``/models/...`` without ``Authorization: Bearer
+    <api_key>`` or ``x-api-key: <api_key>`` (HTTP 401).
 
     The key is compared in constant time. CORS preflight requests (``OPTIONS``) pass, as
     browsers send them without credentials; every other path is left open.
@@ -138,9 +139,9 @@ class APIKeyMiddleware(_RequestCheck):
         return hmac.compare_digest(token.strip(), self._key)
 
     def refused(self, scope: Scope) -> bool:
-        """A request under ``/v1`` other than a preflight, without the key."""
+        """A request under ``/v1`` or ``/models/`` other than a preflight, without the key."""
         return (
-            scope["path"].startswith(PROTECTED_PREFIX)
+            scope["path"].startswith(PROTECTED_PREFIXES)
             and scope["method"] != "OPTIONS"
             and not self.authorized(scope)
         )

@@ -39,6 +39,8 @@ class Route:
         listed: named in the body of a 404 (the public API; docs/api.md has them all).
         own_body_limit: the route limits its request body itself (an upload to
             ``/v1/files``: ``--max-file-size``); ``--max-request-body-bytes`` does not apply.
+        routed: the body's ``model`` chooses the model that answers
+            (`trio_llm.api.model_router`): the handler runs with a lease on it.
     """
 
     method: str
@@ -48,12 +50,22 @@ class Route:
     errors: ErrorStyle = "openai"
     listed: bool = False
     own_body_limit: bool = False
+    routed: bool = False
 
 
 ROUTES = (
-    Route("POST", "/v1/chat/completions", "respond", "ChatCompletionRequest", listed=True),
-    Route("POST", "/v1/completions", "respond", "CompletionRequest", listed=True),
-    Route("POST", "/v1/responses", "responses.create", "ResponsesRequest", listed=True),
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        "respond",
+        "ChatCompletionRequest",
+        listed=True,
+        routed=True,
+    ),
+    Route("POST", "/v1/completions", "respond", "CompletionRequest", listed=True, routed=True),
+    Route(
+        "POST", "/v1/responses", "responses.create", "ResponsesRequest", listed=True, routed=True
+    ),
     Route("GET", "/v1/responses/{response_id}", "responses.retrieve", listed=True),
     Route("DELETE", "/v1/responses/{response_id}", "responses.delete", listed=True),
     Route("GET", "/v1/responses/{response_id}/input_items", "responses.input_items", listed=True),
@@ -99,7 +111,15 @@ ROUTES = (
         "conversations.delete_item",
         listed=True,
     ),
-    Route("POST", "/v1/messages", "respond_as", "MessagesRequest", "anthropic", listed=True),
+    Route(
+        "POST",
+        "/v1/messages",
+        "respond_as",
+        "MessagesRequest",
+        "anthropic",
+        listed=True,
+        routed=True,
+    ),
     Route(
         "POST",
         "/v1/messages/count_tokens",
@@ -107,8 +127,9 @@ ROUTES = (
         "CountTokensRequest",
         "anthropic",
         listed=True,
+        routed=True,
     ),
-    Route("POST", "/v1/embeddings", "embed", "EmbeddingRequest", listed=True),
+    Route("POST", "/v1/embeddings", "embed", "EmbeddingRequest", listed=True, routed=True),
     Route("GET", "/v1/models", listed=True),
     # Files and batches (issue 34); the paths under them are registered with these.
     Route("POST", "/v1/files", listed=True, own_body_limit=True),
@@ -117,6 +138,10 @@ ROUTES = (
     Route("GET", "/v1/batches", listed=True),
     Route("POST", "/tokenize"),
     Route("POST", "/detokenize"),
+    # A server of several models (issue 35): llama.cpp's router routes.
+    Route("POST", "/models/load"),
+    Route("POST", "/models/unload"),
+    Route("POST", "/models/reload"),
     Route("GET", "/health"),
     Route("GET", "/metrics"),
 )

@@ -24,11 +24,11 @@ import trio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
 from trio_llm.api.anthropic_format import MessagesFormat
+from trio_llm.api.body_reading import CLIENT_CLOSED_REQUEST, read_body
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.disconnect import EventStreamResponse, run_while_connected
@@ -38,10 +38,15 @@ from trio_llm.api.embeddings import (
     embedding_plan,
     embeddings_body,
 )
-from trio_llm.api.errors import APIError, bad_request, engine_error, invalid_request
+from trio_llm.api.errors import (
+    APIError,
+    bad_request,
+    engine_error,
+    invalid_request,
+    unknown_model,
+)
 from trio_llm.api.formats import ChatFormat
 from trio_llm.api.generation_request import GenerationRequest
-from trio_llm.api.middleware import RequestBodyTooLarge
 from trio_llm.api.parsing import parse_body
 from trio_llm.api.plan import Planner
 from trio_llm.api.response_format import Plan
@@ -62,9 +67,6 @@ from trio_llm.text.choice import Choice
 from trio_llm.text.tokenizer import Tokenizer
 
 _Request = TypeVar("_Request", bound=BaseModel)
-
-#: HTTP status for a request whose client disconnected (nginx's convention; never seen).
-CLIENT_CLOSED_REQUEST = 499
 
 #: The 400 of a route the served model cannot serve, by the task the route needs.
 WRONG_TASK = {
@@ -161,24 +163,7 @@ class OpenAIServing:
             APIError: 400 naming the field at fault; 408 when the body takes longer than
                 ``request_body_timeout`` to arrive (the connection is then closed).
         """
-        try:
-            with trio.fail_after(self.request_body_timeout):
-                body = await request.body()
-        except trio.TooSlowError:
-            raise APIError(
-                408,
-                f"the request body did not arrive within {self.request_body_timeout:g} s "
-                "(--request-body-timeout)",
-                code="request_timeout",
-                headers={"Connection": "close"},
-            ) from None
-        except ClientDisconnect:
-            # A client that leaves mid-body is no error of the server's: no traceback.
-            raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the request") from None
-        except RequestBodyTooLarge as exc:
-            # Answered by BodySizeLimitMiddleware with its 413; raised as an APIError so
-            # that it is not logged as a server error on the way.
-            raise APIError(413, str(exc), code="request_too_large") from None
+        body = await read_body(request, self.request_body_timeout)
         return await parse_body(
             model,
             body,
@@ -193,13 +178,7 @@ class OpenAIServing:
         if name is None:
             return self.model_names[0]
         if name not in self.model_names:
-            raise APIError(
-                404,
-                f"the model `{name}` does not exist; this server serves {list(self.model_names)}",
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(name, list(self.model_names))
         return name
 
     # ------------------------------------------------------------ routes

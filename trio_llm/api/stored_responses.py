@@ -29,6 +29,7 @@ from trio_llm.api.background_responses import BackgroundResponses
 from trio_llm.api.disconnect import Emit, EventStreamResponse
 from trio_llm.api.errors import APIError, bad_request, store_error
 from trio_llm.api.list_params import ListParams
+from trio_llm.api.model_router import ModelRouter, as_router
 from trio_llm.api.request_body import check_json_text
 from trio_llm.api.response_format import Plan
 from trio_llm.api.response_store import need_store, record, stored_form, write
@@ -42,20 +43,23 @@ from trio_llm.store.responses import StoredResponse
 
 
 class ResponsesAPI:
-    """The Responses API's routes over `OpenAIServing` and its store (module doc).
+    """The Responses API's routes over the server's models and its store (module doc).
+
+    Args:
+        models: the server's models (`ModelRouter`), or the one model's `OpenAIServing`.
 
     Attributes:
         background: the background responses of this server.
     """
 
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
-        self.background = BackgroundResponses(serving)
+    def __init__(self, models: OpenAIServing | ModelRouter) -> None:
+        self.router = as_router(models)
+        self.background = BackgroundResponses(self.router)
 
     @property
     def store(self) -> Store | None:
         """The server's store (None with ``--store-url none``)."""
-        return self.serving.store
+        return self.router.store
 
     async def serve_background(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -73,14 +77,16 @@ class ResponsesAPI:
 
     # ------------------------------------------------------------ POST /v1/responses
 
-    async def create(self, request: ResponsesRequest, receive: Receive) -> Response:
-        """Handle ``POST /v1/responses``."""
+    async def create(
+        self, request: ResponsesRequest, receive: Receive, serving: OpenAIServing
+    ) -> Response:
+        """Handle ``POST /v1/responses`` with the handlers of the model it names."""
         await self._prepare(request)
         try:
-            planned = await self.serving.plan_as(request, receive)
+            planned = await serving.plan_as(request, receive)
         except APIError as exc:
             if request.stream and exc.code == CONTEXT_LENGTH_EXCEEDED:
-                return self._failed_stream(request, exc)
+                return _failed_stream(serving, request, exc)
             raise
         if planned is None:  # the client left while the request was checked
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -90,21 +96,7 @@ class ResponsesAPI:
             return JSONResponse(await self.background.start(self.store, request, plan))
         keeps = request.stored or request.conversation_id is not None
         finish = partial(self._finish, request) if keeps else None
-        return await self.serving.run_plan(plan, chat, receive, finish)
-
-    def _failed_stream(self, request: ResponsesRequest, error: APIError) -> Response:
-        """A streamed request whose prompt does not fit: OpenAI's stream of a failed
-        response (``response.failed`` carrying ``context_length_exceeded``), which Codex
-        reads as a full context window; other clients see the same error there."""
-        response_format = ResponsesFormat(self.serving.tokenizer, request=request)
-        plan = Plan(response_format, self.serving.resolve_model(request.model))
-        plan.response_id, plan.created = response_format.new_id(), now()
-
-        async def produce(emit: Emit) -> None:
-            for name, data in response_format.stream_failed(plan, error):
-                await emit(json.dumps(data, ensure_ascii=False), name)
-
-        return EventStreamResponse(produce)
+        return await serving.run_plan(plan, chat, receive, finish)
 
     async def _prepare(self, request: ResponsesRequest) -> None:
         """Resolve ``store`` and read the context the request continues.
@@ -246,6 +238,21 @@ class ResponsesAPI:
 
     def _need_store(self) -> Store:
         return need_store(self.store, "responses")
+
+
+def _failed_stream(serving: OpenAIServing, request: ResponsesRequest, error: APIError) -> Response:
+    """A streamed request whose prompt does not fit: OpenAI's stream of a failed
+    response (``response.failed`` carrying ``context_length_exceeded``), which Codex
+    reads as a full context window; other clients see the same error there."""
+    response_format = ResponsesFormat(serving.tokenizer, request=request)
+    plan = Plan(response_format, serving.resolve_model(request.model))
+    plan.response_id, plan.created = response_format.new_id(), now()
+
+    async def produce(emit: Emit) -> None:
+        for name, data in response_format.stream_failed(plan, error):
+            await emit(json.dumps(data, ensure_ascii=False), name)
+
+    return EventStreamResponse(produce)
 
 
 def _named(error: APIError, param: str) -> APIError:

@@ -19,8 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 import trio_llm
+from trio_llm.api.body_reading import read_body
 from trio_llm.api.chat_messages import ChatMessage
 from trio_llm.api.errors import bad_request, invalid_request
+from trio_llm.api.model_router import ModelRouter, hold, peek_model
 from trio_llm.api.parsing import CountedFields
 from trio_llm.api.request_body import Text, TokenId, refuse_unimplemented
 from trio_llm.api.serving import OpenAIServing
@@ -85,21 +87,16 @@ _OBJECT_BODY: dict[str, Any] = {
 }
 
 
-def tokenize_router(serving: OpenAIServing) -> APIRouter:
-    """The routes ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
-
-    Args:
-        serving: supplies the tokenizer, the served model names (``model`` is checked
-            with `OpenAIServing.resolve_model`: 404 for another name) and ``max_model_len``.
-
-    Every error is an OpenAI-style body: 400 for bad input, 404 for an unknown model.
-    """
+def tokenize_router(models: ModelRouter) -> APIRouter:
+    """The routes ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``: the
+    request's ``model`` chooses whose tokenizer and ``max_model_len`` answer (404 for a
+    name not served). Every error is an OpenAI-style body (400 for bad input)."""
     router = APIRouter()
-    tokenizer = serving.tokenizer
-    vocab_size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
 
     @router.post("/tokenize", openapi_extra=_OBJECT_BODY)
     async def tokenize(http_request: Request) -> JSONResponse:
+        serving = await _serving_of(models, http_request)
+        tokenizer = serving.tokenizer
         request = await serving.parse(TokenizeRequest, http_request)
         serving.resolve_model(request.model)
         request.check_supported()
@@ -123,6 +120,9 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/detokenize", openapi_extra=_OBJECT_BODY)
     async def detokenize(http_request: Request) -> JSONResponse:
+        serving = await _serving_of(models, http_request)
+        tokenizer = serving.tokenizer
+        vocab_size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
         request = await serving.parse(DetokenizeRequest, http_request)
         serving.resolve_model(request.model)
         tokens = request.tokens
@@ -143,6 +143,15 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
         return JSONResponse({"version": trio_llm.__version__})
 
     return router
+
+
+async def _serving_of(models: ModelRouter, http_request: Request) -> OpenAIServing:
+    """The handlers of the model the body names, held until the answer is sent."""
+    raw = await read_body(http_request, models.request_body_timeout)
+    name, keep_alive = await peek_model(raw)
+    lease = await models.acquire(name, keep_alive)
+    hold(http_request.scope, lease)
+    return lease.serving
 
 
 async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]:

@@ -41,6 +41,7 @@ from trio_llm.api.errors import (
     engine_error,
     error_body,
 )
+from trio_llm.api.model_router import ModelRouter, keep_alive_of
 from trio_llm.api.parsing import (
     INLINE_PARSE_BYTES,
     JSONTooDeepError,
@@ -92,8 +93,9 @@ CLOSE_INTERNAL_ERROR = 1011
 _DISCONNECTED = (WebSocketDisconnect, RuntimeError, OSError)
 
 
-def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig) -> None:
-    """Serve the streaming protocol at ``/v1/ws`` on ``app``.
+def install_websocket(app: FastAPI, router: ModelRouter, config: ServerConfig) -> None:
+    """Serve the streaming protocol at ``/v1/ws`` on ``app``: each generation runs on the
+    model its message names (``model``; a lease on it while it runs).
 
     With ``config.api_key`` set, a client must present the key in the handshake
     (``Authorization: Bearer KEY`` or ``x-api-key: KEY``, as on every HTTP ``/v1`` route,
@@ -117,7 +119,7 @@ def install_websocket(app: FastAPI, serving: OpenAIServing, config: ServerConfig
             await _close_quietly(websocket, CLOSE_POLICY_VIOLATION, "invalid or missing API key")
             return
         try:
-            await _Connection(websocket, serving).run()
+            await _Connection(websocket, router).run()
         except Exception:  # a bug: end this connection, keep the server
             logger.exception("internal error in a WebSocket connection")
             await _close_quietly(websocket, CLOSE_INTERNAL_ERROR, "internal error")
@@ -134,10 +136,9 @@ async def _close_quietly(websocket: WebSocket, code: int, reason: str) -> None:
 class _Connection:
     """One WebSocket connection: its generations, its outgoing events, how it ends."""
 
-    def __init__(self, websocket: WebSocket, serving: OpenAIServing) -> None:
+    def __init__(self, websocket: WebSocket, router: ModelRouter) -> None:
         self.websocket = websocket
-        self.serving = serving
-        self.engine = serving.engine
+        self.router = router
         self.active: dict[str, trio.CancelScope] = {}  # generation id -> its cancel scope
         # The reader's error events, in order, until the outbox has room (never blocks
         # the reader; bounded by `MAX_PENDING_ERROR_CHARS`).
@@ -214,8 +215,8 @@ class _Connection:
                     self.num_pending_error_chars -= len(text)
 
     async def _watch_engine(self) -> None:
-        await self.engine.ended.wait()
-        if isinstance(self.engine.error, EngineDeadError):
+        await self.router.ended.wait()
+        if isinstance(self.router.error, EngineDeadError):
             self.request_close(CLOSE_INTERNAL_ERROR, "the engine core died", abort=False)
         else:
             self.request_close(CLOSE_GOING_AWAY, "the server is shutting down", abort=False)
@@ -308,10 +309,15 @@ class _Connection:
         scope: trio.CancelScope,
         large: bool,
     ) -> None:
-        """Run one generation and send its ``done`` or ``error`` event."""
+        """Run one generation (on the model it names) and send its ``done`` or ``error``
+        event."""
         try:
-            request = await self._validated(kind, message, large)
-            event = await self._run_generation(generation_id, request, scope)
+            name = message.get("model")
+            name = name if isinstance(name, str) else None
+            keep_alive = keep_alive_of(message.get("keep_alive"))
+            async with self.router.leased(name, keep_alive) as serving:
+                request = await self._validated(serving, kind, message, large)
+                event = await self._run_generation(serving, generation_id, request, scope)
         except APIError as exc:
             event = error_event(generation_id, exc.body())
         except EngineError as exc:
@@ -326,7 +332,7 @@ class _Connection:
         await self._send(event)
 
     async def _validated(
-        self, kind: str, message: dict[str, Any], large: bool
+        self, serving: OpenAIServing, kind: str, message: dict[str, Any], large: bool
     ) -> CompletionRequest | ChatCompletionRequest:
         """A ``completion`` / ``chat`` message validated (`parse_request`; in a worker
         thread when the message is ``large``).
@@ -334,7 +340,6 @@ class _Connection:
         Raises:
             APIError: a 400 naming the field at fault, or ``tools`` for a chat with tools.
         """
-        serving = self.serving
         if large:  # validation grows with the message: keep the event loop free
             request = await trio.to_thread.run_sync(parse_request, kind, message, serving)
         else:
@@ -350,12 +355,13 @@ class _Connection:
 
     async def _run_generation(
         self,
+        serving: OpenAIServing,
         generation_id: str,
         request: CompletionRequest | ChatCompletionRequest,
         scope: trio.CancelScope,
     ) -> dict[str, Any]:
         """Run ``request`` under ``scope``, sending its delta events; its ``done`` event."""
-        serving = self.serving
+        engine = serving.engine
         plan = await serving.plan(request)
         admission = serving.admit(plan)
         try:
@@ -364,11 +370,11 @@ class _Connection:
                 with scope:
                     on_delta = self._delta_sender(generation_id, plan, choices)
                     try:
-                        await run_choices(self.engine, plan, choices, admission, on_delta)
+                        await run_choices(engine, plan, choices, admission, on_delta)
                     except EngineError as exc:
                         raise engine_error(exc, plan.structured_param) from exc
         finally:
-            self.engine.release(admission)
+            engine.release(admission)
         return done_event(generation_id, plan, choices)
 
     def _delta_sender(self, generation_id: str, plan: Plan, choices: list[Choice]) -> OnDelta:

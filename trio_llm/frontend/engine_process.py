@@ -81,13 +81,21 @@ class _Children:
         )
 
 
-def _spawn(detokenizer_mode: str, rank: int | None = None) -> tuple[socket.socket, _Children]:
+def _ps_tag(rank: int | None, model_name: str | None) -> list[str]:
+    """The arguments a child's command line carries only for ``ps``."""
+    tag = [] if rank is None else ["--data-parallel-rank", str(rank)]
+    return tag if model_name is None else [*tag, "--served-model-name", model_name]
+
+
+def _spawn(
+    detokenizer_mode: str, rank: int | None = None, model_name: str | None = None
+) -> tuple[socket.socket, _Children]:
     """Start the child process(es); return the API server's end of the channel and them.
-    With a data-parallel ``rank`` their command lines carry it (``--data-parallel-rank``)."""
+    Their command lines carry ``rank`` and ``model_name`` where given (`_ps_tag`)."""
     if detokenizer_mode not in DETOKENIZER_MODES:
         raise ValueError(f"detokenizer_mode must be one of {DETOKENIZER_MODES}")
     parent = str(os.getpid())
-    tag = [] if rank is None else ["--data-parallel-rank", str(rank)]
+    tag = _ps_tag(rank, model_name)
     server_end, first_hop = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     to_close = [first_hop]
     try:
@@ -148,14 +156,14 @@ async def run_engine_process(
     step_timeout: float | None = None,
     restart: RestartPolicy | None = None,
     data_parallel_rank: int | None = None,
+    model_name: str | None = None,
     task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the engine-core child (and the detokenizer child) for as long as this task lives.
 
     Returns normally once `EngineClient.stop` was called and the children went away.
     ``task_status.started(client)`` is called once, when the first child is ready; with
-    ``restart`` the same `EngineClient` then serves through every later child, each
-    loading the dtype the first one chose for ``--dtype auto``.
+    ``restart`` the same `EngineClient` serves every later child (each on the first's dtype).
 
     Args:
         config: sent to the engine child, pickled, as the first frame.
@@ -171,7 +179,7 @@ async def run_engine_process(
             limits; None: the first failure ends this task with `EngineDeadError`.
         data_parallel_rank: this engine's rank under ``--data-parallel-size`` (None with one
             engine): log lines and errors then name it (``engine core 1``), and so do the
-            children's command lines (``--data-parallel-rank 1``, for ``ps``).
+            children's command lines for ``ps`` (and ``model_name``, on a server of several).
 
     Raises:
         ValueError: an unknown ``detokenizer_mode``.
@@ -183,7 +191,7 @@ async def run_engine_process(
         heartbeat = min(config.heartbeat_interval, step_timeout / 4)
         config = dataclasses.replace(config, heartbeat_interval=heartbeat)
     supervision = _Supervision(detokenizer_mode, step_timeout, restart, task_status)
-    supervision.rank = data_parallel_rank
+    supervision.rank, supervision.model_name = data_parallel_rank, model_name
     while True:
         try:
             await _run_children(config, grace_period, detokenizer_mode, supervision)
@@ -223,6 +231,8 @@ class _Supervision:
         self.scope = trio.CancelScope()
         #: The engine's data-parallel rank, or None with one engine.
         self.rank: int | None = None
+        #: The model's name on a server of several models (for ``ps``), or None.
+        self.model_name: str | None = None
         #: When the children failed (trio's clock), within the restart policy's window.
         self.failures: list[float] = []
 
@@ -292,7 +302,7 @@ async def _run_children(
     Returns when the client was stopped; raises `EngineDeadError` (or `EngineStartupError`
     before the child was ready) when they failed.
     """
-    server_end, children = _spawn(detokenizer_mode, supervision.rank)
+    server_end, children = _spawn(detokenizer_mode, supervision.rank, supervision.model_name)
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(server_end))
     channel = ipc.server_channel(stream)
     # Patience with the children only when the channel ended by itself (they are exiting).
