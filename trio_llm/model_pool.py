@@ -223,9 +223,11 @@ class ModelPool(ModelRouter):
                     await event.wait()
         finally:
             model.waiting -= 1
+            if not model.waiting:
+                self.notify()  # a load waiting for room may give up
         raise model_unavailable(
             f"the model `{model.name}` did not load within {wait:g} s "
-            "(--engine-restart-wait); it goes on loading: retry later"
+            "(--engine-restart-wait): retry later"
         )
 
     def _release(self, model: PoolModel) -> None:

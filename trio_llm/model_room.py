@@ -198,15 +198,7 @@ class ModelRoom:
             return self.config
         entry = model.entry
         config = self.config.for_model(entry.model, entry.names)
-        wait = math.inf if fatal else self.config.restart.wait
-        with trio.move_on_after(wait):
-            await self._place(model)
-        if not model.slot:
-            limit = self.config.models.max_loaded_models
-            raise model_unavailable(
-                f"the model `{model.name}` cannot load now: {limit} models are loaded "
-                "(--max-loaded-models) and none is idle; retry later"
-            )
+        await self._place(model, fatal)
         if self.check_memory:
             kv_cache = await self._fit(model, config)
             if kv_cache is not None:
@@ -230,15 +222,25 @@ class ModelRoom:
         victim.unload_requested = True
         self.pool.notify()
 
-    async def _place(self, model: PoolModel) -> None:
+    async def _place(self, model: PoolModel, fatal: bool = False) -> None:
         """Wait for a place under ``--max-loaded-models`` (unloading the least recently
-        used idle model), and take it."""
+        used idle model), and take it.
+
+        Raises:
+            APIError: 503 once no request waits for the model any more (each waits
+                ``--engine-restart-wait`` seconds).
+        """
         limit = self.config.models.max_loaded_models
         while limit is not None:
             event = self.pool.changed_event
             taken = sum(other.slot for other in self.models.values() if other is not model)
             if taken < limit:
                 break
+            if not model.waiting and not fatal:
+                raise model_unavailable(
+                    f"the model `{model.name}` cannot load now: {limit} models are loaded "
+                    "(--max-loaded-models) and none went idle; retry later"
+                )
             victim = self.idle_victim(model)
             if victim is not None:
                 self._unload(victim, f"least recently used (--max-loaded-models {limit})")
