@@ -42,6 +42,7 @@ INLINE_ONLY_MODULES = {
     "test_responses_agents",
     "test_responses_api",
     "test_sampling_params",
+    "test_several_models",
     "test_structured_output_api",
     "test_tools_with_format",
     "test_tokenize",
