@@ -40,7 +40,7 @@ TEXTS = ["Hello there", "The sky is blue today."]
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain."]
 #: Small engines (the KV cache, the batch): three of them start on two busy cores.
 ARGS = ["--dtype", "float32", "--store-url", "none", "--max-num-seqs", "8"]
-ARGS += ["--kv-cache-memory", "256MiB", "--shutdown-timeout", "30"]
+ARGS += ["--kv-cache-memory", "512MiB", "--shutdown-timeout", "30"]
 
 
 @pytest.fixture(scope="module")
