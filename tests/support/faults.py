@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from tests.support.load import MODEL, REQUEST_LIMIT
+from tests.support.load import MODEL, REQUEST_LIMIT, SECOND_MODEL
 from tests.support.procfs import (
+    command_line,
     detokenizer_children,
     engine_children,
 )
@@ -42,7 +43,13 @@ FAULTS = (
     # on the same store; kill -9 of the engine child, restarted.
     "sigkill-server-batch",
     "sigkill-engine-batch",
+    # A server of two models (issue 35): kill -9 of the second model's engine while the
+    # load runs on both; the first model's requests are untouched.
+    "sigkill-engine-two-models",
 )
+
+#: The faults whose server serves two models (`tests.support.load.SECOND_MODEL` too).
+TWO_MODEL_FAULTS = ("sigkill-engine-two-models",)
 
 #: What a "hostile-client" fault does (the trial's seed picks one; issue 14's triggers).
 HOSTILE_TRIGGERS = (
@@ -199,6 +206,12 @@ async def large_request_hangups(port: int) -> None:
 def fault_target(spec: TrialSpec, server: ServerProcess) -> int:
     if spec.fault.endswith("-server"):
         return server.pid
+    if spec.fault in TWO_MODEL_FAULTS:  # the second model's engine (its command line says)
+        tag = f"--served-model-name {SECOND_MODEL} "
+        found = [p for p in engine_children(server.pid) if tag in command_line(p) + " "]
+        if len(found) != 1:
+            raise RuntimeError(f"expected the engine of {SECOND_MODEL}, found {found}")
+        return found[0]
     found = (
         detokenizer_children(server.pid)
         if "detokenizer" in spec.fault

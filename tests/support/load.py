@@ -16,6 +16,9 @@ import trio
 from trio_llm.client import ConnectionClosedError, GenerationError, open_ws_client
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+#: The second model of a server of two (the "sigkill-engine-two-models" trial): an
+#: embedding model, asked by the "embed" clients.
+SECOND_MODEL = "second"
 
 #: Seconds a request waits for a restarting engine before its 503 (--engine-restart-wait).
 RESTART_WAIT = 20.0
@@ -104,6 +107,14 @@ class Load:
                 timeout=REQUEST_LIMIT,
                 limits=httpx.Limits(max_keepalive_connections=0),
             ) as client:
+                if kind == "embed":
+                    body = {"model": SECOND_MODEL, "input": [prompt] * (1 + max_tokens // 8)}
+                    response = await client.post(
+                        "/v1/embeddings", json=body, extensions={"trace": trace}
+                    )
+                    if response.status_code == 200:
+                        return "complete", ""
+                    return _http_error(response)
                 if kind == "json":
                     body = {
                         "model": MODEL,
@@ -224,12 +235,15 @@ def _http_error(response: httpx.Response) -> tuple[str, str]:
     return "error", f"{response.status_code}: {message}"
 
 
-async def normal_request(url: str) -> bool:
-    """One short request; True if it completed."""
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+async def normal_request(url: str, *, embedding: bool = False) -> bool:
+    """One short request (with ``embedding``, to `SECOND_MODEL`); True if it completed."""
+    body: dict[str, object] = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    path = "/v1/completions"
+    if embedding:
+        body, path = {"model": SECOND_MODEL, "input": "Hello"}, "/v1/embeddings"
     try:
         async with httpx.AsyncClient(base_url=url, timeout=RESTART_DEADLINE) as client:
-            response = await client.post("/v1/completions", json=body)
+            response = await client.post(path, json=body)
     except httpx.HTTPError:
         return False
     return response.status_code == 200

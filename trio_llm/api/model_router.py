@@ -155,8 +155,9 @@ class ModelRouter:
         """
         raise NotImplementedError
 
-    async def load(self, name: str) -> None:
-        """Load model ``name`` now (``POST /models/load``; a failed one is tried again).
+    async def load(self, name: str, keep_alive: KeepAlive = UNCHANGED) -> None:
+        """Load model ``name`` now (``POST /models/load``; a failed one is tried again),
+        waiting as long as it takes; ``keep_alive`` as `acquire`'s.
 
         Raises:
             APIError: as `acquire`.
@@ -256,7 +257,7 @@ class OneModel(ModelRouter):
     async def acquire(self, name: str | None, keep_alive: KeepAlive = UNCHANGED) -> Lease:
         return Lease(self.serving)
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, keep_alive: KeepAlive = UNCHANGED) -> None:
         self.serving.resolve_model(name)
 
     async def unload(self, name: str) -> None:

@@ -17,14 +17,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from trio_llm.api.errors import APIError, unknown_model
-from trio_llm.api.model_router import ModelRouter, ModelStatus
+from trio_llm.api.model_router import ModelRouter, ModelStatus, keep_alive_of
 from trio_llm.api.request_body import RequestBody, Text
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
 
 
 class ModelRequest(RequestBody):
-    """``POST /models/load`` and ``POST /models/unload``: which model."""
+    """``POST /models/load`` and ``POST /models/unload``: which model (and for a load,
+    Ollama's ``keep_alive``: how long it stays loaded when idle, from then on)."""
 
     model: Text
 
@@ -184,18 +185,17 @@ def _add_model_management(app: FastAPI, router: ModelRouter) -> None:
     ``model`` each; ``{"success": true}`` once done) and ``POST /models/reload`` (read
     ``--models-dir`` again: the names added and removed)."""
 
-    async def model_of(request: Request) -> str:
-        body = await router.parse(ModelRequest, request)
-        return body.model
-
     @app.post("/models/load")
     async def load(request: Request) -> JSONResponse:
-        await router.load(await model_of(request))
+        body = await router.parse(ModelRequest, request)
+        extra = body.model_extra or {}
+        await router.load(body.model, keep_alive_of(extra.get("keep_alive")))
         return JSONResponse({"success": True})
 
     @app.post("/models/unload")
     async def unload(request: Request) -> JSONResponse:
-        await router.unload(await model_of(request))
+        body = await router.parse(ModelRequest, request)
+        await router.unload(body.model)
         return JSONResponse({"success": True})
 
     @app.post("/models/reload")
