@@ -16,11 +16,13 @@ import pytest
 import trio
 import trio.testing
 
+from trio_llm import model_room
 from trio_llm.api.errors import APIError
 from trio_llm.api.model_router import UNCHANGED, LeaseReleaser, hold, peek_model
 from trio_llm.config import engine_config
 from trio_llm.errors import EngineDeadError, EngineStartupError
 from trio_llm.model_catalog import catalog_of
+from trio_llm.model_memory import MemoryNeed
 from trio_llm.model_pool import LOAD_RETRY_MIN, ModelPool
 from trio_llm.server_config import ModelsConfig, RestartPolicy, ServerConfig
 from trio_llm.supervisor import Lifecycle
@@ -70,10 +72,12 @@ class FakeStarter:
         self.starts: Counter[str] = Counter()
         self.running: dict[str, tuple[FakeServing, Any]] = {}
         self.stopped: list[str] = []
+        self.configs: dict[str, ServerConfig] = {}
 
     async def __call__(self, config: ServerConfig, owner: Any, *, model_name, task_status):
         model = config.engine.model.model
         self.starts[model] += 1
+        self.configs[model] = config
         if model in self.gates:
             await self.gates[model].wait()
         if model in self.fail:
@@ -101,10 +105,18 @@ def _config(*models: str, models_dir: Path | None = None, **kw: Any) -> ServerCo
 
 
 async def _pool(
-    nursery: trio.Nursery, config: ServerConfig, starter: FakeStarter, lifecycle=None
+    nursery: trio.Nursery,
+    config: ServerConfig,
+    starter: FakeStarter,
+    lifecycle=None,
+    check_memory: bool = False,
 ) -> ModelPool:
     pool = ModelPool(
-        config, catalog_of(config), lifecycle or Lifecycle(), starter=starter, check_memory=False
+        config,
+        catalog_of(config),
+        lifecycle or Lifecycle(),
+        starter=starter,
+        check_memory=check_memory,
     )
     await nursery.start(pool.run)
     return pool
@@ -408,3 +420,35 @@ async def test_a_lease_is_held_until_the_stream_is_over() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         assert (await client.get("/")).text == "ab"
     assert events == ["sent", "sent", "released"]
+
+
+async def test_memory_idle_models_go_first_then_the_kv_cache_then_a_503(
+    autojump_clock, monkeypatch
+) -> None:
+    """Each model needs 3.5 GiB (1 of weights, 2 of KV cache, 0.5 of engine) and 0.5 GiB
+    stays free: with 8 GiB, two models fit; a third unloads the idle one; with both busy
+    it cannot fit (503); with a little more room it starts with a smaller KV cache."""
+    gib = 2**30
+    monkeypatch.setattr(
+        model_room, "estimate", lambda engine, kind, engines: MemoryNeed(gib, 2 * gib, gib // 2)
+    )
+    available = [8 * gib]
+    monkeypatch.setattr(model_room, "available_bytes", lambda: available[0])
+    starter = FakeStarter()
+    async with trio.open_nursery() as nursery:
+        pool = await _pool(nursery, _config("a", "b", "c"), starter, check_memory=True)
+        (await pool.acquire("b")).release()
+        assert starter.configs["b"].engine.cache.kv_cache_memory is None  # as configured
+        b_lease = await pool.acquire("b")
+        c_lease = await pool.acquire("c")  # "a" is idle and least recently used
+        assert starter.stopped == ["a"] and set(starter.running) == {"b", "c"}
+        with pytest.raises(APIError) as refused:
+            await pool.acquire("a")
+        assert refused.value.status == 503 and "does not fit in memory" in refused.value.message
+        assert "needs about 3.50 GiB" in refused.value.message
+        available[0] = 9 * gib + gib // 4  # 2.25 GiB for "a": 0.25 GiB of KV cache
+        (await pool.acquire("a")).release()
+        assert starter.configs["a"].engine.cache.kv_cache_memory == gib // 4
+        b_lease.release()
+        c_lease.release()
+        await pool.stop(1.0)
