@@ -61,9 +61,11 @@ class ResponsesAPI:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """The supervisor's hook: run background responses until `stop_background`,
-        first those a stopped server left."""
+        first those a stopped server left (read before ``task_status.started()``, so
+        before this server answers a request)."""
         store = self.store
-        resume = None if store is None else partial(self.background.resume_unfinished, store)
+        left = [] if store is None else await self.background.unfinished(store)
+        resume = partial(self.background.resume, store, left) if store and left else None
         await self.background.runs.serve(resume, task_status=task_status)
 
     def stop_background(self) -> None:
