@@ -94,6 +94,11 @@ class PoolModel:
             return False
         return self.serving is None or self.serving.engine.num_in_flight == 0
 
+    @property
+    def leaving(self) -> bool:
+        """Loaded, and to be unloaded or unloading: its memory comes free soon."""
+        return self.state == "unloading" or (self.state == "loaded" and self.unload_requested)
+
     def begin(self) -> None:
         """A new load starts."""
         self.state = "loading"
@@ -282,7 +287,7 @@ class ModelRoom:
             victim = self.idle_victim(model)
             if victim is not None:
                 self._unload(victim, f"the model {model.name} needs its memory")
-            if victim is not None or any(m.state == "unloading" for m in self.models.values()):
+            if victim is not None or any(m.leaving for m in self.models.values()):
                 await event.wait()
                 continue
             left = room - MARGIN - need.weights - need.overhead

@@ -48,18 +48,18 @@ def check_online(url: str, inputs: list[dict[str, Any]], outputs: list[dict[str,
 
 
 def test_batches_survive_a_killed_server_and_a_killed_engine(tmp_path: Path) -> None:
-    first = completion_lines(16, 32, prefix="before-")
-    run = kill_during_batch("sigkill-server-batch", tmp_path, ARGS, first, after=4)
+    first = completion_lines(8, 16, prefix="before-")
+    run = kill_during_batch("sigkill-server-batch", tmp_path, ARGS, first, after=2)
     server = run.server
     try:
         assert run.killed_exit == -signal.SIGKILL
-        assert 4 <= run.results_before_fault < len(first)  # killed in the middle
+        assert 2 <= run.results_before_fault < len(first)  # killed in the middle
         assert batch_failures(run, first) == []
         assert all(process_state(pid) in (None, "Z") for pid in run.tree)
 
-        second = completion_lines(16, 32, prefix="engine-")
+        second = completion_lines(8, 16, prefix="engine-")
         engine_run = kill_during_batch(
-            "sigkill-engine-batch", tmp_path, ARGS, second, after=4, server=server
+            "sigkill-engine-batch", tmp_path, ARGS, second, after=2, server=server
         )
         assert engine_run.results_before_fault < len(second)
         assert batch_failures(engine_run, second) == []

@@ -1,5 +1,6 @@
 """test_batches_api's tests of files and batches, run again with the server's store on
-PostgreSQL: results equal to the online answers with an error file, and a cancel."""
+PostgreSQL: results equal to the online answers, with an error file (the store-level
+tests run every unit of work on PostgreSQL too)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import pytest
 from tests.e2e.test_batches_api import (  # noqa: F401 (fixtures and tests run here too)
     batch_server,
     client,
-    test_a_cancelled_batch_stops_and_keeps_each_finished_line_once,
     test_batch_results_equal_the_online_answers_and_bad_lines_go_to_the_error_file,
-    test_files_upload_list_retrieve_download_delete,
 )
 from tests.support.postgres import PostgresServer
 

@@ -1,6 +1,6 @@
 """test_stored_responses' tests of the Responses API's stored side, run again with the
-server's store on PostgreSQL (replicas behind a router share one): a continuation, a
-deleted response, a background response, a conversation, and a restart."""
+server's store on PostgreSQL (replicas behind a router share one): a continuation and
+a restart (the store-level tests run every unit of work on PostgreSQL too)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ import pytest
 from tests.e2e.test_stored_responses import (  # noqa: F401 (fixtures and tests run here too)
     client,
     first_server,
-    test_a_background_response_is_polled_until_completed,
     test_a_continuation_says_what_the_whole_conversation_says,
-    test_a_conversation_is_the_context_and_keeps_the_turns,
-    test_a_deleted_response_is_not_found,
     test_stored_responses_survive_a_restart,
 )
 from tests.support.postgres import PostgresServer

@@ -132,7 +132,7 @@ async def test_without_a_store_the_routes_say_so() -> None:
     transport = httpx.ASGITransport(app=_app(None))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         answer = await http.get("/v1/files")
-    assert answer.status_code == 400
+    assert answer.status_code == 404
     assert answer.json()["error"]["code"] == "store_disabled"
     assert "--store-url none" in answer.json()["error"]["message"]
 

@@ -422,12 +422,12 @@ async def test_a_lease_is_held_until_the_stream_is_over() -> None:
     assert events == ["sent", "sent", "released"]
 
 
-async def test_memory_idle_models_go_first_then_the_kv_cache_then_a_503(
-    autojump_clock, monkeypatch
-) -> None:
+async def test_memory_idle_models_go_first_then_the_kv_cache_then_a_503(monkeypatch) -> None:
     """Each model needs 3.5 GiB (1 of weights, 2 of KV cache, 0.5 of engine) and 0.5 GiB
     stays free: with 8 GiB, two models fit; a third unloads the idle one; with both busy
-    it cannot fit (503); with a little more room it starts with a smaller KV cache."""
+    it cannot fit (503); with a little more room it starts with a smaller KV cache. (The
+    real clock: the estimate runs in a worker thread, which an autojump clock would not
+    wait for.)"""
     gib = 2**30
     monkeypatch.setattr(
         model_room, "estimate", lambda engine, kind, engines: MemoryNeed(gib, 2 * gib, gib // 2)

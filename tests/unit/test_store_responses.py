@@ -4,6 +4,7 @@ API's parameters (list queries, conversation items and metadata)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
@@ -11,9 +12,9 @@ from starlette.requests import Request
 
 from trio_llm.api.conversations import ConversationCreateRequest
 from trio_llm.api.errors import APIError
-from trio_llm.api.list_params import ListParams
 from trio_llm.api.response_items import context_items, stored_items
 from trio_llm.api.responses import check_items
+from trio_llm.api.store_routes import ListParams
 from trio_llm.store import Evicted, NotFound, RetentionPolicy, Store, conversations, responses
 from trio_llm.store.responses import StoredResponse
 from trio_llm.store.retention import sweep
@@ -189,10 +190,10 @@ async def test_an_unknown_after_is_a_400_naming_it(store: Store) -> None:
     store.transaction_sync(lambda tx: responses.insert(tx, _response("resp_1")))
     params = ListParams("msg_nope", 5, "asc")
     with pytest.raises(APIError) as raised:
-        await params.page(store, lambda tx, *page: responses.input_items(tx, "resp_1", *page))
+        await params.page(store, partial(responses.input_items, response_id="resp_1"))
     assert (raised.value.status, raised.value.param) == (400, "after")
     with pytest.raises(NotFound):  # an unknown response is the store's 404
-        await params.page(store, lambda tx, *page: responses.input_items(tx, "resp_2", *page))
+        await params.page(store, partial(responses.input_items, response_id="resp_2"))
 
 
 @pytest.mark.parametrize(

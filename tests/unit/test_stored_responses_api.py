@@ -82,11 +82,12 @@ async def test_without_a_store_nothing_is_stored_and_stateful_fields_are_refused
 
 
 async def test_a_locked_store_is_the_clients_error_not_a_crash(
-    smol_tokenizer, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smol_tokenizer, sqlite_store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # SQLite's lock (test_store_postgres and test_store_http_errors cover PostgreSQL's).
     monkeypatch.setattr("trio_llm.store.database.SQLITE_BUSY_TIMEOUT", 0.05)
-    store = open_store(store_url, tmp_path)
-    other = sqlite3.connect(store_url.removeprefix("sqlite:///"), isolation_level=None)
+    store = open_store(sqlite_store_url, tmp_path)
+    other = sqlite3.connect(sqlite_store_url.removeprefix("sqlite:///"), isolation_level=None)
     try:
         async with _client(smol_tokenizer, store) as (client, _):
             other.execute("BEGIN EXCLUSIVE")

@@ -11,7 +11,7 @@ generated. A response cancelled or deleted by another request is not written ove
 admit because it is stopping stays ``queued``, for the next start.
 
 At start-up the responses a stopped server left ``queued`` or ``in_progress`` run again
-from their stored request and context (`resume_unfinished`): the server that stopped
+from their stored request and context (`unfinished`, then `resume`): the server that stopped
 had answered nothing but ``queued``, and the stored request is all a run takes. One
 interrupted `MAX_RESUMES` times already fails instead ("the server stopped ... times"), so
 a request that kills the server cannot do so at every start.
@@ -144,14 +144,18 @@ class BackgroundResponses:
             serving.engine.release(admission)
         return plan.format.response(plan, run.choices)
 
-    async def resume_unfinished(self, store: Store) -> None:
-        """Run again the background responses a stopped server left queued or in
-        progress (or fail those interrupted `MAX_RESUMES` times already)."""
+    async def unfinished(self, store: Store) -> list[StoredResponse]:
+        """The background responses a stopped server left queued or in progress: read
+        before this server takes requests, so that none of its own is among them."""
         try:
-            left = await store.transaction(responses.unfinished)
+            return await store.transaction(responses.unfinished)
         except StoreError as exc:
             logger.error(f"store: unfinished background responses not read: {exc}")
-            return
+            return []
+
+    async def resume(self, store: Store, left: list[StoredResponse]) -> None:
+        """Run ``left`` (`unfinished`) again (or fail those interrupted `MAX_RESUMES`
+        times already)."""
         for stored in left:
             try:
                 await self._resume(store, stored)

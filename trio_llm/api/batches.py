@@ -20,7 +20,7 @@ from trio_llm.api.batch_runner import BatchRunner
 from trio_llm.api.errors import APIError, bad_request
 from trio_llm.api.model_router import ModelRouter, RouterEngines
 from trio_llm.api.request_body import RequestBody, Text, refuse_unimplemented
-from trio_llm.api.store_routes import list_query, require_store
+from trio_llm.api.store_routes import ListParams, need_store, stored_json
 from trio_llm.server_config import ServerConfig
 from trio_llm.store import NotFound, Store
 from trio_llm.store import batches as stored
@@ -112,7 +112,7 @@ def install_batch_routes(app: FastAPI, router: ModelRouter, config: ServerConfig
 
     @app.post("/v1/batches")
     async def create(request: Request) -> JSONResponse:
-        store = require_store(get_store(), "/v1/batches")
+        store = need_store(get_store(), "batches")
         body = await router.parse(BatchRequest, request)
         batch = await create_batch(body, store, router)
         wake()
@@ -120,19 +120,18 @@ def install_batch_routes(app: FastAPI, router: ModelRouter, config: ServerConfig
 
     @app.get("/v1/batches")
     async def list_batches(request: Request) -> JSONResponse:
-        store = require_store(get_store(), "/v1/batches")
-        limit, _, after = list_query(request, default_limit=20, max_limit=100, orders=False)
-        page = await store.transaction(partial(stored.list_batches, limit=limit, after=after))
-        return JSONResponse(page.body())
+        store = need_store(get_store(), "batches")
+        return await ListParams.of(request, orders=False).page(store, stored.list_batches)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve(batch_id: str) -> JSONResponse:
-        store = require_store(get_store(), "/v1/batches")
-        return JSONResponse(await store.transaction(partial(stored.get_batch, batch_id=batch_id)))
+        return await stored_json(
+            get_store(), "batches", partial(stored.get_batch, batch_id=batch_id)
+        )
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(batch_id: str) -> JSONResponse:
-        store = require_store(get_store(), "/v1/batches")
+        store = need_store(get_store(), "batches")
         try:
             batch = await store.transaction(partial(stored.request_cancel, batch_id=batch_id))
         except stored.BatchConflict as exc:

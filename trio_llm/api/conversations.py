@@ -20,12 +20,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, Field
 from starlette.types import Receive
 
-from trio_llm.api.list_params import ListParams
 from trio_llm.api.model_router import ModelRouter
 from trio_llm.api.request_body import RequestBody, Text
 from trio_llm.api.response_items import stored_items
-from trio_llm.api.response_store import need_store
 from trio_llm.api.responses import check_items
+from trio_llm.api.store_routes import ListParams, need_store
 from trio_llm.store import Store, conversations
 from trio_llm.store.objects import Page
 
@@ -110,14 +109,8 @@ class ConversationsAPI:
 
     async def list_items(self, request: Request) -> Response:
         """``GET /v1/conversations/{conversation_id}/items``: a page of its items."""
-        store, params, conversation_id = self._store(), ListParams.of(request), _id(request)
-        page = await params.page(
-            store,
-            lambda tx, after, limit, order: conversations.list_items(
-                tx, conversation_id, after, limit, order
-            ),
-        )
-        return JSONResponse(page)
+        work = partial(conversations.list_items, conversation_id=_id(request))
+        return await ListParams.of(request).page(self._store(), work)
 
     async def add_items(self, request: Request) -> Response:
         """``POST /v1/conversations/{conversation_id}/items``: append items; the list of

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from trio_llm.api.errors import APIError, bad_request
 from trio_llm.api.model_router import ModelRouter
-from trio_llm.api.store_routes import list_query, require_store
+from trio_llm.api.store_routes import ListParams, need_store, stored_json
 from trio_llm.server_config import ServerConfig
 from trio_llm.store import Store
 from trio_llm.store import files as stored
@@ -248,27 +248,23 @@ def install_file_routes(app: FastAPI, router: ModelRouter, config: ServerConfig)
 
     @app.post("/v1/files")
     async def create_file(request: Request) -> JSONResponse:
-        store = require_store(get_store(), "/v1/files")
+        store = need_store(get_store(), "files")
         return JSONResponse(await upload_file(request, store, config))
 
     @app.get("/v1/files")
     async def list_files(request: Request) -> JSONResponse:
-        store = require_store(get_store(), "/v1/files")
-        limit, order, after = list_query(request, default_limit=10000, max_limit=10000)
+        store = need_store(get_store(), "files")
+        params = ListParams.of(request, default_limit=10_000, max_limit=10_000)
         purpose = request.query_params.get("purpose")
-        page = await store.transaction(
-            partial(stored.list_files, purpose=purpose, limit=limit, order=order, after=after)
-        )
-        return JSONResponse(page.body())
+        return await params.page(store, partial(stored.list_files, purpose=purpose))
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str) -> JSONResponse:
-        store = require_store(get_store(), "/v1/files")
-        return JSONResponse(await store.transaction(partial(stored.get_file, file_id=file_id)))
+        return await stored_json(get_store(), "files", partial(stored.get_file, file_id=file_id))
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> Response:
-        store = require_store(get_store(), "/v1/files")
+        store = need_store(get_store(), "files")
         await store.transaction(partial(stored.get_file, file_id=file_id))
         try:
             handle = await trio.open_file(stored.content_path(store.files_dir, file_id), "rb")
@@ -281,7 +277,7 @@ def install_file_routes(app: FastAPI, router: ModelRouter, config: ServerConfig)
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> JSONResponse:
-        store = require_store(get_store(), "/v1/files")
+        store = need_store(get_store(), "files")
 
         def delete(tx: Any) -> None:
             stored.delete_file(tx, file_id, files_in_use(tx))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from trio_llm.api.errors import APIError, store_error
+from trio_llm.api.errors import store_error
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.store import Store, StoreError, Transaction, conversations, responses
 from trio_llm.store.responses import StoredResponse
@@ -66,19 +66,3 @@ async def update(store: Store, stored: StoredResponse, body: dict[str, Any]) -> 
     """
     work = partial(responses.update, response=stored.with_body(body))
     return await write(store, work, stored.id)
-
-
-def need_store(store: Store | None, kind: str) -> Store:
-    """The server's store, for a route of ``kind`` (``responses``, ``conversations``).
-
-    Raises:
-        APIError: 404 with ``--store-url none``: nothing is stored here.
-    """
-    if store is None:
-        raise APIError(
-            404,
-            f"this server keeps no {kind} (--store-url none)",
-            type="not_found_error",
-            code="not_found",
-        )
-    return store

@@ -36,11 +36,10 @@ class Route:
             a route with path parameters parses it itself: the name documents it).
         errors: the error body of this route and of every path under it (Anthropic's also
             comes with a ``request-id`` header on every response).
-        listed: named in the body of a 404 (the public API; docs/api.md has them all).
+        listed: named in the body of a 404 (the public API; docs/api.md has them all;
+            vLLM's utility routes, /health and /metrics are not).
         own_body_limit: the route limits its request body itself (an upload to
             ``/v1/files``: ``--max-file-size``); ``--max-request-body-bytes`` does not apply.
-        routed: the body's ``model`` chooses the model that answers
-            (`trio_llm.api.model_router`): the handler runs with a lease on it.
     """
 
     method: str
@@ -48,102 +47,66 @@ class Route:
     handler: str | None = None
     body: str | None = None
     errors: ErrorStyle = "openai"
-    listed: bool = False
+    listed: bool = True
     own_body_limit: bool = False
-    routed: bool = False
 
+    @property
+    def routed(self) -> bool:
+        """The body's ``model`` chooses the model that answers (`ROUTED_BODIES`;
+        `trio_llm.api.model_router`): the handler runs with a lease on it."""
+        return self.body in ROUTED_BODIES
+
+
+#: The request models whose ``model`` chooses the model that answers them.
+ROUTED_BODIES = frozenset(
+    (
+        "ChatCompletionRequest",
+        "CompletionRequest",
+        "ResponsesRequest",
+        "MessagesRequest",
+        "CountTokensRequest",
+        "EmbeddingRequest",
+    )
+)
+
+
+#: Paths of one stored response and one conversation (the table's rows fit a line each).
+_RESPONSE = "/v1/responses/{response_id}"
+_CONVERSATION = "/v1/conversations/{conversation_id}"
 
 ROUTES = (
-    Route(
-        "POST",
-        "/v1/chat/completions",
-        "respond",
-        "ChatCompletionRequest",
-        listed=True,
-        routed=True,
-    ),
-    Route("POST", "/v1/completions", "respond", "CompletionRequest", listed=True, routed=True),
-    Route(
-        "POST", "/v1/responses", "responses.create", "ResponsesRequest", listed=True, routed=True
-    ),
-    Route("GET", "/v1/responses/{response_id}", "responses.retrieve", listed=True),
-    Route("DELETE", "/v1/responses/{response_id}", "responses.delete", listed=True),
-    Route("GET", "/v1/responses/{response_id}/input_items", "responses.input_items", listed=True),
-    Route("POST", "/v1/responses/{response_id}/cancel", "responses.cancel", listed=True),
-    Route(
-        "POST",
-        "/v1/conversations",
-        "conversations.create",
-        "ConversationCreateRequest",
-        listed=True,
-    ),
-    Route("GET", "/v1/conversations/{conversation_id}", "conversations.retrieve", listed=True),
-    Route(
-        "POST",
-        "/v1/conversations/{conversation_id}",
-        "conversations.update",
-        "ConversationUpdateRequest",
-        listed=True,
-    ),
-    Route("DELETE", "/v1/conversations/{conversation_id}", "conversations.delete", listed=True),
-    Route(
-        "GET",
-        "/v1/conversations/{conversation_id}/items",
-        "conversations.list_items",
-        listed=True,
-    ),
-    Route(
-        "POST",
-        "/v1/conversations/{conversation_id}/items",
-        "conversations.add_items",
-        "ConversationItemsRequest",
-        listed=True,
-    ),
-    Route(
-        "GET",
-        "/v1/conversations/{conversation_id}/items/{item_id}",
-        "conversations.get_item",
-        listed=True,
-    ),
-    Route(
-        "DELETE",
-        "/v1/conversations/{conversation_id}/items/{item_id}",
-        "conversations.delete_item",
-        listed=True,
-    ),
-    Route(
-        "POST",
-        "/v1/messages",
-        "respond_as",
-        "MessagesRequest",
-        "anthropic",
-        listed=True,
-        routed=True,
-    ),
-    Route(
-        "POST",
-        "/v1/messages/count_tokens",
-        "count_tokens",
-        "CountTokensRequest",
-        "anthropic",
-        listed=True,
-        routed=True,
-    ),
-    Route("POST", "/v1/embeddings", "embed", "EmbeddingRequest", listed=True, routed=True),
-    Route("GET", "/v1/models", listed=True),
+    Route("POST", "/v1/chat/completions", "respond", "ChatCompletionRequest"),
+    Route("POST", "/v1/completions", "respond", "CompletionRequest"),
+    Route("POST", "/v1/responses", "responses.create", "ResponsesRequest"),
+    Route("GET", _RESPONSE, "responses.retrieve"),
+    Route("DELETE", _RESPONSE, "responses.delete"),
+    Route("GET", f"{_RESPONSE}/input_items", "responses.input_items"),
+    Route("POST", f"{_RESPONSE}/cancel", "responses.cancel"),
+    Route("POST", "/v1/conversations", "conversations.create", "ConversationCreateRequest"),
+    Route("GET", _CONVERSATION, "conversations.retrieve"),
+    Route("POST", _CONVERSATION, "conversations.update", "ConversationUpdateRequest"),
+    Route("DELETE", _CONVERSATION, "conversations.delete"),
+    Route("GET", f"{_CONVERSATION}/items", "conversations.list_items"),
+    Route("POST", f"{_CONVERSATION}/items", "conversations.add_items", "ConversationItemsRequest"),
+    Route("GET", f"{_CONVERSATION}/items/{{item_id}}", "conversations.get_item"),
+    Route("DELETE", f"{_CONVERSATION}/items/{{item_id}}", "conversations.delete_item"),
+    Route("POST", "/v1/messages", "respond_as", "MessagesRequest", "anthropic"),
+    Route("POST", "/v1/messages/count_tokens", "count_tokens", "CountTokensRequest", "anthropic"),
+    Route("POST", "/v1/embeddings", "embed", "EmbeddingRequest"),
+    Route("GET", "/v1/models"),
     # Files and batches (issue 34); the paths under them are registered with these.
-    Route("POST", "/v1/files", listed=True, own_body_limit=True),
-    Route("GET", "/v1/files", listed=True),
-    Route("POST", "/v1/batches", listed=True),
-    Route("GET", "/v1/batches", listed=True),
-    Route("POST", "/tokenize"),
-    Route("POST", "/detokenize"),
+    Route("POST", "/v1/files", own_body_limit=True),
+    Route("GET", "/v1/files"),
+    Route("POST", "/v1/batches"),
+    Route("GET", "/v1/batches"),
+    Route("POST", "/tokenize", listed=False),
+    Route("POST", "/detokenize", listed=False),
+    Route("GET", "/health", listed=False),
+    Route("GET", "/metrics", listed=False),
     # A server of several models (issue 35): llama.cpp's router routes.
-    Route("POST", "/models/load"),
-    Route("POST", "/models/unload"),
-    Route("POST", "/models/reload"),
-    Route("GET", "/health"),
-    Route("GET", "/metrics"),
+    Route("POST", "/models/load", listed=False),
+    Route("POST", "/models/unload", listed=False),
+    Route("POST", "/models/reload", listed=False),
 )
 
 #: ``METHOD /path`` of the routes a 404 lists, in the table's order.

@@ -28,14 +28,14 @@ from starlette.types import Receive
 from trio_llm.api.background_responses import BackgroundResponses
 from trio_llm.api.disconnect import Emit, EventStreamResponse
 from trio_llm.api.errors import APIError, bad_request, store_error
-from trio_llm.api.list_params import ListParams
 from trio_llm.api.model_router import ModelRouter, as_router
 from trio_llm.api.request_body import check_json_text
 from trio_llm.api.response_format import Plan
-from trio_llm.api.response_store import need_store, record, stored_form, write
+from trio_llm.api.response_store import record, stored_form, write
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.api.responses_format import ResponsesFormat
 from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from trio_llm.api.store_routes import ListParams, need_store
 from trio_llm.errors import CONTEXT_LENGTH_EXCEEDED
 from trio_llm.store import Evicted, NotFound, Store, conversations, responses
 from trio_llm.store.objects import now
@@ -65,9 +65,11 @@ class ResponsesAPI:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """The supervisor's hook: run background responses until `stop_background`,
-        first those a stopped server left."""
+        first those a stopped server left (read before ``task_status.started()``, so
+        before this server answers a request)."""
         store = self.store
-        resume = None if store is None else partial(self.background.resume_unfinished, store)
+        left = [] if store is None else await self.background.unfinished(store)
+        resume = partial(self.background.resume, store, left) if store and left else None
         await self.background.runs.serve(resume, task_status=task_status)
 
     def stop_background(self) -> None:
@@ -205,16 +207,8 @@ class ResponsesAPI:
     async def input_items(self, request: Request) -> Response:
         """``GET /v1/responses/{response_id}/input_items``: the items the response was
         generated from (its earlier context too), a page of them."""
-        store = self._need_store()
-        params = ListParams.of(request)
-        response_id = request.path_params["response_id"]
-        page = await params.page(
-            store,
-            lambda tx, after, limit, order: responses.input_items(
-                tx, response_id, after, limit, order
-            ),
-        )
-        return JSONResponse(page)
+        work = partial(responses.input_items, response_id=request.path_params["response_id"])
+        return await ListParams.of(request).page(self._need_store(), work)
 
     async def cancel(self, request: Request) -> Response:
         """``POST /v1/responses/{response_id}/cancel``: stop a background response (its

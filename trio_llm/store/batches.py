@@ -169,8 +169,9 @@ def get_batch(tx: Transaction, batch_id: str) -> dict[str, Any]:
     return _with_counts(tx, _load(tx, batch_id))
 
 
-def list_batches(tx: Transaction, *, limit: int, after: str | None) -> Page:
-    """A page of Batch objects, newest first, following the batch ``after``.
+def list_batches(tx: Transaction, *, limit: int, after: str | None, order: str = "desc") -> Page:
+    """A page of Batch objects, newest first (the Batch API has no other ``order``),
+    following the batch ``after``.
 
     Raises:
         NotFound: ``after`` is not a stored batch.

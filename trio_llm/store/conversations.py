@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from trio_llm.store.database import Transaction
-from trio_llm.store.objects import NotFound, Page, dumps, loads, missing, new_id, now
+from trio_llm.store.objects import NotFound, Page, dumps, loads, missing, new_id, now, row_of
 
 #: The prefix of conversation ids.
 ID_PREFIX = "conv_"
@@ -50,9 +50,8 @@ def get(tx: Transaction, conversation_id: str) -> dict[str, Any]:
     Raises:
         NotFound: no such conversation (`Evicted` where the retention removed it).
     """
-    row = tx.one("SELECT created_at, metadata FROM conversations WHERE id = ?", (conversation_id,))
-    if row is None:
-        raise missing(tx, "conversation", conversation_id)
+    sql = "SELECT created_at, metadata FROM conversations WHERE id = ?"
+    row = row_of(tx, "conversation", sql, conversation_id)
     return _body(conversation_id, int(row[0]), loads(row[1]))
 
 
@@ -162,13 +161,7 @@ def get_item(tx: Transaction, conversation_id: str, item_id: str) -> dict[str, A
         NotFound: no such conversation, or no such item in it.
     """
     get(tx, conversation_id)
-    row = tx.one(
-        "SELECT item FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
-        (conversation_id, item_id),
-    )
-    if row is None:
-        raise NotFound("conversation item", item_id)
-    return loads(row[0])
+    return loads(_item_column(tx, "item", conversation_id, item_id, "conversation item"))
 
 
 def delete_item(tx: Transaction, conversation_id: str, item_id: str) -> dict[str, Any]:
@@ -190,10 +183,21 @@ def delete_item(tx: Transaction, conversation_id: str, item_id: str) -> dict[str
 
 
 def _seq(tx: Transaction, conversation_id: str, item_id: str) -> int:
+    return int(_item_column(tx, "seq", conversation_id, item_id, "item"))
+
+
+def _item_column(
+    tx: Transaction, column: str, conversation_id: str, item_id: str, kind: str
+) -> Any:
+    """``column`` (``item`` or ``seq``) of one item of the conversation.
+
+    Raises:
+        NotFound: of ``kind``, when the conversation has no such item.
+    """
     row = tx.one(
-        "SELECT seq FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
+        f"SELECT {column} FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
         (conversation_id, item_id),
     )
     if row is None:
-        raise NotFound("item", item_id)
-    return int(row[0])
+        raise NotFound(kind, item_id)
+    return row[0]

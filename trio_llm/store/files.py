@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trio_llm.store.database import StoreError, Transaction
-from trio_llm.store.objects import Page, missing, new_ordered_id
+from trio_llm.store.objects import Page, missing, new_ordered_id, row_of
 
 logger = logging.getLogger(__name__)
 
@@ -190,10 +190,7 @@ def get_file(tx: Transaction, file_id: str) -> dict[str, Any]:
     Raises:
         NotFound: no such file (`Evicted` when the retention removed it).
     """
-    row = tx.one(f"SELECT {_COLUMNS} FROM files WHERE id = ?", (file_id,))
-    if row is None:
-        raise missing(tx, "file", file_id)
-    return file_object(row)
+    return file_object(row_of(tx, "file", f"SELECT {_COLUMNS} FROM files WHERE id = ?", file_id))
 
 
 def list_files(

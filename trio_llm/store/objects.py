@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trio_llm.store.database import StoreError, Transaction
+from trio_llm.store.database import Row, StoreError, Transaction
 
 #: The kinds of stored object, as the errors name them.
 Kind = Literal["response", "conversation", "conversation item", "file", "batch"]
@@ -66,6 +66,18 @@ def dumps(value: Any) -> str:
 def loads(text: str) -> Any:
     """The value of a JSON column."""
     return json.loads(text)
+
+
+def row_of(tx: Transaction, kind: Kind, sql: str, object_id: str) -> Row:
+    """The row ``sql`` (a query with one ``?``, the id) finds for ``object_id``.
+
+    Raises:
+        NotFound: none (`Evicted` where the retention removed it: `missing`).
+    """
+    row = tx.one(sql, (object_id,))
+    if row is None:
+        raise missing(tx, kind, object_id)
+    return row
 
 
 def missing(tx: Transaction, kind: Kind, object_id: str) -> NotFound:

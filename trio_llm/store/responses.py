@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from trio_llm.store.database import Row, Transaction
-from trio_llm.store.objects import Page, dumps, loads, missing, page_after
+from trio_llm.store.objects import Page, dumps, loads, missing, page_after, row_of
 from trio_llm.store.retention import ACTIVE_RESPONSE
 
 _COLUMNS = (
@@ -121,10 +121,8 @@ def get(tx: Transaction, response_id: str) -> StoredResponse:
     Raises:
         NotFound: no such response (`Evicted` where the retention removed it).
     """
-    row = tx.one(f"SELECT {_COLUMNS} FROM responses WHERE id = ?", (response_id,))
-    if row is None:
-        raise missing(tx, "response", response_id)
-    return _from_row(row)
+    sql = f"SELECT {_COLUMNS} FROM responses WHERE id = ?"
+    return _from_row(row_of(tx, "response", sql, response_id))
 
 
 def update(tx: Transaction, response: StoredResponse) -> bool:
