@@ -3,20 +3,17 @@
 is the app's `trio_llm.api.model_router.ModelRouter`.
 
 Each loaded model is a task of the pool's nursery (`ModelPool.run`, in the supervisor's
-engines' nursery) that owns the model's engines from start to stop: it takes a place
-(``--max-loaded-models``: the least recently used idle model is unloaded first) and checks
-the memory (`trio_llm.model_memory`; idle models are unloaded first, then the KV cache is
-made smaller, then a 503), starts the engines (`trio_llm.engine_fleet.run_model`), serves
-until it is unloaded (``POST /models/unload``), idle past its ``keep_alive``, evicted, or
-its engines failed for good, then stops them. A request for a model that is not loaded
-starts its load and waits (``--engine-restart-wait`` seconds, then 503) while others are
-served. A model that failed to load answers its requests with the load error and is tried
-again by a request after a backoff (or at once by ``POST /models/load``).
+engines' nursery) that owns its engines from start to stop: it makes room
+(`trio_llm.model_room`: a place under ``--max-loaded-models``, memory), starts the engines
+(`trio_llm.engine_fleet.run_model`), serves until unloaded (``POST /models/unload``), idle
+past its ``keep_alive``, evicted, or its engines failed for good, then stops them. A
+request for a model not loaded starts its load and waits (``--engine-restart-wait``, then
+503) while others are served; a model that failed to load answers with the load error and
+is tried again by a request after a backoff (at once by ``POST /models/load``).
 
-The first model (the default) is loaded before the server binds its port. On a server of
-one model (one ``--model``, no ``--models-dir``) nothing else changes: its engines failing
-for good stop the server (exit 1), and it is unloaded only when asked. On a server of
-several, a model's failure is that model's only.
+The first (default) model loads before the server binds its port. On a server of one
+model nothing else changes: its engines failing for good stop the server (exit 1), and it
+is unloaded only when asked. On a server of several, a model's failure is its own.
 """
 
 from __future__ import annotations
@@ -175,13 +172,17 @@ class ModelPool(ModelRouter):
 
     # ------------------------------------------------------------ requests
 
-    def _model_of(self, name: str | None) -> PoolModel:
+    def _model_of(self, name: str | None, *, strict: bool = True) -> PoolModel:
         """The model ``name`` names (None: the default).
 
         Raises:
-            APIError: 404 for a name the catalog does not have.
+            APIError: 404 for a name the catalog does not have; a request to a server of
+                one model (not ``strict``) goes to it instead, whose handlers answer the
+                404 after checking the body, as they always did.
         """
         entry = self.catalog.default if name is None else self.catalog.get(name)
+        if entry is None and not strict and not self.several:
+            entry = self.catalog.default
         if entry is None:
             raise unknown_model(str(name), self.catalog.names())
         model = self._models.get(entry)
@@ -190,7 +191,8 @@ class ModelPool(ModelRouter):
         return model
 
     async def acquire(self, name: str | None, keep_alive: KeepAlive = UNCHANGED) -> Lease:
-        return await self._acquire(self._model_of(name), keep_alive, self.config.restart.wait)
+        model = self._model_of(name, strict=False)
+        return await self._acquire(model, keep_alive, self.config.restart.wait)
 
     async def _acquire(self, model: PoolModel, keep_alive: KeepAlive, wait: float) -> Lease:
         """A lease on ``model``, loading it first if need be (waiting ``wait`` seconds)."""

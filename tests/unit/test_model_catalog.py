@@ -65,3 +65,68 @@ def test_flags_win_name_clashes_and_a_rescan_follows_the_folder(tmp_path: Path) 
 def test_no_model_at_all_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no model to serve"):
         Catalog([], tmp_path)
+
+
+def _config(*argv: str):
+    from trio_llm.cli import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_the_flags_of_several_models_make_the_servers_catalog(tmp_path: Path) -> None:
+    from trio_llm.model_catalog import catalog_of
+
+    one = _config("--model", "m.gguf", "--served-model-name", "a", "b")
+    assert not one.models.several and one.served_model_names == ("a", "b")
+    assert catalog_of(one).names() == ["a", "b"]
+    models = tmp_path / "models"
+    _hf(models / "extra")
+    several = _config(
+        "--model", "m1", "--served-model-name", "chat",
+        "--model", "m2",
+        "--models-dir", str(models),
+        "--max-loaded-models", "2",
+        "--keep-alive", "5m",
+    )  # fmt: skip
+    assert several.models.several and several.engine.model.model == "m1"
+    assert several.models.max_loaded_models == 2 and several.models.keep_alive == 300.0
+    catalog = catalog_of(several)
+    assert catalog.names() == ["chat", "m2", "extra"] and catalog.default.model == "m1"
+    # A models folder alone: its first model is the default.
+    folder_only = _config("--models-dir", str(models))
+    assert folder_only.engine.model.model == str((models / "extra").resolve())
+    assert _config("--keep-alive", "-1").models.keep_alive is None
+    assert _config("--keep-alive", "0").models.keep_alive == 0.0
+    assert _config("--max-loaded-models", "0").models.max_loaded_models is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--served-model-name", "a", "--served-model-name", "b"], "2 --served-model-name"),
+        (["--model", "x", "--model", "y", "--served-model-name", "s", "--served-model-name", "s"],
+         "given to both"),
+    ],
+)  # fmt: skip
+def test_served_name_groups_that_do_not_fit_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _config(*argv)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("5m", 300.0), ("30s", 30.0), ("1h30m", 5400.0), ("300", 300.0), ("-1", None),
+     ("forever", None), ("0", 0.0), (12, 12.0), (-5, None)],
+)  # fmt: skip
+def test_keep_alive_durations(text: object, seconds: float | None) -> None:
+    from trio_llm.server_config import keep_alive_seconds
+
+    assert keep_alive_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "", "5x", True, [1], "nan"])
+def test_keep_alive_refuses_what_is_not_a_duration(text: object) -> None:
+    from trio_llm.server_config import keep_alive_seconds
+
+    with pytest.raises(ValueError, match="keep_alive"):
+        keep_alive_seconds(text)

@@ -348,6 +348,12 @@ async def test_a_single_models_engines_failing_stop_the_server(autojump_clock) -
     async with trio.open_nursery() as nursery:
         pool = await _pool(nursery, _config("a"), starter, lifecycle)
         assert not pool.several
+        # Any name reaches the one model, whose handlers answer an unknown one with the
+        # 404 after checking the body, as a server of one model always did...
+        (await pool.acquire("nope")).release()
+        with pytest.raises(APIError) as unknown:  # ...but only a real name loads
+            await pool.load("nope")
+        assert unknown.value.status == 404
         _, owner = starter.running["a"]
         owner.request_stop("engine core died: boom", exit_code=1)
         assert lifecycle.stop_requested.is_set() and lifecycle.exit_code == 1
