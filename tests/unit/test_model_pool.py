@@ -401,6 +401,8 @@ async def test_peek_reads_model_and_keep_alive() -> None:
     assert await peek_model(b'{"model": "m", "keep_alive": -1}') == ("m", None)
     assert await peek_model(b'{"model": 7}') == (None, UNCHANGED)
     assert await peek_model(b"not json") == (None, UNCHANGED)
+    deep = b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert await peek_model(deep) == (None, UNCHANGED)  # the default model's parsing names it
     with pytest.raises(APIError) as bad:
         await peek_model(b'{"keep_alive": "soon"}')
     assert bad.value.param == "keep_alive"

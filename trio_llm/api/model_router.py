@@ -339,8 +339,10 @@ def keep_alive_of(value: Any) -> KeepAlive:
 def _peek(body: bytes) -> tuple[str | None, KeepAlive]:
     try:
         peeked = _PEEK.decode(body)
-    except msgspec.MsgspecError:
-        return None, UNCHANGED  # not a JSON object: the default model's parsing says so
+    except (msgspec.MsgspecError, RecursionError):
+        # not a JSON object, or nested past the decoder's reach: the default model's
+        # parsing names the error
+        return None, UNCHANGED
     model = peeked.model if isinstance(peeked.model, str) else None
     return model, keep_alive_of(peeked.keep_alive)
 
