@@ -197,6 +197,35 @@ class AppAnswer:
     body: bytes
 
 
+def json_post_scope(
+    path: str,
+    headers: Mapping[str, str] | None = None,
+    *,
+    host: str,
+    client: tuple[str, int] | None = None,
+    server: tuple[str, int | None] | None = None,
+) -> dict[str, Any]:
+    """The ASGI scope of an HTTP/1.1 ``POST path`` with a JSON body to ``host``, with more
+    request ``headers``, from ``client`` to ``server`` (None: not a socket)."""
+    all_headers = [(b"content-type", b"application/json"), (b"host", host.encode())]
+    all_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": all_headers,
+        "client": client,
+        "server": server,
+        "state": {},
+    }
+
+
 async def call_app(
     app: ASGIApp,
     path: str,
@@ -214,24 +243,8 @@ async def call_app(
             engine work and the call returns what the app answered, if anything).
     """
     leave = trio.Event() if leave is None else leave
-    all_headers = [(b"content-type", b"application/json"), (b"host", b"batch")]
-    all_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": all_headers,
-        "client": None,
-        "server": None,
-        "state": {},
-        LANE_SCOPE_KEY: BATCH_LANE,
-    }
+    scope = json_post_scope(path, headers, host="batch")
+    scope[LANE_SCOPE_KEY] = BATCH_LANE
     sent = False
     status = 0
     chunks: list[bytes] = []

@@ -33,7 +33,7 @@ from trio_llm.api.formats import ChatFormat
 from trio_llm.api.request_body import INT32_MAX, Priority, RequestBody, Text, TokenId
 from trio_llm.api.response_format import Plan
 from trio_llm.errors import ContextLengthError, InvalidRequest
-from trio_llm.frontend.engine_client import Admission
+from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.messages import EngineReady, SamplingParams

@@ -19,9 +19,10 @@ from trio_llm.api.disconnect import run_while_connected
 from trio_llm.api.errors import engine_error
 from trio_llm.api.response_format import Plan
 from trio_llm.errors import EngineError
-from trio_llm.frontend.engine_client import Admission, RequestStream
+from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.preprocess import run_all
+from trio_llm.frontend.request_stream import RequestStream
 from trio_llm.text.choice import Choice, ChoiceDelta
 
 #: What a caller of `run_choices` is given for each piece of a choice's output.

@@ -56,7 +56,7 @@ from trio_llm.api.run_choices import run_choices, run_connected
 from trio_llm.api.streaming import Finish, Stream
 from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.errors import EngineError, InvalidRequest
-from trio_llm.frontend.engine_client import Admission
+from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.preprocess import InputPreprocessor

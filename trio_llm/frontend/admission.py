@@ -7,7 +7,7 @@ waiting line is full or the server drains), then turns them into engine requests
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 #: Requests to open together (the choices of one API request): ``(prompt_token_ids,
 #: params)`` each.
 Requests = Sequence[tuple[list[int], SamplingParams]]
+#: What a handle's `AdmissionControl._prepare` returns: given the requests' `Scheduling`,
+#: a context that sends them and yields their streams (aborting the unfinished on exit).
+Submit = Callable[[Scheduling], AbstractAsyncContextManager[list["RequestStream"]]]
 
 
 @dataclass
@@ -42,7 +45,7 @@ class AdmissionControl:
 
     A subclass calls `_init_admissions` and defines `_check_open` (raise when no
     request can be served), `num_waiting`, `_num_open` (requests open now) and
-    `open_requests`.
+    `_prepare` (its part of `open_requests`).
     """
 
     draining: bool
@@ -112,14 +115,42 @@ class AdmissionControl:
         if self._num_open() == 0 and self._num_reserved == 0:
             self._idle.set()
 
-    def open_requests(
+    @asynccontextmanager
+    async def open_requests(
         self,
         requests: Requests,
         admission: Admission | None = None,
         scheduling: Scheduling = DEFAULT_SCHEDULING,
-    ) -> AbstractAsyncContextManager[list[RequestStream]]:
-        """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams
-        (see `trio_llm.frontend.engine_client.EngineClient.open_requests`)."""
+    ) -> AsyncIterator[list[RequestStream]]:
+        """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams.
+
+        Leaving the block before a stream finished (an exception, a cancellation, a
+        client that left, a stop string) aborts that request in the engine, which frees
+        its KV blocks.
+
+        Args:
+            admission: places reserved with `admit`; consumed here (released once the
+                handle's `_prepare` has opened the requests, which then count instead).
+            scheduling: the priority and lane of every one of them (`Scheduling`).
+
+        Raises:
+            EngineError: no engine serves, the server is stopping (before anything is
+                sent), or the engine is restarting and not ready in time.
+        """
+        try:
+            if admission is None and self.draining:
+                raise EngineShutdownError("the server is shutting down")
+            submit = await self._prepare(requests)
+        finally:
+            if admission is not None:
+                self.release(admission)
+        async with submit(scheduling) as streams:
+            yield streams
+
+    async def _prepare(self, requests: Requests) -> Submit:
+        """The handle's own part of `open_requests` before the admission is released:
+        count ``requests`` as open (synchronously, after its last checkpoint) and return
+        what sends them and yields their streams."""
         raise NotImplementedError
 
     @asynccontextmanager

@@ -31,14 +31,15 @@ import itertools
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 
 import trio
 
 from trio_llm.errors import EngineDeadError, EngineError, EngineShutdownError
-from trio_llm.frontend.admission import Admission, AdmissionControl, Requests
+from trio_llm.frontend.admission import Admission, AdmissionControl, Requests, Submit
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.request_stream import RequestStream
-from trio_llm.messages import DEFAULT_SCHEDULING, EngineReady, Scheduling
+from trio_llm.messages import EngineReady, Scheduling
 
 #: Open requests by which the engine holding a prompt's prefix may exceed the least-loaded
 #: one and still be chosen for it.
@@ -227,32 +228,25 @@ class DataParallelClient(AdmissionControl):
 
     # ------------------------------------------------------------ requests
 
-    @asynccontextmanager
-    async def open_requests(
-        self,
-        requests: Requests,
-        admission: Admission | None = None,
-        scheduling: Scheduling = DEFAULT_SCHEDULING,
-    ) -> AsyncIterator[list[RequestStream]]:
-        """Submit requests to one engine (`route` on the first prompt) and yield their
-        streams; as `EngineClient.open_requests`.
+    async def _prepare(self, requests: Requests) -> Submit:
+        """Choose the engine (`route` on the first prompt) and move the places to it
+        (see `AdmissionControl.open_requests`).
 
         Raises:
-            EngineError: no engine serves, the server is stopping, or the chosen engine
-                is restarting and not ready in time.
+            EngineError: no engine serves, or the chosen one is stopping.
         """
+        engine = self._engines[self.route(requests[0][0] if requests else [])]
+        # The places move from this handle to the engine in one synchronous step.
+        inner = engine.admit(len(requests), None)
         self._num_open_calls += 1
         self._busy()
+        return partial(self._submit, engine, requests, inner)
+
+    @asynccontextmanager
+    async def _submit(
+        self, engine: EngineClient, requests: Requests, inner: Admission, scheduling: Scheduling
+    ) -> AsyncIterator[list[RequestStream]]:
         try:
-            try:
-                if admission is None and self.draining:
-                    raise EngineShutdownError("the server is shutting down")
-                engine = self._engines[self.route(requests[0][0] if requests else [])]
-                # The places move from this handle to the engine in one synchronous step.
-                inner = engine.admit(len(requests), None)
-            finally:
-                if admission is not None:
-                    self.release(admission)
             async with engine.open_requests(requests, inner, scheduling) as streams:
                 yield streams
         finally:

@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import trio
 
@@ -35,7 +36,7 @@ from trio_llm.errors import (
     EngineRestartingError,
     EngineShutdownError,
 )
-from trio_llm.frontend.admission import Admission, AdmissionControl, Requests
+from trio_llm.frontend.admission import AdmissionControl, Requests, Submit
 from trio_llm.frontend.liveness import HealthWatch
 from trio_llm.frontend.request_stream import Mailbox, RequestStream, deliver
 from trio_llm.frontend.request_timing import (
@@ -45,7 +46,6 @@ from trio_llm.frontend.request_timing import (
     record_finished,
 )
 from trio_llm.messages import (
-    DEFAULT_SCHEDULING,
     AddRequest,
     EngineFailed,
     EngineReady,
@@ -203,43 +203,32 @@ class EngineClient(AdmissionControl):
 
     # ------------------------------------------------------------ requests
 
-    @asynccontextmanager
-    async def open_requests(
-        self,
-        requests: Requests,
-        admission: Admission | None = None,
-        scheduling: Scheduling = DEFAULT_SCHEDULING,
-    ) -> AsyncIterator[list[RequestStream]]:
-        """Submit requests (``(prompt_token_ids, params)`` each) and yield their streams.
-
-        Leaving the block before a stream finished (an exception, a cancellation, a
-        client that left, a stop string) aborts that request in the engine, which frees
-        its KV blocks; all of them go in one `AbortRequests` message.
-
-        Args:
-            admission: places reserved with `admit`; consumed here (released on exit).
-            scheduling: the priority and lane of every one of them (`Scheduling`).
+    async def _prepare(self, requests: Requests) -> Submit:
+        """Wait until the engine serves, then open a mailbox for each request (see
+        `AdmissionControl.open_requests`).
 
         Raises:
-            EngineError: the engine is dead or stopping (before anything is sent), or
-                it is restarting and not ready within ``restart_wait`` seconds.
+            EngineError: the engine is dead or stopping, or it is restarting and not
+                ready within ``restart_wait`` seconds.
         """
-        try:
-            if admission is None and self.draining:
-                raise EngineShutdownError("the server is shutting down")
-            await self._wait_ready()
-            now = time.monotonic()
-            streams: list[RequestStream] = []
-            for prompt_token_ids, _ in requests:
-                request_id = f"{self._prefix}{next(self._ids)}"
-                mailbox = Mailbox(RequestRecord(len(prompt_token_ids), now))
-                self._mailboxes[request_id] = mailbox
-                streams.append(RequestStream(request_id, mailbox, self))
-            if streams:
-                self._busy()
-        finally:
-            if admission is not None:
-                self.release(admission)  # the mailboxes now count as waiting
+        await self._wait_ready()
+        now = time.monotonic()
+        streams: list[RequestStream] = []
+        for prompt_token_ids, _ in requests:
+            request_id = f"{self._prefix}{next(self._ids)}"
+            mailbox = Mailbox(RequestRecord(len(prompt_token_ids), now))
+            self._mailboxes[request_id] = mailbox
+            streams.append(RequestStream(request_id, mailbox, self))
+        if streams:
+            self._busy()
+        return partial(self._submit, requests, streams)
+
+    @asynccontextmanager
+    async def _submit(
+        self, requests: Requests, streams: list[RequestStream], scheduling: Scheduling
+    ) -> AsyncIterator[list[RequestStream]]:
+        """Send the `AddRequest` of each of ``streams``, yield them; on exit abort the
+        unfinished ones, all in one `AbortRequests` message."""
         # The choices of one API request share a group: the engine shares batch slots
         # fairly between groups, not between choices.
         group = streams[0].request_id if len(streams) > 1 else None
