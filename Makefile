@@ -46,38 +46,34 @@ format: install
 	$(BIN)/ruff check --fix trio_llm tests bench examples
 	$(BIN)/ruff format trio_llm tests bench examples
 
-# Chromium for tests/e2e/test_chat_page.py: the Debian package, never Playwright's own download.
-# Best effort: where it cannot be installed (not root, no apt-get, no network) that test skips.
-browser:
-	@if command -v chromium >/dev/null 2>&1; then :; \
+# $(call apt_best_effort,PACKAGE,CHECK,WHAT): install the Debian PACKAGE unless the shell
+# command CHECK succeeds, as root with apt-get; best effort: where it cannot be installed
+# (not root, no apt-get, no network) WHAT skips.
+define apt_best_effort
+	@if $(2); then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing chromium (apt-get) for the browser test"; \
+		echo "installing $(1) (apt-get) for $(3)"; \
 		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
+		apt-get install -y -qq --no-install-recommends $(1) >/dev/null 2>&1 \
 		|| { apt-get update -qq >/dev/null 2>&1 \
-			&& apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; } \
-		|| echo "could not install chromium; the browser test will skip"; \
+			&& apt-get install -y -qq --no-install-recommends $(1) >/dev/null 2>&1; } \
+		|| echo "could not install $(1); $(3) will skip"; \
 	else \
-		echo "no chromium (as root: apt-get install chromium); the browser test will skip"; \
+		echo "no $(1) (as root: apt-get install $(1)); $(3) will skip"; \
 	fi
+endef
+
+# Chromium for tests/e2e/test_chat_page.py: the Debian package, never Playwright's own download.
+browser:
+	$(call apt_best_effort,chromium,command -v chromium >/dev/null 2>&1,the browser test)
 
 # PostgreSQL's server programs for the store's PostgreSQL tests (tests/support/postgres.py
-# runs its own server, as the `postgres` user when root, in a temp folder): the Debian
-# package. Best effort, as `browser`: where it cannot be installed those tests skip.
-# (Where services start on install, Debian's package also starts its own cluster on 5432;
-# the tests do not use it.)
+# runs its own server, as the `postgres` user when root, in a temp folder). (Where services
+# start on install, Debian's package also starts its own cluster on 5432; the tests do not
+# use it.)
+PG_CHECK := ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1
 postgres:
-	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing postgresql (apt-get) for the PostgreSQL store tests"; \
-		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get install -y -qq --no-install-recommends postgresql >/dev/null 2>&1 \
-		|| { apt-get update -qq >/dev/null 2>&1 \
-			&& apt-get install -y -qq --no-install-recommends postgresql >/dev/null 2>&1; } \
-		|| echo "could not install postgresql; the PostgreSQL store tests will skip"; \
-	else \
-		echo "no PostgreSQL (as root: apt-get install postgresql); the PostgreSQL store tests will skip"; \
-	fi
+	$(call apt_best_effort,postgresql,$(PG_CHECK),the PostgreSQL store tests)
 
 # Everything, the fast tier first (tests/conftest.py orders them).
 test: lint browser postgres

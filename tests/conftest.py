@@ -95,9 +95,8 @@ def sqlite_store_url(tmp_path: Path) -> str:
 @pytest.fixture
 def postgres_store_url(postgres_server: PostgresServer) -> Iterator[str]:
     """The ``--store-url`` of a fresh, empty PostgreSQL database, dropped after the test."""
-    url = postgres_server.create_database()
-    yield url
-    postgres_server.drop_database(url)
+    with postgres_server.database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])

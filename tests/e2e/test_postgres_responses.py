@@ -22,6 +22,5 @@ pytest.importorskip("psycopg")
 @pytest.fixture(scope="module")
 def store_url(postgres_server: PostgresServer) -> Iterator[str]:
     """A fresh PostgreSQL database for the module's servers (the restart uses it again)."""
-    url = postgres_server.create_database()
-    yield url
-    postgres_server.drop_database(url)
+    with postgres_server.database() as url:
+        yield url

@@ -386,6 +386,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "text",
     ),
     ("temperature above 2", {"temperature": 2.5}, "temperature"),
+    ("background without store", {"background": True, "store": False}, "background"),
+    ("background stream", {"background": True, "stream": True}, "stream"),
+    ("conversation of the wrong shape", {"conversation": {"name": "x"}}, "conversation"),
 ]
 
 

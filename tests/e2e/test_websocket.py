@@ -18,14 +18,8 @@ from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessa
 
 from tests.e2e.conftest import MODEL
 from tests.support.metrics_scrape import metric, poll, wait_until_idle
-from trio_llm.client import (
-    ConnectionClosedError,
-    DeltaEvent,
-    DoneEvent,
-    GenerationError,
-    WSClient,
-    open_ws_client,
-)
+from trio_llm import client as ws
+from trio_llm.client import WSClient, open_ws_client
 
 LONG = {"max_tokens": 2000, "ignore_eos": True}  # runs far longer than any test waits
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -64,7 +58,7 @@ def _totals(usage: dict) -> dict:
 async def _run(client: WSClient, kind, **params):
     """Text, deltas and done of one generation."""
     *deltas, done = [event async for event in client.generate(kind, **{"model": MODEL, **params})]
-    assert isinstance(done, DoneEvent)
+    assert isinstance(done, ws.DoneEvent)
     return "".join(d.text for d in deltas), deltas, done
 
 
@@ -119,11 +113,11 @@ async def test_cancel_aborts_the_generation_at_once(base_url: str) -> None:
         async with open_ws_client(ws_url(base_url)) as client:
             generation = client.generate("completion", model=MODEL, prompt="Once", **LONG)
             async for event in generation:
-                if isinstance(event, DeltaEvent) and event.num_tokens:
+                if isinstance(event, ws.DeltaEvent) and event.num_tokens:
                     await generation.cancel()
                     break
             *_, done = [event async for event in generation]
-            assert isinstance(done, DoneEvent)
+            assert isinstance(done, ws.DoneEvent)
             assert done.choices[0]["finish_reason"] == "abort"
             assert 0 < done.usage["completion_tokens"] < LONG["max_tokens"]
             # Its engine request was ended before the done went out.
@@ -176,7 +170,7 @@ async def test_invalid_messages_get_error_events_and_the_connection_stays(
             ("chat", {"messages": []}, "messages", None),
             ("chat", {"messages": CHAT, "model": "nope"}, "model", "model_not_found"),
         ):
-            with pytest.raises(GenerationError) as refused:
+            with pytest.raises(ws.GenerationError) as refused:
                 await _run(client, kind, **params)
             assert (refused.value.param, refused.value.code) == (param, code)
         assert refused.value.type == "not_found_error"
@@ -214,7 +208,7 @@ async def test_structured_output_fields_constrain_the_streamed_text(base_url: st
         assert (error["type"], error["param"]) == ("invalid_request_error", "response_format")
         assert error["message"].startswith("response_format: ")
         assert "uniqueItems" in error["message"]
-        with pytest.raises(GenerationError) as refused:
+        with pytest.raises(ws.GenerationError) as refused:
             await _run(client, "completion", prompt="Hi", guided_regex="[a-z")
         assert refused.value.param == "guided_regex"
 
@@ -231,7 +225,7 @@ async def test_structured_output_fields_constrain_the_streamed_text(base_url: st
 async def test_a_binary_frame_closes_with_1003(base_url: str) -> None:
     async with open_ws_client(ws_url(base_url)) as client:
         await client.send_raw(b"\x00\x01")
-        with pytest.raises(ConnectionClosedError) as closed:
+        with pytest.raises(ws.ConnectionClosedError) as closed:
             await client.receive_unclaimed()
     assert closed.value.code == 1003
 

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -160,6 +162,15 @@ class PostgresServer:
         """Drop the database of ``url`` (closing whatever connections to it are left)."""
         name = url.split("?", 1)[0].rsplit("/", 1)[1]
         self._admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    @contextmanager
+    def database(self) -> Iterator[str]:
+        """A new, empty database for the block (`create_database`), dropped after it."""
+        url = self.create_database()
+        try:
+            yield url
+        finally:
+            self.drop_database(url)
 
     def pids(self) -> set[int]:
         """The living server processes: the postmaster and every process under it."""

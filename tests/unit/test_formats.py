@@ -138,22 +138,24 @@ def test_a_chat_stream_sends_the_role_first_and_usage_last(smol_tokenizer: Token
     assert plan.format.done_marker == "[DONE]"
 
 
-def test_chat_logprobs_list_each_token_with_its_alternatives(smol_tokenizer: Tokenizer) -> None:
-    plan, choices = _plan(ChatFormat(smol_tokenizer), smol_tokenizer, num_top_logprobs=1)
-    hello = smol_tokenizer.encode("Hello", add_special_tokens=False)[0]
-    entry = TokenLogprobs(hello, -0.5, 1, [hello], [-0.5])
+def _hello_logprobs(format: Any, tokenizer: Tokenizer, logprob: float) -> Any:
+    """The ``logprobs`` of a response whose one token, "Hello", had ``logprob`` and was
+    its own only alternative."""
+    plan, choices = _plan(format, tokenizer, num_top_logprobs=1)
+    hello = tokenizer.encode("Hello", add_special_tokens=False)[0]
+    entry = TokenLogprobs(hello, logprob, 1, [hello], [logprob])
     _feed(choices[0], TokenDelta([hello], "stop", logprobs=[entry], text="Hello"))
-    logprobs = plan.format.response(plan, choices)["choices"][0]["logprobs"]
+    return plan.format.response(plan, choices)["choices"][0]["logprobs"]
+
+
+def test_chat_logprobs_list_each_token_with_its_alternatives(smol_tokenizer: Tokenizer) -> None:
+    logprobs = _hello_logprobs(ChatFormat(smol_tokenizer), smol_tokenizer, -0.5)
     token = {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")}
     assert logprobs == {"content": [{**token, "top_logprobs": [token]}]}
 
 
 def test_completion_logprobs_are_the_legacy_lists(smol_tokenizer: Tokenizer) -> None:
-    plan, choices = _plan(CompletionFormat(smol_tokenizer), smol_tokenizer, num_top_logprobs=1)
-    hello = smol_tokenizer.encode("Hello", add_special_tokens=False)[0]
-    entry = TokenLogprobs(hello, -0.25, 1, [hello], [-0.25])
-    _feed(choices[0], TokenDelta([hello], "stop", logprobs=[entry], text="Hello"))
-    logprobs = plan.format.response(plan, choices)["choices"][0]["logprobs"]
+    logprobs = _hello_logprobs(CompletionFormat(smol_tokenizer), smol_tokenizer, -0.25)
     assert logprobs["tokens"] == ["Hello"]
     assert logprobs["token_logprobs"] == [-0.25]
     assert logprobs["top_logprobs"] == [{"Hello": -0.25}]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +106,15 @@ def _config(*models: str, models_dir: Path | None = None, **kw: Any) -> ServerCo
     )
 
 
-async def _pool(
-    nursery: trio.Nursery,
+@asynccontextmanager
+async def running_pool(
     config: ServerConfig,
     starter: FakeStarter,
-    lifecycle=None,
+    lifecycle: Lifecycle | None = None,
     check_memory: bool = False,
-) -> ModelPool:
+) -> AsyncIterator[tuple[ModelPool, trio.Nursery]]:
+    """A started `ModelPool` over ``starter`` and the nursery it runs in, stopped (1 s
+    of grace) when the block ends without an error."""
     pool = ModelPool(
         config,
         catalog_of(config),
@@ -118,8 +122,10 @@ async def _pool(
         starter=starter,
         check_memory=check_memory,
     )
-    await nursery.start(pool.run)
-    return pool
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        yield pool, nursery
+        await pool.stop(1.0)
 
 
 def _state(pool: ModelPool, name: str) -> str:
@@ -129,8 +135,7 @@ def _state(pool: ModelPool, name: str) -> str:
 async def test_a_model_loads_on_its_first_request_once_for_all_who_wait(autojump_clock) -> None:
     starter = FakeStarter()
     starter.gates["b"] = trio.Event()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b"), starter)
+    async with running_pool(_config("a", "b"), starter) as (pool, nursery):
         assert _state(pool, "a") == "loaded" and _state(pool, "b") == "unloaded"
         servings = []
 
@@ -150,15 +155,13 @@ async def test_a_model_loads_on_its_first_request_once_for_all_who_wait(autojump
         assert starter.starts["b"] == 1
         assert len(servings) == 3 and len({id(s) for s in servings}) == 1
         assert servings[0].name == "b" and _state(pool, "b") == "loaded"
-        await pool.stop(1.0)
     assert starter.running == {}
 
 
 async def test_a_load_that_takes_too_long_is_a_503_and_goes_on(autojump_clock) -> None:
     starter = FakeStarter()
     starter.gates["b"] = trio.Event()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b"), starter)
+    async with running_pool(_config("a", "b"), starter) as (pool, _nursery):
         with pytest.raises(APIError) as refused:
             await pool.acquire("b")
         assert refused.value.status == 503 and "did not load within 30 s" in refused.value.message
@@ -166,14 +169,12 @@ async def test_a_load_that_takes_too_long_is_a_503_and_goes_on(autojump_clock) -
         starter.gates["b"].set()
         (await pool.acquire("b")).release()
         assert starter.starts["b"] == 1
-        await pool.stop(1.0)
 
 
 async def test_lru_eviction_never_takes_a_model_with_a_lease(autojump_clock) -> None:
     starter = FakeStarter()
     config = _config("a", "b", "c", max_loaded_models=2)
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, config, starter)
+    async with running_pool(config, starter) as (pool, nursery):
         held = await pool.acquire("a")  # "a" is used, then "b": "a" is the LRU
         (await pool.acquire("b")).release()
         got: list[str] = []
@@ -203,13 +204,11 @@ async def test_lru_eviction_never_takes_a_model_with_a_lease(autojump_clock) -> 
         await waiter.wait()
         assert starter.stopped == ["b", "a"] and set(starter.running) == {"b", "c"}
         c_lease.release()
-        await pool.stop(1.0)
 
 
 async def test_no_place_within_the_wait_is_a_503(autojump_clock) -> None:
     starter = FakeStarter()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b", max_loaded_models=1), starter)
+    async with running_pool(_config("a", "b", max_loaded_models=1), starter) as (pool, _nursery):
         held = await pool.acquire("a")
         with pytest.raises(APIError) as refused:
             await pool.acquire("b")
@@ -217,13 +216,11 @@ async def test_no_place_within_the_wait_is_a_503(autojump_clock) -> None:
         held.release()
         (await pool.acquire("b")).release()  # now "a" is idle: evicted
         assert starter.stopped == ["a"]
-        await pool.stop(1.0)
 
 
 async def test_keep_alive_unloads_an_idle_model(autojump_clock) -> None:
     starter = FakeStarter()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b", keep_alive=60.0), starter)
+    async with running_pool(_config("a", "b", keep_alive=60.0), starter) as (pool, _nursery):
         lease = await pool.acquire("b")
         await trio.sleep(120)  # held: never unloaded
         assert _state(pool, "b") == "loaded"
@@ -240,15 +237,13 @@ async def test_keep_alive_unloads_an_idle_model(autojump_clock) -> None:
         (await pool.acquire("b", None)).release()
         await trio.sleep(3600)
         assert _state(pool, "b") == "loaded"
-        await pool.stop(1.0)
 
 
 async def test_a_failed_load_answers_its_error_and_is_tried_again_later(autojump_clock) -> None:
     starter = FakeStarter()
     starter.fail["b"] = "no such weights"
     lifecycle = Lifecycle()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b"), starter, lifecycle)
+    async with running_pool(_config("a", "b"), starter, lifecycle) as (pool, _nursery):
         for _ in range(2):
             with pytest.raises(APIError) as failed:
                 await pool.acquire("b")
@@ -261,20 +256,17 @@ async def test_a_failed_load_answers_its_error_and_is_tried_again_later(autojump
         del starter.fail["b"]
         (await pool.acquire("b")).release()
         assert starter.starts["b"] == 2 and _state(pool, "b") == "loaded"
-        await pool.stop(1.0)
 
 
 async def test_post_models_load_retries_a_failed_model_at_once(autojump_clock) -> None:
     starter = FakeStarter()
     starter.fail["b"] = "broken"
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b"), starter)
+    async with running_pool(_config("a", "b"), starter) as (pool, _nursery):
         with pytest.raises(APIError):
             await pool.load("b")
         del starter.fail["b"]
         await pool.load("b")
         assert _state(pool, "b") == "loaded" and starter.starts["b"] == 2
-        await pool.stop(1.0)
 
 
 async def test_unload_load_and_reload(autojump_clock, tmp_path: Path) -> None:
@@ -282,8 +274,7 @@ async def test_unload_load_and_reload(autojump_clock, tmp_path: Path) -> None:
     (folder / "dir-model").mkdir(parents=True)
     (folder / "dir-model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     starter = FakeStarter()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", models_dir=folder), starter)
+    async with running_pool(_config("a", models_dir=folder), starter) as (pool, _nursery):
         assert pool.names() == ["a", "dir-model"]
         await pool.unload("a")
         assert _state(pool, "a") == "unloaded" and starter.stopped == ["a"]
@@ -298,7 +289,6 @@ async def test_unload_load_and_reload(autojump_clock, tmp_path: Path) -> None:
         with pytest.raises(APIError) as gone:
             await pool.acquire("dir-model")
         assert gone.value.status == 404
-        await pool.stop(1.0)
 
 
 async def test_requests_route_by_model_and_unknown_names_are_404(autojump_clock) -> None:
@@ -306,8 +296,7 @@ async def test_requests_route_by_model_and_unknown_names_are_404(autojump_clock)
     config = ServerConfig(
         models=ModelsConfig(flagged=(("a", ("chat", "gpt-4o")), ("b", ("embed",))))
     )
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, config, starter)
+    async with running_pool(config, starter) as (pool, _nursery):
         assert pool.names() == ["chat", "gpt-4o", "embed"]
         for name, model in ((None, "a"), ("gpt-4o", "a"), ("embed", "b")):
             lease = await pool.acquire(name)
@@ -317,14 +306,12 @@ async def test_requests_route_by_model_and_unknown_names_are_404(autojump_clock)
             await pool.acquire("nope")
         assert unknown.value.status == 404 and unknown.value.code == "model_not_found"
         assert "['chat', 'gpt-4o', 'embed']" in unknown.value.message
-        await pool.stop(1.0)
 
 
 async def test_a_models_engines_failing_fail_only_it(autojump_clock) -> None:
     starter = FakeStarter()
     lifecycle = Lifecycle()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b"), starter, lifecycle)
+    async with running_pool(_config("a", "b"), starter, lifecycle) as (pool, _nursery):
         (await pool.acquire("b")).release()
         _, owner = starter.running["b"]
         owner.request_stop("engine core died: killed by SIGKILL", exit_code=1)
@@ -339,14 +326,12 @@ async def test_a_models_engines_failing_fail_only_it(autojump_clock) -> None:
         (await pool.acquire("a")).release()
         await pool.load("b")  # ...until asked
         assert _state(pool, "b") == "loaded"
-        await pool.stop(1.0)
 
 
 async def test_a_single_models_engines_failing_stop_the_server(autojump_clock) -> None:
     starter = FakeStarter()
     lifecycle = Lifecycle()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a"), starter, lifecycle)
+    async with running_pool(_config("a"), starter, lifecycle) as (pool, _nursery):
         assert not pool.several
         # Any name reaches the one model, whose handlers answer an unknown one with the
         # 404 after checking the body, as a server of one model always did...
@@ -358,23 +343,21 @@ async def test_a_single_models_engines_failing_stop_the_server(autojump_clock) -
         owner.request_stop("engine core died: boom", exit_code=1)
         assert lifecycle.stop_requested.is_set() and lifecycle.exit_code == 1
         assert pool.ended.is_set() and isinstance(pool.error, EngineDeadError)
-        await pool.stop(1.0)
 
 
 async def test_the_default_models_failure_stops_the_start_up(autojump_clock) -> None:
     starter = FakeStarter()
     starter.fail["a"] = "cannot start"
     with pytest.raises(BaseExceptionGroup) as raised:
-        async with trio.open_nursery() as nursery:
-            await _pool(nursery, _config("a", "b"), starter)
+        async with running_pool(_config("a", "b"), starter):
+            pass
     assert raised.group_contains(EngineStartupError, match="cannot start")
 
 
 async def test_the_stop_drains_and_stops_every_model(autojump_clock) -> None:
     starter = FakeStarter()
     starter.gates["c"] = trio.Event()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b", "c"), starter)
+    async with running_pool(_config("a", "b", "c"), starter) as (pool, nursery):
         (await pool.acquire("b")).release()
         refusals: list[int] = []
 
@@ -392,7 +375,6 @@ async def test_the_stop_drains_and_stops_every_model(autojump_clock) -> None:
         with pytest.raises(APIError) as refused:
             await pool.acquire("c")
         assert refused.value.status == 503
-        await pool.stop(1.0)
     assert starter.running == {} and sorted(starter.stopped) == ["a", "b"]
 
 
@@ -443,8 +425,7 @@ async def test_memory_idle_models_go_first_then_the_kv_cache_then_a_503(monkeypa
     available = [8 * gib]
     monkeypatch.setattr(model_room, "available_bytes", lambda: available[0])
     starter = FakeStarter()
-    async with trio.open_nursery() as nursery:
-        pool = await _pool(nursery, _config("a", "b", "c"), starter, check_memory=True)
+    async with running_pool(_config("a", "b", "c"), starter, check_memory=True) as (pool, _nursery):
         (await pool.acquire("b")).release()
         assert starter.configs["b"].engine.cache.kv_cache_memory is None  # as configured
         b_lease = await pool.acquire("b")
@@ -459,4 +440,3 @@ async def test_memory_idle_models_go_first_then_the_kv_cache_then_a_503(monkeypa
         assert starter.configs["a"].engine.cache.kv_cache_memory == gib // 4
         b_lease.release()
         c_lease.release()
-        await pool.stop(1.0)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import sqlite3
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import trio
@@ -16,10 +18,13 @@ import trio
 from tests.support.store_faults import fill_sqlite_to_the_brim
 from trio_llm.cli_types import parse_duration, parse_size_or_none
 from trio_llm.store import RetentionPolicy, Store, StoreUnavailable, open_store
-from trio_llm.store.database import Database, StoreError, Transaction, open_database, redact
+from trio_llm.store.database import StoreError, Transaction, open_database, redact
 from trio_llm.store.migrations import MIGRATIONS, SCHEMA_VERSION, migrate, schema_version
 from trio_llm.store.objects import Evicted, NotFound, missing, page_after
 from trio_llm.store.retention import format_duration, stored_bytes, sweep
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def _add_response(tx: Transaction, rid: str, created_at: int, status: str, size: int) -> None:
@@ -36,6 +41,27 @@ def table_names(tx: Transaction) -> set[str]:
         return {r[0] for r in tx.rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
     query = "SELECT table_name FROM information_schema.tables WHERE table_schema = ?"
     return {r[0] for r in tx.rows(query, ("public",))}
+
+
+def at_once(call: Callable[[T], R], each: Sequence[T]) -> list[R | BaseException]:
+    """``call(x)`` for each ``x`` of ``each``, each in a thread of its own, all released
+    together (a barrier); what each returned or raised, in the order they ended."""
+    ready = threading.Barrier(len(each))
+    results: list[R | BaseException] = []
+
+    def run(x: T) -> None:
+        ready.wait()
+        try:
+            results.append(call(x))
+        except BaseException as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=run, args=(x,)) for x in each]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def test_migrations_run_once_and_a_newer_schema_is_refused(store_url: str, tmp_path: Path) -> None:
@@ -59,21 +85,7 @@ def test_two_servers_migrating_at_once_apply_each_migration_once(store_url: str,
     # SQLite: BEGIN IMMEDIATE). Without the lock PostgreSQL refuses the second CREATE
     # TABLE of store_schema (a duplicate key in its catalog).
     databases = [open_database(store_url, tmp_path) for _ in range(2)]
-    both_ready = threading.Barrier(2)
-    results: list[tuple[int, int] | BaseException] = []
-
-    def start(database: Database) -> None:
-        both_ready.wait()
-        try:
-            results.append(migrate(database))
-        except BaseException as exc:
-            results.append(exc)
-
-    threads = [threading.Thread(target=start, args=(d,)) for d in databases]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = at_once(migrate, databases)
     try:
         assert not [r for r in results if isinstance(r, BaseException)], results
         assert sorted(results) == [(0, SCHEMA_VERSION), (SCHEMA_VERSION, SCHEMA_VERSION)]
@@ -201,21 +213,9 @@ def test_replicas_sweeping_at_once_evict_each_object_once(store_url: str, tmp_pa
         _add_response(tx, "new", 5 * day, "completed", 1)
 
     stores[0].transaction_sync(fill)
-    both_ready = threading.Barrier(2)
-    removed: list[list[tuple[str, str]] | BaseException] = []
-
-    def sweep_now(store: Store) -> None:
-        both_ready.wait()
-        try:
-            removed.append(store.transaction_sync(lambda tx: sweep(tx, policy, at=5 * day)))
-        except BaseException as exc:
-            removed.append(exc)
-
-    threads = [threading.Thread(target=sweep_now, args=(store,)) for store in stores]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    removed = at_once(
+        lambda store: store.transaction_sync(lambda tx: sweep(tx, policy, at=5 * day)), stores
+    )
     try:
         assert not [r for r in removed if isinstance(r, BaseException)], removed
         old = {("response", f"old{i:02}") for i in range(50)}
