@@ -1,6 +1,7 @@
 """``trio-llm serve --store-url postgresql://...``: two servers started at once on one
 new PostgreSQL database (replicas behind a router) both start, the schema is migrated
-once, both serve and both stop with exit 0; a PostgreSQL nobody listens on fails the
+once, both serve, a response stored by one is continued by the other, and both stop
+with exit 0; a PostgreSQL nobody listens on fails the
 start-up with a message that names ``--store-url``, not a traceback."""
 
 from __future__ import annotations
@@ -50,12 +51,35 @@ def test_two_servers_on_one_postgresql_store_migrate_once_and_serve(
                 )
             assert chat.choices[0].message.content
             assert chat.usage is not None and chat.usage.completion_tokens >= 1
+        _continue_on_the_other_replica(servers[0].url, servers[1].url)
         assert [server.stop() for server in servers] == [0, 0]
     finally:
         for server in servers:
             server.close()
     migrated = [server.log().count(f"schema version 0 -> {SCHEMA_VERSION}") for server in servers]
     assert sorted(migrated) == [0, 1], [server.log() for server in servers]
+
+
+def _continue_on_the_other_replica(first_url: str, second_url: str) -> None:
+    """A response stored by one replica is read and continued by the other (a router may
+    send a conversation's turns anywhere), and the continuation says what the whole
+    conversation sent at once says."""
+    greedy = {"model": MODEL, "temperature": 0, "max_output_tokens": 16}
+    question, follow_up = "What is the capital of France?", "And of Italy?"
+    with openai_client(first_url) as first_client, openai_client(second_url) as other:
+        first = first_client.responses.create(input=question, **greedy)
+        assert other.responses.retrieve(first.id).output_text == first.output_text
+        second = other.responses.create(previous_response_id=first.id, input=follow_up, **greedy)
+        whole = [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": follow_up},
+        ]
+        stateless = other.responses.create(input=whole, store=False, **greedy)
+        assert second.previous_response_id == first.id
+        assert second.usage.input_tokens == stateless.usage.input_tokens
+        assert second.output_text == stateless.output_text
+        assert first_client.responses.retrieve(second.id).output_text == second.output_text
 
 
 def test_a_postgresql_nobody_listens_on_fails_the_start_naming_the_flag() -> None:

@@ -103,6 +103,27 @@ async def _stream(
     return "ended without [DONE]"
 
 
+async def _streams_around(
+    client: httpx.AsyncClient, max_tokens: dict[str, int], act: Callable[[], object]
+) -> dict[str, str]:
+    """A stream of each model of ``max_tokens`` (with its ``max_tokens``); ``act()`` once
+    each has its first event, then each reads on. What each stream ended with (`_stream`)."""
+    outcomes: dict[str, str] = {}
+    go = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for name, tokens in max_tokens.items():
+            started = trio.Event()
+
+            async def run(name: str = name, tokens: int = tokens, started=started) -> None:
+                outcomes[name] = await _stream(client, name, tokens, started, go)
+
+            nursery.start_soon(run)
+            await started.wait()
+        act()
+        go.set()
+    return outcomes
+
+
 async def _chat(url: str, model: str, prompt: str) -> str:
     def ask() -> str:
         with OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as openai:
@@ -175,19 +196,9 @@ async def _kill_one_models_engine(server: ServerProcess, client: httpx.AsyncClie
     assert (await client.post("/v1/completions", json=body)).status_code == 200
     killed = engine_of(server, TINY)
     assert killed is not None and engine_of(server, MODEL) is not None
-    outcomes: dict[str, str] = {}
-    go = trio.Event()
-    async with trio.open_nursery() as nursery:
-        for name, tokens in ((MODEL, 40), (TINY, 300)):
-            started = trio.Event()
-
-            async def run(name: str = name, tokens: int = tokens, started=started) -> None:
-                outcomes[name] = await _stream(client, name, tokens, started, go)
-
-            nursery.start_soon(run)
-            await started.wait()
-        os.kill(killed, signal.SIGKILL)
-        go.set()
+    outcomes = await _streams_around(
+        client, {MODEL: 40, TINY: 300}, partial(os.kill, killed, signal.SIGKILL)
+    )
     assert outcomes[MODEL] == "done", outcomes
     assert outcomes[TINY].startswith("error:") and "engine core died" in outcomes[TINY]
 
@@ -203,19 +214,10 @@ async def _kill_one_models_engine(server: ServerProcess, client: httpx.AsyncClie
 async def _drain_two_busy_models(server: ServerProcess, client: httpx.AsyncClient) -> None:
     """SIGTERM while a stream of SmolLM2 and one of the tiny model run: both finish,
     exit 0."""
-    outcomes: dict[str, str] = {}
-    go = trio.Event()
-    async with trio.open_nursery() as nursery:
-        for name, tokens in ((MODEL, 24), (TINY, 200)):
-            started = trio.Event()
-
-            async def run(name: str = name, tokens: int = tokens, started=started) -> None:
-                outcomes[name] = await _stream(client, name, tokens, started, go)
-
-            nursery.start_soon(run)
-            await started.wait()
-        server.send_signal(signal.SIGTERM)  # both hold a request: neither can have ended
-        go.set()
+    # Both hold a request at the SIGTERM: neither can have ended.
+    outcomes = await _streams_around(
+        client, {MODEL: 24, TINY: 200}, partial(server.send_signal, signal.SIGTERM)
+    )
     assert outcomes == {MODEL: "done", TINY: "done"}
     assert await trio.to_thread.run_sync(server.wait, 40) == 0, server.log()
     assert "stopped (received SIGTERM)" in server.log()
