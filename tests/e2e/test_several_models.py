@@ -173,6 +173,7 @@ async def test_several_models_on_one_port(
                 alone = await _chat(server.url, MODEL, prompt)
                 assert await _chat(several.url, MODEL, prompt) == alone
             assert (await _models_status(client))[EMBED] == "loaded"
+            await _each_model_refuses_the_others_task(client)
             health = (await client.get("/health")).json()
             assert health["status"] == "ok"
             assert {m["model"]: m["state"] for m in health["models"]}[EMBED] == "loaded"
@@ -187,6 +188,22 @@ async def test_several_models_on_one_port(
                 await wait_for_exit(pid)
     finally:
         several.close()
+
+
+async def _each_model_refuses_the_others_task(client: httpx.AsyncClient) -> None:
+    """A chat to the embedding model and embeddings of the chat model: 400s that name the
+    model asked for."""
+    chat = {"model": EMBED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    embed = {"model": MODEL, "input": "Hi"}
+    for path, body, named in (
+        ("/v1/chat/completions", chat, EMBED),
+        ("/v1/embeddings", embed, MODEL),
+    ):
+        refused = await client.post(path, json=body)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == ("model", "model_not_supported")
+        assert f"the model `{named}`" in error["message"]
 
 
 async def _kill_one_models_engine(server: ServerProcess, client: httpx.AsyncClient) -> None:

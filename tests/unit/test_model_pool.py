@@ -385,6 +385,12 @@ async def test_peek_reads_model_and_keep_alive() -> None:
     assert await peek_model(b"not json") == (None, UNCHANGED)
     deep = b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     assert await peek_model(deep) == (None, UNCHANGED)  # the default model's parsing names it
+    # What the request parser reads (Python's json) routes as it reads it.
+    for odd in (b"NaN", b"Infinity", b"1e400"):
+        assert await peek_model(b'{"model": "m", "foo": ' + odd + b"}") == ("m", UNCHANGED)
+        with pytest.raises(APIError) as refused:
+            await peek_model(b'{"model": "m", "keep_alive": ' + odd + b"}")
+        assert refused.value.param == "keep_alive"
     with pytest.raises(APIError) as bad:
         await peek_model(b'{"keep_alive": "soon"}')
     assert bad.value.param == "keep_alive"

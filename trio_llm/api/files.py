@@ -179,9 +179,11 @@ def _check_fields(upload: _Upload) -> str:
             raise bad_request(message, name.split("[", 1)[0])
     if not upload.ended or upload.filename is None:
         raise bad_request("the upload has no `file` part (or it was cut short)", "file")
-    purpose = upload.fields.get("purpose", b"").decode("utf-8", "replace")
+    allowed = ", ".join(repr(p) for p in stored.UPLOAD_PURPOSES)
+    if "purpose" not in upload.fields:
+        raise bad_request(f"the form field `purpose` is required: one of {allowed}", "purpose")
+    purpose = upload.fields["purpose"].decode("utf-8", "replace")
     if purpose not in stored.UPLOAD_PURPOSES:
-        allowed = ", ".join(repr(p) for p in stored.UPLOAD_PURPOSES)
         raise bad_request(f"purpose must be one of {allowed}, not {purpose!r}", "purpose")
     return purpose
 

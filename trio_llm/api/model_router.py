@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trio_llm.api.body_reading import read_body
 from trio_llm.api.errors import APIError, bad_request
-from trio_llm.api.parsing import INLINE_PARSE_BYTES, parse_body
+from trio_llm.api.parsing import INLINE_PARSE_BYTES, load_json, parse_body
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import EngineError
 from trio_llm.frontend.engine_client import EngineClient
@@ -339,12 +339,20 @@ def keep_alive_of(value: Any) -> KeepAlive:
 def _peek(body: bytes) -> tuple[str | None, KeepAlive]:
     try:
         peeked = _PEEK.decode(body)
+        model, keep_alive = peeked.model, peeked.keep_alive
     except (msgspec.MsgspecError, RecursionError):
-        # not a JSON object, or nested past the decoder's reach: the default model's
-        # parsing names the error
-        return None, UNCHANGED
-    model = peeked.model if isinstance(peeked.model, str) else None
-    return model, keep_alive_of(peeked.keep_alive)
+        # What msgspec refuses but the request parser reads (``NaN``, ``Infinity``, a
+        # number past a double's range) routes by that parser's reading; what neither
+        # reads (not JSON, nested too deeply) goes to the default model, whose parsing
+        # names the error.
+        try:
+            value = load_json(body)
+        except ValueError:
+            return None, UNCHANGED
+        if not isinstance(value, dict):
+            return None, UNCHANGED
+        model, keep_alive = value.get("model"), value.get("keep_alive", msgspec.UNSET)
+    return (model if isinstance(model, str) else None), keep_alive_of(keep_alive)
 
 
 async def peek_model(body: bytes) -> tuple[str | None, KeepAlive]:

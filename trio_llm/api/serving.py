@@ -71,11 +71,12 @@ _Request = TypeVar("_Request", bound=BaseModel)
 #: The 400 of a route the served model cannot serve, by the task the route needs.
 WRONG_TASK = {
     "embed": (
-        "{endpoint} needs an embedding model; the model served here generates text "
-        "(start a server with a sentence-transformers folder, or --runner pooling)"
+        "{endpoint} needs an embedding model; the model `{model}` generates text "
+        "(ask for an embedding model this server serves: GET /v1/models; a server serves "
+        "one from a sentence-transformers folder, or with --runner pooling)"
     ),
     "generate": (
-        "{endpoint} needs a model that generates text; the model served here is an "
+        "{endpoint} needs a model that generates text; the model `{model}` is an "
         "embedding model (it serves /v1/embeddings)"
     ),
 }
@@ -210,7 +211,7 @@ class OpenAIServing:
         chat = isinstance(request, ChatCompletionRequest)
         endpoint = endpoint or ("/v1/chat/completions" if chat else "/v1/completions")
         model = self.resolve_model(request.model)
-        self._check_task("generate", endpoint)
+        self._check_task("generate", endpoint, model)
         planner = self.planner
         try:
             if isinstance(request, ChatCompletionRequest):
@@ -220,9 +221,9 @@ class OpenAIServing:
         except InvalidRequest as exc:
             raise invalid_request(exc) from exc
 
-    def _check_task(self, task: str, endpoint: str) -> None:
+    def _check_task(self, task: str, endpoint: str, model: str) -> None:
         if self.engine.info.task != task:
-            message = WRONG_TASK[task].format(endpoint=endpoint)
+            message = WRONG_TASK[task].format(endpoint=endpoint, model=model)
             raise APIError(400, message, param="model", code="model_not_supported")
 
     async def embed(self, request: EmbeddingRequest, receive: Receive) -> Response:
@@ -235,7 +236,7 @@ class OpenAIServing:
                 ``dimensions`` the model cannot give; 503 when the waiting line is full.
         """
         model = self.resolve_model(request.model)
-        self._check_task("embed", "/v1/embeddings")
+        self._check_task("embed", "/v1/embeddings", model)
         plan = await embedding_plan(request, model, self.inputs, self.engine.info)
         admission = self.admit(plan)
         vectors: list[list[float]] = [[] for _ in plan.requests]
