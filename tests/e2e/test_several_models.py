@@ -180,6 +180,9 @@ async def test_several_models_on_one_port(
             metrics = (await client.get("/metrics")).text
             for name in (MODEL, EMBED):
                 assert f'trio_llm:engine_healthy{{engine="0",model_name="{name}"}} 1.0' in metrics
+            # Each request counts under the model that answered it.
+            assert f'endpoint="/v1/embeddings",model_name="{EMBED}",status="2xx"' in metrics
+            assert f'endpoint="/v1/chat/completions",model_name="{MODEL}",status="2xx"' in metrics
             await _kill_one_models_engine(several, client)
             tree = several.descendants()
             await _drain_two_busy_models(several, client)

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trio_llm.api.model_router import ModelRouter
+from trio_llm.api.model_router import ModelRouter, routed_model_name
 from trio_llm.api.routes import route_path
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
@@ -250,7 +250,9 @@ class HTTPRequestCounter:
     Args:
         app: the ASGI app (outermost, so refusals by the other middleware count too).
         registry: where the counter is registered.
-        model_name: value of the ``model_name`` label.
+        model_name: value of the ``model_name`` label of a request no model answered
+            (the default model's first name); one that a model answered carries that
+            model's (`trio_llm.api.model_router.routed_model_name`).
     """
 
     def __init__(self, app: ASGIApp, registry: CollectorRegistry, model_name: str) -> None:
@@ -283,7 +285,8 @@ class HTTPRequestCounter:
             endpoint = route_path(path) or "other"
             if path.startswith("/v1/models/"):
                 endpoint = "/v1/models"
-            self.counter.labels(self.model_name, endpoint, f"{status // 100}xx").inc()
+            model = routed_model_name(scope) or self.model_name
+            self.counter.labels(model, endpoint, f"{status // 100}xx").inc()
 
 
 def make_registry(router: ModelRouter) -> CollectorRegistry:

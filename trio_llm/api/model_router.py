@@ -373,6 +373,14 @@ def hold(scope: Scope, lease: Lease) -> None:
     scope.setdefault(LEASES_SCOPE_KEY, []).append(lease)
 
 
+def routed_model_name(scope: Scope) -> str | None:
+    """The first name of the model that answered the request of ``scope`` (the one its
+    lease held, `hold`), or None when no model did (a refusal before routing, a route
+    that needs none)."""
+    leases: list[Lease] = scope.get(LEASES_SCOPE_KEY) or []
+    return leases[0].serving.model_names[0] if leases else None
+
+
 class LeaseReleaser:
     """ASGI middleware: release the leases a request took (`hold`) once the app has
     answered it, its stream included, however it ended."""
