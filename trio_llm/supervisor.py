@@ -102,6 +102,7 @@ async def serve(
             root.start_soon(_handle_signals, lifecycle, root.cancel_scope)
             if store is not None:
                 root.start_soon(store.run_retention)
+                root.start_soon(store.run_heartbeat)
             await _serve_engines(config, lifecycle, store, root, task_status)
             root.cancel_scope.cancel()
     finally:

@@ -1,7 +1,7 @@
 """``trio-llm serve --store-url postgresql://...``: two servers started at once on one
 new PostgreSQL database (replicas behind a router) both start, the schema is migrated
-once, both serve, a response stored by one is continued by the other, and both stop
-with exit 0; a PostgreSQL nobody listens on fails the
+once, both serve, a response stored by one is continued by the other, each batch runs
+on one of them, and both stop with exit 0; a PostgreSQL nobody listens on fails the
 start-up with a message that names ``--store-url``, not a traceback."""
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ import os
 import socket
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL, openai_client, parallel
+from tests.support.batches import completion_lines, start_batch, wait_for_batch
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
 from trio_llm.store.migrations import SCHEMA_VERSION
 
@@ -52,6 +55,7 @@ def test_two_servers_on_one_postgresql_store_migrate_once_and_serve(
             assert chat.choices[0].message.content
             assert chat.usage is not None and chat.usage.completion_tokens >= 1
         _continue_on_the_other_replica(servers[0].url, servers[1].url)
+        _each_batch_runs_on_one_replica([server.url for server in servers])
         assert [server.stop() for server in servers] == [0, 0]
     finally:
         for server in servers:
@@ -80,6 +84,42 @@ def _continue_on_the_other_replica(first_url: str, second_url: str) -> None:
         assert second.usage.input_tokens == stateless.usage.input_tokens
         assert second.output_text == stateless.output_text
         assert first_client.responses.retrieve(second.id).output_text == second.output_text
+
+
+def _completions_answered(url: str) -> float:
+    """The ``/v1/completions`` requests a server answered 2xx (batch lines included)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("trio_llm:http_requests_total{")
+        and 'endpoint="/v1/completions"' in line
+        and 'status="2xx"' in line
+    )
+
+
+def _each_batch_runs_on_one_replica(urls: list[str]) -> None:
+    """A batch created on each replica at once (each wakes its own batch runner, which
+    looks at every batch not over): every line of both runs once, on one replica."""
+    before = [_completions_answered(url) for url in urls]
+    clients = [openai_client(url) for url in urls]
+    try:
+        lines = [completion_lines(6, 8, prefix=f"r{i}-") for i in range(len(urls))]
+        ids = parallel(
+            *(
+                partial(start_batch, client, batch, "/v1/completions")
+                for client, batch in zip(clients, lines, strict=True)
+            )
+        )
+        for client, batch_id in zip(clients, ids, strict=True):
+            batch = wait_for_batch(client, batch_id)
+            assert batch.status == "completed" and batch.request_counts.completed == 6, batch
+    finally:
+        for client in clients:
+            client.close()
+    after = [_completions_answered(url) for url in urls]
+    ran = [b - a for a, b in zip(before, after, strict=True)]
+    assert sum(ran) == 12, ran
 
 
 def test_a_postgresql_nobody_listens_on_fails_the_start_naming_the_flag() -> None:

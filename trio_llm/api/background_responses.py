@@ -10,9 +10,12 @@ generated. A response cancelled or deleted by another request is not written ove
 (`trio_llm.store.responses.update` writes only an active one); one the server cannot
 admit because it is stopping stays ``queued``, for the next start.
 
-At start-up the responses a stopped server left ``queued`` or ``in_progress`` run again
-from their stored request and context (`unfinished`, then `resume`): the server that stopped
-had answered nothing but ``queued``, and the stored request is all a run takes. One
+At start-up, and every `ADOPT_INTERVAL` seconds after, the responses a stopped server left
+``queued`` or ``in_progress`` run again from their stored request and context
+(`unfinished`, then `resume`): the server that stopped had answered nothing but
+``queued``, and the stored request is all a run takes. Each response names the server
+that runs it (`trio_llm.store.runners`): one that a running replica runs is left to it,
+and two servers taking over the same response race on a compare-and-set, which one wins. One
 interrupted `MAX_RESUMES` times already fails instead ("the server stopped ... times"), so
 a request that kills the server cannot do so at every start.
 """
@@ -20,6 +23,7 @@ a request that kills the server cannot do so at every start.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -40,12 +44,15 @@ from trio_llm.errors import EngineError
 from trio_llm.store import Store, StoreError, responses
 from trio_llm.store.objects import now
 from trio_llm.store.responses import StoredResponse
+from trio_llm.store.runners import STALE_SECONDS
 from trio_llm.text.choice import Choice
 
 logger = logging.getLogger(__name__)
 
 #: Times a background response is run again after a server stopped during it.
 MAX_RESUMES = 1
+#: Seconds between two looks for the background responses of servers that stopped.
+ADOPT_INTERVAL = float(STALE_SECONDS)
 
 
 class BackgroundResponses:
@@ -68,7 +75,8 @@ class BackgroundResponses:
         if not self.runs.running:
             raise APIError(503, "the server is stopping", type="service_unavailable_error")
         plan.response_id, plan.created = plan.format.new_id(), now()
-        stored = stored_form(request, _format(plan).status_response(plan, "queued"))
+        queued = stored_form(request, _format(plan).status_response(plan, "queued"))
+        stored = replace(queued, runner=store.runner.id)
         await write(store, partial(responses.insert, response=stored), stored.id)
         self.runs.start(stored.id, partial(self._run, store, stored, request, plan))
         return stored.body
@@ -148,10 +156,19 @@ class BackgroundResponses:
         """The background responses a stopped server left queued or in progress: read
         before this server takes requests, so that none of its own is among them."""
         try:
-            return await store.transaction(responses.unfinished)
+            return await store.transaction(partial(responses.unfinished, me=store.runner))
         except StoreError as exc:
             logger.error(f"store: unfinished background responses not read: {exc}")
             return []
+
+    async def adopt(self, store: Store, left: list[StoredResponse]) -> None:
+        """`resume` ``left`` (read at start-up), then, every `ADOPT_INTERVAL` seconds
+        until cancelled, the responses of servers that stopped since (replicas on one
+        store take over each other's)."""
+        while True:
+            await self.resume(store, left)
+            await trio.sleep(ADOPT_INTERVAL)
+            left = await self.unfinished(store)
 
     async def resume(self, store: Store, left: list[StoredResponse]) -> None:
         """Run ``left`` (`unfinished`) again (or fail those interrupted `MAX_RESUMES`
@@ -178,14 +195,13 @@ class BackgroundResponses:
             return
         split = len(stored.context) - len(stored_items(request.input))
         request.continue_from(stored.context[:split], stored.context[split:], stored=True)
-        queued = StoredResponse(
-            stored.id,
-            {**stored.body, "status": "queued"},
-            stored.request,
-            stored.context,
-            stored.resumed + 1,
+        queued = replace(
+            stored,
+            body={**stored.body, "status": "queued"},
+            resumed=stored.resumed + 1,
+            runner=store.runner.id,
         )
-        if await update(store, queued, queued.body):
+        if await update(store, queued, queued.body, taking_over_from=stored.runner):
             self.runs.start(stored.id, partial(self._run, store, queued, request, None))
 
 

@@ -3,11 +3,13 @@ through the server's own request path (`trio_llm.api.line_runner.LineRunner`).
 
 One `BatchRunner` per server, a task of the server's root nursery (`run_until`: started
 once the HTTP app is built, cancelled when the server stops). It finds the batches that
-are not over in the store (at start-up too: those a killed server left are resumed) and
-drives each: validate its input file, run its lines (at most ``max_in_flight`` lines of
-all batches at once), record each line's result in its own transaction, then write the
-output and error files (`trio_llm.store.batches`). A line is recorded once: lines
-recorded before a crash are not run again, the others run once.
+are not over in the store (at start-up too: those a killed server left are resumed),
+takes those no other running server runs (replicas on one store share the batches,
+`trio_llm.store.runners`), and drives each: validate its input file, run its lines
+(at most ``max_in_flight`` lines of all batches at once), record each line's result in
+its own transaction, then write the output and error files (`trio_llm.store.batches`).
+A line is recorded once: lines recorded before a crash are not run again, the others run
+once.
 
 A store that cannot be written (locked, a full disk) or an engine that stopped ends the
 batch's work for now; it is tried again later (`POLL_INTERVAL`), never a crash of the
@@ -91,7 +93,8 @@ class BatchRunner:
             nursery.cancel_scope.cancel()
 
     async def run(self) -> None:
-        """Drive every batch that is not over, until cancelled."""
+        """Drive every batch that is not over and that no other running server runs
+        (`trio_llm.store.batches.claim_batches`), until cancelled."""
         try:
             await self.store.transaction(partial(remove_orphans, files_dir=self.store.files_dir))
         except (StoreError, OSError) as exc:
@@ -99,7 +102,8 @@ class BatchRunner:
         async with trio.open_nursery() as nursery:
             while True:
                 try:
-                    active = await self.store.transaction(stored.active_batches)
+                    claim = partial(stored.claim_batches, me=self.store.runner)
+                    active = await self.store.transaction(claim)
                 except StoreError as exc:
                     logger.warning(f"batches: cannot read the store: {exc}")
                     active = []

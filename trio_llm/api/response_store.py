@@ -57,12 +57,19 @@ async def write(store: Store, work: Callable[[Transaction], T], response_id: str
         raise store_error(exc) from exc
 
 
-async def update(store: Store, stored: StoredResponse, body: dict[str, Any]) -> bool:
-    """Write ``body`` over a stored response still active (`responses.update`); False if
-    it no longer is.
+async def update(
+    store: Store,
+    stored: StoredResponse,
+    body: dict[str, Any],
+    taking_over_from: str | object | None = responses.SAME,
+) -> bool:
+    """Write ``body`` over a stored response still active and run by ``stored.runner``
+    (or by ``taking_over_from``: `responses.update`); False if it no longer is.
 
     Raises:
         APIError: as `write`.
     """
-    work = partial(responses.update, response=stored.with_body(body))
+    work = partial(
+        responses.update, response=stored.with_body(body), taking_over_from=taking_over_from
+    )
     return await write(store, work, stored.id)

@@ -66,10 +66,11 @@ class ResponsesAPI:
     ) -> None:
         """The supervisor's hook: run background responses until `stop_background`,
         first those a stopped server left (read before ``task_status.started()``, so
-        before this server answers a request)."""
+        before this server answers a request), then those of servers that stop later
+        (`BackgroundResponses.adopt`)."""
         store = self.store
         left = [] if store is None else await self.background.unfinished(store)
-        resume = partial(self.background.resume, store, left) if store and left else None
+        resume = partial(self.background.adopt, store, left) if store else None
         await self.background.runs.serve(resume, task_status=task_status)
 
     def stop_background(self) -> None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import trio
 
+from trio_llm.store import runners
 from trio_llm.store.database import (
     Database,
     StoreError,
@@ -29,6 +31,7 @@ from trio_llm.store.database import (
 from trio_llm.store.migrations import migrate
 from trio_llm.store.objects import Evicted, NotFound
 from trio_llm.store.retention import RetentionPolicy, sweep
+from trio_llm.store.runners import Runner, this_runner
 
 __all__ = [
     "Evicted",
@@ -58,11 +61,16 @@ class Store:
         policy: what is kept, and for how long.
         files_dir: where the contents of uploaded and generated files are kept, one file
             per id (`trio_llm.store.files`).
+        runner: this server, as the runner of its background responses and batches
+            (`trio_llm.store.runners`; registered by `open_store`).
+        closed: set by `close`.
     """
 
     database: Database
     policy: RetentionPolicy
     files_dir: Path
+    runner: Runner = field(default_factory=this_runner)
+    closed: bool = field(default=False, init=False)
 
     async def transaction(self, work: Callable[[Transaction], T]) -> T:
         """Run ``work`` in one transaction in a worker thread (`Database.transaction`)."""
@@ -93,8 +101,26 @@ class Store:
                 logger.warning(f"store: retention sweep failed: {exc}")
             await trio.sleep(interval)
 
+    async def run_heartbeat(self, interval: float = runners.HEARTBEAT_SECONDS) -> None:
+        """Write this runner's heartbeat now and every ``interval`` seconds, until
+        cancelled (a failed one is logged and tried again next time)."""
+        while True:
+            try:
+                await self.transaction(partial(runners.beat, runner=self.runner))
+            except StoreError as exc:
+                logger.warning(f"store: heartbeat failed: {exc}")
+            await trio.sleep(interval)
+
     def close(self) -> None:
-        """Close the database connections."""
+        """Forget this runner (another server may take over its work at once), then close
+        the database connections (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.transaction_sync(partial(runners.forget, runner=self.runner))
+        except StoreError as exc:
+            logger.warning(f"store: could not remove this server's runner: {exc}")
         self.database.close()
 
 
@@ -119,4 +145,10 @@ def open_store(url: str, cache_dir: Path, policy: RetentionPolicy | None = None)
         raise
     files_dir = database.folder / "files"
     files_dir.mkdir(parents=True, exist_ok=True)
-    return Store(database, policy or RetentionPolicy(), files_dir)
+    store = Store(database, policy or RetentionPolicy(), files_dir)
+    try:
+        database.transaction_sync(partial(runners.register, runner=store.runner))
+    except BaseException:
+        database.close()
+        raise
+    return store

@@ -25,6 +25,7 @@ from trio_llm.store.database import StoreError, Transaction
 from trio_llm.store.files import BATCH_OUTPUT, FileWriter, get_file, insert_file
 from trio_llm.store.objects import Page, dumps, loads, missing, new_ordered_id, now
 from trio_llm.store.retention import ACTIVE_BATCH
+from trio_llm.store.runners import Runner, live, runner_is
 
 #: The endpoints a batch may run (OpenAI's, those this server serves).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -215,6 +216,33 @@ def active_batches(tx: Transaction) -> list[dict[str, Any]]:
         f"SELECT body FROM batches WHERE status IN ({marks}) ORDER BY created_at, id", ACTIVE_BATCH
     )
     return [loads(row[0]) for row in rows]
+
+
+def claim_batches(tx: Transaction, me: Runner) -> list[dict[str, Any]]:
+    """The batches not over yet that ``me`` runs, oldest first: those it ran already,
+    and those no running server runs (new ones, or a stopped server's), which it takes
+    over here (a compare-and-set on ``runner``: of two servers, one takes each)."""
+    marks = ",".join("?" * len(ACTIVE_BATCH))
+    rows = tx.rows(
+        f"SELECT body, runner FROM batches WHERE status IN ({marks}) ORDER BY created_at, id",
+        ACTIVE_BATCH,
+    )
+    running = live(tx, me)
+    mine = []
+    for body, runner in rows:
+        batch = loads(body)
+        if runner != me.id:
+            if runner in running:
+                continue  # another server runs it
+            condition, args = runner_is(runner)
+            taken = tx.execute(
+                f"UPDATE batches SET runner = ? WHERE id = ? AND {condition}",
+                (me.id, batch["id"], *args),
+            )
+            if not taken:
+                continue
+        mine.append(batch)
+    return mine
 
 
 def files_in_use(tx: Transaction) -> dict[str, str]:

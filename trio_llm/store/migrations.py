@@ -85,6 +85,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE INDEX evicted_at ON evicted (evicted_at)",
     ),
+    # 2: the server running each background response and batch (`runners`).
+    (
+        """CREATE TABLE store_runners (
+            id TEXT PRIMARY KEY,
+            machine TEXT NOT NULL,
+            pid BIGINT NOT NULL,
+            seen_at BIGINT NOT NULL
+        )""",
+        "ALTER TABLE responses ADD COLUMN runner TEXT",
+        "ALTER TABLE batches ADD COLUMN runner TEXT",
+    ),
 )
 
 #: The schema version this server writes.

@@ -19,10 +19,14 @@ from typing import Any
 from trio_llm.store.database import Row, Transaction
 from trio_llm.store.objects import Page, dumps, loads, missing, page_after, row_of
 from trio_llm.store.retention import ACTIVE_RESPONSE
+from trio_llm.store.runners import Runner, live, runner_is
+
+#: `update`'s default: the runner the response names.
+SAME = object()
 
 _COLUMNS = (
     "id, created_at, status, background, model, previous_response_id, conversation_id, "
-    "request, context, body"
+    "request, context, body, runner"
 )
 
 
@@ -38,6 +42,8 @@ class StoredResponse:
             ``id``.
         resumed: how many times a server started this background response again after
             another stopped during it.
+        runner: the id of the server that runs this background response
+            (`trio_llm.store.runners`); None for one that is not a background response.
     """
 
     id: str
@@ -45,6 +51,7 @@ class StoredResponse:
     request: dict[str, Any]
     context: list[dict[str, Any]]
     resumed: int = 0
+    runner: str | None = None
 
     @property
     def status(self) -> str:
@@ -90,6 +97,7 @@ def _from_row(row: Row) -> StoredResponse:
         request=request["body"],
         context=loads(row[8]),
         resumed=int(request.get("resumed", 0)),
+        runner=None if row[10] is None else str(row[10]),
     )
 
 
@@ -98,7 +106,7 @@ def insert(tx: Transaction, response: StoredResponse) -> None:
     body = response.body
     request, context, text = _request_column(response), dumps(response.context), dumps(body)
     tx.execute(
-        f"INSERT INTO responses ({_COLUMNS}, nbytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        f"INSERT INTO responses ({_COLUMNS}, nbytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             response.id,
             int(body["created_at"]),
@@ -110,6 +118,7 @@ def insert(tx: Transaction, response: StoredResponse) -> None:
             request,
             context,
             text,
+            response.runner,
             _nbytes(request, context, text),
         ),
     )
@@ -125,24 +134,32 @@ def get(tx: Transaction, response_id: str) -> StoredResponse:
     return _from_row(row_of(tx, "response", sql, response_id))
 
 
-def update(tx: Transaction, response: StoredResponse) -> bool:
-    """Write ``response``'s body (and status) and its resume count over the stored one,
-    if that is still queued or in progress; False (nothing written) otherwise: it ended,
-    was cancelled or deleted meanwhile."""
+def update(
+    tx: Transaction, response: StoredResponse, taking_over_from: str | object | None = SAME
+) -> bool:
+    """Write ``response``'s body (and status), resume count and runner over the stored
+    one, if that is still queued or in progress and still run by ``response.runner`` (or
+    by ``taking_over_from``, when given: a compare-and-set that takes a gone server's
+    response over); False (nothing written) otherwise: it ended, was cancelled, deleted
+    or taken over meanwhile."""
     marks = ",".join("?" * len(ACTIVE_RESPONSE))
     request, text = _request_column(response), dumps(response.body)
     row = tx.one("SELECT LENGTH(context) FROM responses WHERE id = ?", (response.id,))
     context_bytes = int(row[0]) if row is not None else 0
+    expected = response.runner if taking_over_from is SAME else taking_over_from
+    runner_sql, runner_args = runner_is(expected if isinstance(expected, str) else None)
     changed = tx.execute(
-        f"UPDATE responses SET status = ?, body = ?, request = ?, nbytes = ? "
-        f"WHERE id = ? AND status IN ({marks})",
+        f"UPDATE responses SET status = ?, body = ?, request = ?, nbytes = ?, runner = ? "
+        f"WHERE id = ? AND status IN ({marks}) AND {runner_sql}",
         (
             response.status,
             text,
             request,
             len(request.encode()) + context_bytes + len(text.encode()),
+            response.runner,
             response.id,
             *ACTIVE_RESPONSE,
+            *runner_args,
         ),
     )
     return changed > 0
@@ -169,16 +186,18 @@ def input_items(
     return page_after(get(tx, response_id).context, after, limit, order)
 
 
-def unfinished(tx: Transaction) -> list[StoredResponse]:
-    """The background responses still queued or in progress, oldest first (after a
-    restart: those a server left when it stopped)."""
+def unfinished(tx: Transaction, me: Runner) -> list[StoredResponse]:
+    """The background responses still queued or in progress that no running server runs
+    (those a stopped server left), oldest first; ``me`` is this server."""
     marks = ",".join("?" * len(ACTIVE_RESPONSE))
     rows = tx.rows(
         f"SELECT {_COLUMNS} FROM responses WHERE background = 1 AND status IN ({marks}) "
         "ORDER BY created_at, id",
         ACTIVE_RESPONSE,
     )
-    return [_from_row(row) for row in rows]
+    running = live(tx, me)
+    left = [_from_row(row) for row in rows]
+    return [response for response in left if response.runner not in running]
 
 
 def _nbytes(*texts: str) -> int:
