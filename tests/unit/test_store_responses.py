@@ -53,7 +53,8 @@ def test_a_stored_response_reads_back_as_written(store: Store) -> None:
 def test_update_writes_only_an_active_response(store: Store) -> None:
     queued = _response("resp_bg", "queued", background=True)
     store.transaction_sync(lambda tx: responses.insert(tx, queued))
-    assert [r.id for r in store.transaction_sync(lambda tx: responses.unfinished(tx, store.runner))] == ["resp_bg"]
+    left = store.transaction_sync(lambda tx: responses.unfinished(tx, store.runner))
+    assert [r.id for r in left] == ["resp_bg"]
     running = queued.with_body({**queued.body, "status": "in_progress"})
     assert store.transaction_sync(lambda tx: responses.update(tx, running))
     done = StoredResponse("resp_bg", {**queued.body, "status": "cancelled"}, {}, [], resumed=1)
