@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,10 +32,7 @@ def other(store_url: str, tmp_path: Path, store: Store) -> Iterator[Store]:
 
 def _background(store: Store, response_id: str = "resp_bg") -> StoredResponse:
     """A queued background response that ``store``'s server runs."""
-    response = _response(response_id, "queued", background=True)
-    response = StoredResponse(
-        response.id, response.body, response.request, response.context, runner=store.runner.id
-    )
+    response = replace(_response(response_id, "queued", background=True), runner=store.runner.id)
     store.transaction_sync(lambda tx: responses.insert(tx, response))
     return response
 

@@ -75,8 +75,8 @@ class BackgroundResponses:
         if not self.runs.running:
             raise APIError(503, "the server is stopping", type="service_unavailable_error")
         plan.response_id, plan.created = plan.format.new_id(), now()
-        queued = stored_form(request, _format(plan).status_response(plan, "queued"))
-        stored = replace(queued, runner=store.runner.id)
+        queued = _format(plan).status_response(plan, "queued")
+        stored = replace(stored_form(request, queued), runner=store.runner.id)
         await write(store, partial(responses.insert, response=stored), stored.id)
         self.runs.start(stored.id, partial(self._run, store, stored, request, plan))
         return stored.body

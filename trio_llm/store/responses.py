@@ -14,7 +14,7 @@ response that was cancelled (or deleted) meanwhile stays as it is.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from trio_llm.store.database import Row, Transaction
 from trio_llm.store.objects import Page, dumps, loads, missing, page_after, row_of
@@ -147,7 +147,7 @@ def update(
     row = tx.one("SELECT LENGTH(context) FROM responses WHERE id = ?", (response.id,))
     context_bytes = int(row[0]) if row is not None else 0
     expected = response.runner if taking_over_from is SAME else taking_over_from
-    runner_sql, runner_args = runner_is(expected if isinstance(expected, str) else None)
+    runner_sql, runner_args = runner_is(cast("str | None", expected))
     changed = tx.execute(
         f"UPDATE responses SET status = ?, body = ?, request = ?, nbytes = ?, runner = ? "
         f"WHERE id = ? AND status IN ({marks}) AND {runner_sql}",
