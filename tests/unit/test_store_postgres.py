@@ -106,7 +106,9 @@ async def test_a_lost_connection_is_store_unavailable_then_the_store_reconnects(
         "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
         "WHERE datname = current_database() AND pid <> pg_backend_pid()"
     ).fetchall()
-    assert ended == [(True,)]
+    # The store's one idle connection; the probe connection `open_database` closed may
+    # still be listed while its backend exits (then terminating it answers False).
+    assert (True,) in ended and set(ended) <= {(True,), (False,)}
     with pytest.raises(StoreUnavailable, match="unavailable"):
         await pg_store.transaction(lambda tx: _add_response(tx, "r2"))
     # The broken connection was dropped: the next unit of work opens a new one.
