@@ -384,7 +384,8 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
     StoreConfig: {
         "url": Flag(
             "the database of stored responses, conversations, files and batches: "
-            "sqlite:///PATH, or postgresql://USER@HOST/DB for replicas that share it "
+            "sqlite:///PATH (relative to the working directory; sqlite:////PATH: absolute), or "
+            "postgresql://USER@HOST/DB for replicas that share it "
             "(pip install 'trio_llm[postgres]'); none keeps nothing (default: "
             f"sqlite under ${CACHE_DIR_ENV}, else ~/.cache/trio_llm/store/store.db)",
             name="--store-url",

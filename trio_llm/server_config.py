@@ -108,7 +108,8 @@ class StoreConfig(CheckedFields):
     """Where and how long the server keeps state (`trio_llm.store`).
 
     Attributes:
-        url: the database: ``sqlite:///PATH`` or ``postgresql://...``; None: a SQLite file
+        url: the database: ``sqlite:///PATH`` (relative; ``sqlite:////PATH`` absolute) or
+            ``postgresql://...``; None: a SQLite file
             ``store/store.db`` under the cache folder; `NO_STORE`: keep nothing
             (``store: true`` and the stateful endpoints are then refused).
         retention: seconds a finished object is kept; None: until the size limit needs

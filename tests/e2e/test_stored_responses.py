@@ -11,6 +11,9 @@ text), so the context was rebuilt as a client would send it.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,6 +252,26 @@ def test_the_stored_routes_refuse_what_they_cannot_do(
         reply = httpx.get(f"{url}/input_items", params=query, timeout=30)
         assert (reply.status_code, reply.json()["error"]["param"]) == (400, param), reply.text
     assert httpx.get(f"{first_server.url}/v1/responses/resp_nope", timeout=30).status_code == 404
+
+
+def test_a_store_url_under_a_file_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    url = f"sqlite:///{tmp_path}/afile/store.db"
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_llm", "serve", "--port", "0", "--store-url", url],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"trio-llm: error: --store-url {url}: cannot make the store's folder "
+        f"{tmp_path}/afile: {tmp_path}/afile is a file, not a folder"
+    )
 
 
 def test_stored_responses_survive_a_restart(

@@ -6,8 +6,10 @@ test_store_postgres.py."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import sqlite3
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -164,9 +166,45 @@ async def test_transactions_from_many_tasks_all_land(store: Store) -> None:
 def test_bad_urls_are_refused_with_the_flag_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--store-url"):
         open_database("mysql://x/y", tmp_path)
-    with pytest.raises(ValueError, match="absolute path"):
-        open_database("sqlite:///", tmp_path)
+    for url in ("sqlite:///", "sqlite://host/store.db", "sqlite:///folder/"):
+        with pytest.raises(ValueError, match="--store-url.*naming a file"):
+            open_database(url, tmp_path)
     assert redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+
+
+def test_sqlite_paths_follow_sqlalchemy_relative_then_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sqlite:///relative is relative to the working directory (the root is never touched);
+    # sqlite:////absolute is absolute.
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    name = f"trio-llm-test-{uuid.uuid4().hex}"
+    try:
+        database = open_database(f"sqlite:///{name}/store.db", tmp_path)
+        database.close()
+        assert database.folder == work / name and (work / name / "store.db").is_file()
+    finally:
+        shutil.rmtree(Path("/", name), ignore_errors=True)  # made by an older server
+    assert not Path("/", name).exists()
+    database = open_database(f"sqlite:///{tmp_path}/abs/store.db", tmp_path)  # 4 slashes
+    database.close()
+    assert database.folder == tmp_path / "abs"
+    # An older server's store at /PATH, spelt sqlite:///PATH then: refused, not replaced.
+    with pytest.raises(ValueError, match=f"sqlite:///{tmp_path}/abs/store.db"):
+        open_database(f"sqlite://{tmp_path}/abs/store.db", tmp_path)
+
+
+def test_a_store_whose_folder_is_a_file_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    for url in (f"sqlite:///{tmp_path}/afile/store.db", f"sqlite:///{tmp_path}/afile/x/s.db"):
+        with pytest.raises(StoreError, match=f"{tmp_path}/afile is a file, not a folder"):
+            open_store(url, tmp_path)
+    (tmp_path / "db").mkdir()
+    (tmp_path / "db" / "files").write_text("where the store's files would go")
+    with pytest.raises(StoreError, match="files is a file, not a folder"):
+        open_store(f"sqlite:///{tmp_path}/db/store.db", tmp_path)
 
 
 def test_retention_evicts_by_age_then_size_and_leaves_tombstones(

@@ -26,6 +26,7 @@ from trio_llm.store.database import (
     StoreError,
     StoreUnavailable,
     Transaction,
+    make_folder,
     open_database,
 )
 from trio_llm.store.migrations import migrate
@@ -135,7 +136,8 @@ def open_store(url: str, cache_dir: Path, policy: RetentionPolicy | None = None)
 
     Raises:
         ValueError: a malformed URL, or psycopg missing for PostgreSQL.
-        StoreError: the database cannot be opened or migrated.
+        StoreError: the database cannot be opened or migrated, or a folder of the store
+            cannot be made (a file in the way: one line that names it).
     """
     database = open_database(url, cache_dir)
     try:
@@ -144,7 +146,11 @@ def open_store(url: str, cache_dir: Path, policy: RetentionPolicy | None = None)
         database.close()
         raise
     files_dir = database.folder / "files"
-    files_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        make_folder(files_dir, "the folder of the store's files")
+    except BaseException:
+        database.close()
+        raise
     store = Store(database, policy or RetentionPolicy(), files_dir)
     try:
         database.transaction_sync(partial(runners.register, runner=store.runner))

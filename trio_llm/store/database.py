@@ -1,7 +1,8 @@
 """The server's database: SQLite (the standard library's, by default) or PostgreSQL, reached
 only from worker threads, one transaction per unit of work.
 
-`open_database` takes a ``--store-url``: ``sqlite:///PATH`` (a file; created with its
+`open_database` takes a ``--store-url``: ``sqlite:///PATH`` (a file, relative to the working
+directory, ``sqlite:////PATH`` for an absolute one: SQLAlchemy's spelling; created with its
 folder) or ``postgresql://user@host:port/db`` (psycopg 3, the ``postgres`` extra; for
 replicas behind a router that must share the store). Every unit of work is a function of
 a `Transaction` run by `Database.transaction` in a worker thread between ``BEGIN`` and
@@ -273,7 +274,8 @@ def open_database(url: str, cache_dir: Path) -> Database:
     `trio_llm.store.migrations.migrate`).
 
     Args:
-        url: ``sqlite:///ABSOLUTE/PATH``, ``sqlite:///:memory:`` (tests), or a
+        url: ``sqlite:///PATH`` (`sqlite_target`: relative to the working directory;
+            ``sqlite:////ABSOLUTE/PATH``), ``sqlite:///:memory:`` (tests), or a
             ``postgresql://`` URL (libpq's form).
         cache_dir: where files go when the database is PostgreSQL (``cache_dir/store``).
 
@@ -281,6 +283,7 @@ def open_database(url: str, cache_dir: Path) -> Database:
         ValueError: the URL's scheme is neither; psycopg is not installed for a
             ``postgresql://`` URL.
         StoreUnavailable: the database cannot be opened or reached.
+        StoreError: the SQLite file's folder cannot be made (`make_folder`).
     """
     scheme = urlsplit(url).scheme
     if scheme == "sqlite":
@@ -299,18 +302,57 @@ def redact(url: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
+def sqlite_target(url: str) -> str:
+    """The file a ``sqlite:`` ``--store-url`` names, as an absolute path (or
+    ``:memory:``), in SQLAlchemy's spelling: ``sqlite:///relative/store.db`` is relative to
+    the working directory, ``sqlite:////abs/store.db`` absolute.
+
+    Raises:
+        ValueError: the URL names a host (``sqlite://host/...``) or no file.
+    """
+    rest = url.removeprefix("sqlite://")
+    path = rest[1:] if rest.startswith("/") else None
+    if rest == ":memory:" or path == ":memory:":
+        return ":memory:"
+    if path is None or path in ("", ".") or path.endswith("/"):
+        raise ValueError(
+            f"--store-url {url!r}: a SQLite store is sqlite:///PATH (relative to the working "
+            "directory) or sqlite:////ABSOLUTE/PATH, naming a file"
+        )
+    target = Path.cwd() / path  # an absolute path stays as it is
+    if not target.exists() and not Path(path).is_absolute() and Path("/", path).exists():
+        # Before SQLAlchemy's convention, sqlite:///PATH was absolute: never start afresh
+        # beside a store an older server kept at /PATH.
+        raise ValueError(
+            f"--store-url {url!r} names {target} (sqlite:///PATH is relative to the working "
+            f"directory), which does not exist, but /{path} does: for that one, write "
+            f"sqlite:////{path}"
+        )
+    return str(target)
+
+
+def make_folder(folder: Path, what: str) -> None:
+    """Make ``folder`` (and its parents) unless it exists.
+
+    Raises:
+        StoreError: it cannot be made (a file stands in its way, no permission): the
+            message names ``what`` and the path, in one line.
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in (folder, *folder.parents) if p.is_file()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else exc.strerror or str(exc)
+        raise StoreError(f"cannot make {what} {folder}: {why}") from None
+
+
 def _open_sqlite(url: str) -> Database:
-    path = url.removeprefix("sqlite://")
-    if path.startswith("//"):  # SQLAlchemy's spelling of an absolute path: sqlite:////abs
-        path = path[1:]
-    if path.startswith("/") and not path.endswith("/") and path != "/:memory:":
-        file = Path(path)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        target, folder = str(file), file.parent
-    elif path in ("/:memory:", ":memory:"):
-        target, folder = ":memory:", Path.cwd()
+    target = sqlite_target(url)
+    if target == ":memory:":
+        folder = Path.cwd()
     else:
-        raise ValueError(f"--store-url sqlite:///PATH needs an absolute path, got {url!r}")
+        folder = Path(target).parent
+        make_folder(folder, "the store's folder")
 
     def connect() -> sqlite3.Connection:
         connection = sqlite3.connect(
