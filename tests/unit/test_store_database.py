@@ -167,7 +167,7 @@ def test_bad_urls_are_refused_with_the_flag_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--store-url"):
         open_database("mysql://x/y", tmp_path)
     for url in ("sqlite:///", "sqlite://host/store.db", "sqlite:///folder/"):
-        with pytest.raises(ValueError, match="--store-url.*naming a file"):
+        with pytest.raises(ValueError, match=r"--store-url.*naming a file"):
             open_database(url, tmp_path)
     assert redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
 
