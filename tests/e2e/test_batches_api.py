@@ -227,6 +227,12 @@ def test_run_batch_writes_the_online_answers(
                 "store": False,
             },
         ),
+        # A lone surrogate in a custom_id (valid JSON): written back as its escape.
+        line(
+            "bad\ud800id",
+            "/v1/completions",
+            {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0},
+        ),
     ]
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(jsonl(inputs))
@@ -247,9 +253,9 @@ def test_run_batch_writes_the_online_answers(
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "3 lines, 3 succeeded, 0 failed" in done.stderr
+    assert "4 lines, 4 succeeded, 0 failed" in done.stderr
     outputs = [json.loads(text) for text in target.read_text().splitlines()]
-    assert [item["custom_id"] for item in outputs] == ["chat", "comp", "resp"]
+    assert [item["custom_id"] for item in outputs] == ["chat", "comp", "resp", "bad\ud800id"]
     check_equal_online(batch_server, inputs, outputs)
 
     url = subprocess.run(

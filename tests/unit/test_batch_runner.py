@@ -445,7 +445,7 @@ async def test_duplicate_custom_ids_fail_the_batch_at_validation(
     assert [(e["code"], e["line"]) for e in batch["errors"]["data"]] == [("duplicate_custom_id", 3)]
 
 
-async def test_a_busy_store_is_retried_and_a_broken_batch_fails_alone(
+async def test_a_busy_store_is_retried_and_a_broken_line_fails_alone(
     store: Store, quick_retries, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_record = stored.record_result
@@ -472,15 +472,72 @@ async def test_a_busy_store_is_retried_and_a_broken_batch_fails_alone(
         failed = await _until(store, broken, stored.FINAL_STATUSES)
         done = await _until(store, good, stored.FINAL_STATUSES)
         nursery.cancel_scope.cancel()
-    assert failed["status"] == "failed"
-    assert failed["errors"]["data"][0]["code"] == "internal_error"
-    assert "a bug in a route" in failed["errors"]["data"][0]["message"]
+    assert failed["status"] == "completed" and failed["errors"] is None
+    assert failed["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    (error,) = _lines_of(store, failed["error_file_id"])
+    assert (error["custom_id"], error["error"]["code"]) == ("x", "internal_error")
+    assert "a bug in a route" not in error["error"]["message"]  # no internals
     assert done["status"] == "completed"
     assert [line["custom_id"] for line in _lines_of(store, done["output_file_id"])] == [
         "c0",
         "c1",
         "c2",
     ]
+
+
+def _five_good_and(poisoned: dict[str, Any]) -> list[dict[str, Any]]:
+    lines = [_line(f"c{i}") | {"body": {"prompt": f"p{i}"}} for i in range(5)]
+    lines.insert(2, poisoned)
+    return lines
+
+
+async def test_a_lone_surrogate_in_a_custom_id_is_kept_as_its_escape(
+    store: Store, quick_retries
+) -> None:
+    # Valid JSON: the custom_id is echoed into the result line, which is stored and
+    # written to the output file as UTF-8 text.
+    poisoned = _line("bad\ud800id") | {"body": {"prompt": "poison"}}
+    batch_id = _add_batch(store, _five_good_and(poisoned))
+    batch = await _run(store, FakeApp(), batch_id)
+    assert batch["status"] == "completed" and batch["errors"] is None
+    assert batch["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    text = (store.files_dir / batch["output_file_id"]).read_bytes().decode("utf-8")
+    assert "bad\\ud800id" in text  # the escape it came as
+    ids = [line["custom_id"] for line in _lines_of(store, batch["output_file_id"])]
+    assert ids == ["c0", "c1", "bad\ud800id", "c2", "c3", "c4"]
+
+
+async def test_an_unexpected_error_in_one_line_fails_that_line_not_the_batch(
+    store: Store, quick_retries, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_record = stored.record_result
+
+    def record(tx, **kw):
+        if '"poison"' in kw["result"]:  # the first record of the poisoned line
+            "bad\ud800id".encode()  # what a driver's bind raised on main
+        return real_record(tx, **kw)
+
+    monkeypatch.setattr(stored, "record_result", record)
+
+    async def answer(scope, body):
+        if body["prompt"] == "boom":
+            raise KeyError("/srv/secret/path")
+        return 200, {"echo": body["prompt"]}
+
+    lines = _five_good_and(_line("poisoned") | {"body": {"prompt": "poison"}})
+    lines.append(_line("boom") | {"body": {"prompt": "boom"}})
+    batch_id = _add_batch(store, lines)
+    batch = await _run(store, FakeApp(answer), batch_id)
+    assert batch["status"] == "completed" and batch["errors"] is None
+    assert batch["request_counts"] == {"total": 7, "completed": 5, "failed": 2}
+    output = _lines_of(store, batch["output_file_id"])
+    assert [line["custom_id"] for line in output] == [f"c{i}" for i in range(5)]
+    errors = _lines_of(store, batch["error_file_id"])
+    assert [(e["custom_id"], e["error"]["code"], e["response"]) for e in errors] == [
+        ("poisoned", "internal_error", None),
+        ("boom", "internal_error", None),
+    ]
+    assert not any("secret" in e["error"]["message"] for e in errors)
 
 
 async def test_a_full_disk_while_finalizing_is_tried_again(

@@ -13,7 +13,9 @@ once.
 
 A store that cannot be written (locked, a full disk) or an engine that stopped ends the
 batch's work for now; it is tried again later (`POLL_INTERVAL`), never a crash of the
-server. Any other error fails the batch, with the error in its ``errors``.
+server. Any other error in one line is that line's result (``internal_error`` in the
+error file; `trio_llm.api.line_runner.run_line`), and the batch goes on; one outside the
+lines fails the batch (``internal_error`` in its ``errors``, the details in the log).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from trio_llm.api.line_runner import (
     LineRunner,
     Wakeup,
     api_key_headers,
+    failed_line,
     run_line,
 )
-from trio_llm.errors import EngineError, first_leaf
+from trio_llm.errors import EngineError
 from trio_llm.store import Store, StoreError, StoreUnavailable
 from trio_llm.store import batches as stored
 from trio_llm.store.files import content_path, remove_orphans
@@ -121,9 +124,9 @@ class BatchRunner:
                 logger.warning(f"batch {batch_id}: stopped for now, tried again later: {exc!r}")
                 return
             logger.exception(f"batch {batch_id} failed")
-            leaf = first_leaf(exc)
-            error = {"code": "internal_error", "message": f"{type(leaf).__name__}: {leaf}"}
-            await self._fail(batch_id, [{**error, "param": None, "line": None}])
+            message = "an internal error stopped the batch (in the server's log)"
+            error = {"code": "internal_error", "message": message, "param": None, "line": None}
+            await self._fail(batch_id, [error])
         finally:
             self._running.discard(batch_id)
 
@@ -212,10 +215,19 @@ class BatchRunner:
         return ending
 
     async def _line(self, batch: dict[str, Any], index: int, raw: bytes) -> None:
+        """Run and record one line. An unexpected error in it (while it runs:
+        `run_line`; or in its record) records the line as ``internal_error``: it fails
+        that line, never the batch."""
         try:
             parsed = parse_line(index, raw, (batch["endpoint"],))
             ok, result = await run_line(self.lines, parsed)
-            await self._record(batch["id"], index, ok, result)
+            try:
+                await self._record(batch["id"], index, ok, result)
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                logger.exception(f"batch {batch['id']}: line {index + 1} not recorded")
+                await self._record(batch["id"], index, False, failed_line(parsed.custom_id))
         finally:
             self.slots.release()
 

@@ -159,10 +159,34 @@ class LineRunner:
 
 async def run_line(lines: LineRunner, parsed: LineRequest | LineError) -> tuple[bool, str]:
     """The result of one parsed input line: run it, or the error line of a line that
-    cannot run."""
+    cannot run. An unexpected error while it runs is that line's result (`failed_line`),
+    never its batch's end.
+
+    Raises:
+        EngineError: no engine serves any more, for good (the line has no result yet).
+    """
     if isinstance(parsed, LineError):
         return False, error_line(parsed.custom_id, parsed.code, parsed.message)
-    return await lines.run(parsed)
+    try:
+        return await lines.run(parsed)
+    except EngineError:
+        raise
+    except Exception:
+        logger.exception(f"batch line {parsed.index + 1} ({parsed.custom_id!r}) failed")
+        return False, failed_line(parsed.custom_id)
+
+
+#: The error of a line that met an unexpected error (the log has the details).
+INTERNAL_ERROR = (
+    "the server failed on this request (an internal error, in the server's log); the "
+    "batch's other requests are not affected"
+)
+
+
+def failed_line(custom_id: str | None) -> str:
+    """The error-file line of a line that met an unexpected error: OpenAI's
+    ``internal_error``, without the error's own text (no internals in a result)."""
+    return error_line(custom_id, "internal_error", INTERNAL_ERROR)
 
 
 class Wakeup:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 import uuid
@@ -58,9 +59,21 @@ def now() -> int:
     return int(time.time())
 
 
+#: A UTF-16 surrogate: valid in JSON text as an escape (``"\\ud800"``), a character no
+#: UTF-8 text (a database's, a file's) can hold.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
 def dumps(value: Any) -> str:
-    """JSON text of a column (compact, Unicode kept)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """JSON text of a column or of a batch's output line: compact, Unicode kept, and
+    always encodable as UTF-8: a lone surrogate a client sent (valid JSON) stays the
+    escape it came as, so `loads` gives the same value back."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _SURROGATE.sub(_escape, text)
 
 
 def loads(text: str) -> Any:
