@@ -24,8 +24,9 @@ from tests.unit.conftest import FakeEngine, ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.api.stored_responses import ResponsesAPI
-from trio_llm.store import Store, open_store, responses
+from trio_llm.store import RetentionPolicy, Store, open_store, responses
 from trio_llm.store.responses import StoredResponse
+from trio_llm.store.retention import stored_bytes, sweep
 
 BODY = {"model": "m", "input": "hi", "max_output_tokens": 5}
 
@@ -190,3 +191,26 @@ async def test_background_responses_a_stopped_server_left_run_again(smol_tokeniz
         assert [item["id"] for item in items["data"]] == ["msg_a", "msg_b"]
     resumed = store.transaction_sync(lambda tx: responses.get(tx, "resp_left"))
     assert resumed.resumed == 1
+
+
+async def test_unknown_fields_are_not_stored_so_they_evict_no_other_clients_objects(
+    smol_tokenizer, store
+) -> None:
+    big = "x" * 2**20
+    async with _client(smol_tokenizer, store) as (client, _):
+        others = (await client.post("/v1/responses", json=BODY)).json()
+        before = store.transaction_sync(stored_bytes)
+        for _ in range(3):
+            body = {**BODY, "junk": big, "text": {"format": {"type": "text"}, "pad": big}}
+            reply = await client.post("/v1/responses", json=body)
+            assert reply.status_code == 200, reply.text
+        grown = store.transaction_sync(stored_bytes) - before
+        assert grown < 3 * 8192, grown  # three small responses, not 6 MiB
+        stored = store.transaction_sync(lambda tx: responses.get(tx, reply.json()["id"]))
+        assert "junk" not in stored.request and stored.request["text"] == {
+            "format": {"type": "text"}
+        }
+        # A store with 1 MiB to spare keeps the other client's response.
+        policy = RetentionPolicy(max_age=None, max_bytes=before + 2**20)
+        assert store.transaction_sync(lambda tx: sweep(tx, policy)) == []
+        assert (await client.get(f"/v1/responses/{others['id']}")).json() == others

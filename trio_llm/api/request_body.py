@@ -140,6 +140,24 @@ class RequestBody(BaseModel):
         return data
 
 
+def known_fields(body: BaseModel) -> dict[str, Any]:
+    """The fields of ``body`` that its model (and each nested model) knows and the client
+    set, as JSON: the request as a store keeps it. Unknown fields, which a body accepts
+    and ignores (`RequestBody`), are left out at every level, so a client cannot make
+    the store keep what no response needs."""
+    return body.model_dump(mode="json", exclude_unset=True, exclude=_unknown(body))
+
+
+def _unknown(body: BaseModel) -> dict[str, Any]:
+    """pydantic's ``exclude`` of ``body``'s unknown fields, nested models' too."""
+    exclude: dict[str, Any] = dict.fromkeys(body.model_extra or {}, True)
+    for name in body.model_fields_set & set(type(body).model_fields):
+        value = getattr(body, name)
+        if isinstance(value, BaseModel) and (inner := _unknown(value)):
+            exclude[name] = inner
+    return exclude
+
+
 def check_json_text(value: Any, name: str) -> None:
     """Refuse a JSON value (object, list, string) holding a lone surrogate anywhere, in a
     key or a string, that a response would echo.

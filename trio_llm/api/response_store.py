@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from trio_llm.api.errors import store_error
+from trio_llm.api.request_body import known_fields
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.store import Store, StoreError, Transaction, conversations, responses
 from trio_llm.store.responses import StoredResponse
@@ -23,9 +24,10 @@ ENDED_WELL = ("completed", "incomplete")
 
 
 def stored_form(request: ResponsesRequest, body: dict[str, Any]) -> StoredResponse:
-    """The stored form of the response ``body`` to ``request``: the request as sent, and
-    its context then its input items as the items it was generated from."""
-    sent = request.model_dump(mode="json", exclude_unset=True)
+    """The stored form of the response ``body`` to ``request``: the request's known
+    fields as sent (`known_fields`: what running it again takes; unknown fields are not
+    kept), and its context then its input items as the items it was generated from."""
+    sent = known_fields(request)
     return StoredResponse(body["id"], body, sent, [*request.context, *request.items])
 
 

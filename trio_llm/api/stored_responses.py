@@ -138,9 +138,8 @@ class ResponsesAPI:
         context = await self._context(self.store, request)
         request.continue_from(context, stored=request.store is not False)
         if request.stored or request.conversation_id is not None:
-            # Stored as sent: every string must be valid Unicode, unknown fields too.
-            for name, value in {"input": request.input, **(request.model_extra or {})}.items():
-                check_json_text(value, name)
+            # Stored as sent (unknown fields are not kept): valid Unicode to the last key.
+            check_json_text(request.input, "input")
 
     async def _context(self, store: Store, request: ResponsesRequest) -> list[dict[str, Any]]:
         """The items a request continues: its conversation's, or its previous response's

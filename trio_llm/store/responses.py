@@ -2,7 +2,7 @@
 ``responses`` table.
 
 A `StoredResponse` keeps what OpenAI keeps of a response: the response object as it was
-returned (``body``), the request as it was sent (``request``: enough to run a background
+returned (``body``), the request's known fields as sent (``request``: enough to run a background
 response again after a restart) and the items the response was generated from
 (``context``: the earlier context of a ``previous_response_id`` or a conversation, then
 the request's own input items, each with an ``id``; what ``input_items`` lists). A
@@ -37,7 +37,8 @@ class StoredResponse:
     Attributes:
         id: ``resp_...``.
         body: the response object as returned (its ``status`` is the stored status).
-        request: the request body as sent (`to_row` stores it as is).
+        request: the request body's known fields as sent (its unknown fields are not
+            kept: `trio_llm.api.request_body.known_fields`).
         context: the items the response was generated from, oldest first, each with an
             ``id``.
         resumed: how many times a server started this background response again after
