@@ -136,9 +136,7 @@ async def run_batch(config: ServerConfig, source: Path, target: Path) -> Summary
             app = build_app(pool, lambda: True, config)
             headers = api_key_headers(config.api_key)
             lines = LineRunner(app, RouterEngines(pool), headers, config.max_num_waiting_requests)
-            limit = config.store.batch_max_in_flight or (
-                config.engine.scheduler.max_num_seqs * config.data_parallel_size
-            )
+            limit = config.store.batch_max_in_flight or config.engine_slots()
             summary = await _run_lines(lines, source, target, limit)
             await pool.stop(config.shutdown_timeout)
     finally:

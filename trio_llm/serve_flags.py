@@ -417,5 +417,23 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             name="--batch-max-lines-in-flight",
             **_COUNT,
         ),
+        "max_background_responses": Flag(
+            "most background responses (background: true) queued or in progress at once; "
+            "a new one past it gets a 429 with Retry-After; they run in the batch lane "
+            "(default: --max-num-seqs per engine)",
+            **_COUNT,
+        ),
+        "max_conversation_items": Flag(
+            "most items one conversation stores (reasoning items too); an append past it "
+            "is a 400 (default 10000)",
+            **_COUNT,
+        ),
+        "max_conversation_bytes": Flag(
+            "most bytes of one conversation's items (reasoning items too); an append past "
+            "it is a 400 (default 16MiB)",
+            name="--max-conversation-size",
+            type=parse.parse_bytes,
+            metavar="BYTES",
+        ),
     },
 }

@@ -118,6 +118,13 @@ class StoreConfig(CheckedFields):
         max_file_bytes: largest file ``POST /v1/files`` accepts (bytes).
         batch_max_in_flight: most batch lines (of all batches) running at once; None:
             ``--max-num-seqs`` per engine.
+        max_background_responses: most background responses (``background: true``)
+            queued or in progress on the server at once (past it: a 429); None:
+            ``--max-num-seqs`` per engine (`ServerConfig.engine_slots`).
+        max_conversation_items: most items one conversation stores (an append past it:
+            a 400).
+        max_conversation_bytes: most bytes of one conversation's items and metadata
+            (an append past it: a 400).
     """
 
     url: str | None = None
@@ -125,6 +132,11 @@ class StoreConfig(CheckedFields):
     max_size: int | None = setting(10 * 2**30, range=Range(1, unit="byte"))
     max_file_bytes: int = setting(512 * 2**20, range=Range(1, unit="byte"))
     batch_max_in_flight: int | None = setting(None, range=Range(1), none_means="--max-num-seqs")
+    max_background_responses: int | None = setting(
+        None, range=Range(1), none_means="--max-num-seqs"
+    )
+    max_conversation_items: int = setting(10_000, range=Range(1))
+    max_conversation_bytes: int = setting(16 * 2**20, range=Range(1, unit="byte"))
 
     @property
     def enabled(self) -> bool:
@@ -356,6 +368,11 @@ class ServerConfig(CheckedFields):
             share = available_cores() // self.data_parallel_size
             config = replace(config, num_threads=max(1, share))
         return config
+
+    def engine_slots(self) -> int:
+        """Requests the server's engines run at once: ``--max-num-seqs`` per engine
+        (the default of the limits of batch lines and background responses)."""
+        return self.engine.scheduler.max_num_seqs * self.data_parallel_size
 
     def model_names(self) -> tuple[str, ...]:
         """The served model names, defaulting to the ``--model`` string."""

@@ -43,7 +43,7 @@ from trio_llm.engine_fleet import engines_ready, open_serving, supervise_engines
 from trio_llm.model_catalog import catalog_of
 from trio_llm.model_pool import ModelPool
 from trio_llm.server_config import ServerConfig
-from trio_llm.store import RetentionPolicy, Store, StoreError, open_store
+from trio_llm.store import ConversationLimits, RetentionPolicy, Store, StoreError, open_store
 from trio_llm.store.database import redact
 
 #: Re-exported for the embedders and tests that start engines as the server does.
@@ -125,8 +125,11 @@ async def open_server_store(config: ServerConfig) -> Store | None:
     cache_dir = config.engine.cache_dir()
     url = config.store.resolved_url(cache_dir)
     policy = RetentionPolicy(max_age=config.store.retention, max_bytes=config.store.max_size)
+    limits = ConversationLimits(
+        config.store.max_conversation_items, config.store.max_conversation_bytes
+    )
     try:
-        store = await trio.to_thread.run_sync(open_store, url, cache_dir, policy)
+        store = await trio.to_thread.run_sync(open_store, url, cache_dir, policy, limits)
     except (ValueError, StoreError) as exc:
         message = str(exc) if "--store-url" in str(exc) else f"--store-url {redact(url)}: {exc}"
         raise StoreError(message) from exc
@@ -147,7 +150,8 @@ async def _serve_engines(
         pool = ModelPool(config, catalog_of(config), lifecycle)
         pool.store = store
         await engine_nursery.start(pool.run)
-        responses = ResponsesAPI(pool)
+        max_background = config.store.max_background_responses or config.engine_slots()
+        responses = ResponsesAPI(pool, max_background)
         app = build_app(pool, lambda: not lifecycle.stop_requested.is_set(), config, responses)
         connection_guard.install()  # one connection's protocol error ends only it
         # Background responses: tasks of this nursery, stopped before the engines are.

@@ -40,6 +40,10 @@ class BackgroundRuns:
     def __contains__(self, key: str) -> bool:
         return key in self._scopes
 
+    def __len__(self) -> int:
+        """The tasks started and not ended yet."""
+        return len(self._scopes)
+
     async def serve(
         self,
         at_start: Callable[[], Awaitable[None]] | None = None,

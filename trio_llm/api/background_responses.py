@@ -8,7 +8,16 @@ admission's) or, when cancelled (``POST /v1/responses/{id}/cancel``: the scope a
 generation is cancelled, which aborts its engine request), ``cancelled`` with what it had
 generated. A response cancelled or deleted by another request is not written over
 (`trio_llm.store.responses.update` writes only an active one); one the server cannot
-admit because it is stopping stays ``queued``, for the next start.
+admit because it is stopping stays ``queued``, for the next start. One whose
+conversation is deleted while it runs ends ``failed``, naming the conversation (its items
+could not be added to it); so does one whose items would pass the conversation's limits.
+
+Background responses are background work: they run in the batch lane
+(`trio_llm.api.lanes`: ranked after every interactive request, held to
+``--max-batch-share`` while interactive requests wait), resumed ones too, and at most
+``--max-background-responses`` are queued or in progress on a server at once (a new one
+past that is a 429 with ``Retry-After``; `BackgroundResponses.start`); resumed ones past
+that wait ``queued`` for a free place.
 
 At start-up, and every `ADOPT_INTERVAL` seconds after, the responses a stopped server left
 ``queued`` or ``in_progress`` run again from their stored request and context
@@ -23,6 +32,7 @@ a request that kills the server cannot do so at every start.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -31,7 +41,13 @@ import trio
 from pydantic import ValidationError
 
 from trio_llm.api.background import BackgroundRuns
-from trio_llm.api.errors import APIError, engine_error
+from trio_llm.api.errors import (
+    CONVERSATION_TOO_LARGE,
+    RETRY_AFTER_SECONDS,
+    APIError,
+    engine_error,
+)
+from trio_llm.api.lanes import BATCH_LANE
 from trio_llm.api.model_router import ModelRouter
 from trio_llm.api.response_format import Plan
 from trio_llm.api.response_items import stored_items
@@ -41,7 +57,7 @@ from trio_llm.api.responses_format import ResponsesFormat
 from trio_llm.api.run_choices import run_choices
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import EngineError
-from trio_llm.store import Store, StoreError, responses
+from trio_llm.store import Store, StoreError, Transaction, conversations, responses
 from trio_llm.store.objects import now
 from trio_llm.store.responses import StoredResponse
 from trio_llm.store.runners import STALE_SECONDS
@@ -58,22 +74,43 @@ ADOPT_INTERVAL = float(STALE_SECONDS)
 class BackgroundResponses:
     """The background responses of a server (see the module doc).
 
+    Args:
+        router: the server's models.
+        max_active: most background responses queued or in progress at once
+            (``--max-background-responses``); None: no limit.
+
     Attributes:
         runs: the tasks, by response id.
+        slots: at most `max_active` generate at once (resumed ones wait their turn).
     """
 
-    def __init__(self, router: ModelRouter) -> None:
+    def __init__(self, router: ModelRouter, max_active: int | None = None) -> None:
         self.router = router
         self.runs = BackgroundRuns()
+        self.max_active = max_active
+        self.slots = trio.Semaphore(max_active) if max_active is not None else None
 
     async def start(self, store: Store, request: ResponsesRequest, plan: Plan) -> dict[str, Any]:
         """Store ``plan``'s response ``queued`` and start generating it; return it.
 
         Raises:
-            APIError: 503 when the server is stopping; the store's errors.
+            APIError: 429 (``Retry-After``) when `max_active` background responses are
+                queued or in progress here already; 503 when the server is stopping;
+                the store's errors.
         """
         if not self.runs.running:
             raise APIError(503, "the server is stopping", type="service_unavailable_error")
+        if self.max_active is not None and len(self.runs) >= self.max_active:
+            raise APIError(
+                429,
+                f"too many background responses: this server keeps at most "
+                f"{self.max_active} queued or in progress at once "
+                "(--max-background-responses); try again once one has ended",
+                type="requests",
+                param="background",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
         plan.response_id, plan.created = plan.format.new_id(), now()
         queued = _format(plan).status_response(plan, "queued")
         stored = replace(stored_form(request, queued), runner=store.runner.id)
@@ -95,19 +132,36 @@ class BackgroundResponses:
         plan: Plan | None,
         scope: trio.CancelScope,
     ) -> None:
-        """Generate a background response and write how it ended (the task's work)."""
+        """Generate a background response (once one of `slots` is free: it stays
+        ``queued`` until then) and write how it ended (the task's work)."""
         run = _Run(store, stored, plan)
+        body = None
         with scope:
-            body = await self._generate(run, request)
+            async with self.slots if self.slots is not None else nullcontext():
+                body = await self._generate(run, request)
         if scope.cancelled_caught:
             body = run.partial("cancelled")
-        if body is None:
-            return
-        ended = partial(record, request, stored.with_body(body), new=False)
+        if body is not None:
+            await self._record(store, stored, request, body)
+
+    async def _record(
+        self, store: Store, stored: StoredResponse, request: ResponsesRequest, body: dict[str, Any]
+    ) -> None:
+        """Write the ended response (and add its items to its conversation). One whose
+        conversation was deleted meanwhile, or has no room left for its items, is
+        written ``failed`` with that error instead. A store that fails is logged (by
+        `write`): the response stays in progress, and runs again at the next start."""
+        limits = store.conversation_limits
+        ended = partial(record, request, stored.with_body(body), new=False, limits=limits)
         try:
             await write(store, ended, stored.id)
-        except APIError:
-            pass  # logged; the response stays in progress and runs again at the next start
+        except APIError as exc:
+            gone = exc.status == 404 and request.conversation_id is not None
+            if not (gone or exc.code == CONVERSATION_TOO_LARGE):
+                return
+            message = _conversation_gone(str(request.conversation_id)) if gone else exc.message
+            failed = {**body, "status": "failed", "error": _error(exc.code, message)}
+            await update(store, stored, failed)
 
     async def _generate(self, run: _Run, request: ResponsesRequest) -> dict[str, Any] | None:
         """The ended response object (None: it was cancelled or deleted meanwhile, or the
@@ -182,19 +236,21 @@ class BackgroundResponses:
             logger.info(f"{len(left)} background responses a stopped server left: run again")
 
     async def _resume(self, store: Store, stored: StoredResponse) -> None:
-        error: str | None = None
-        if stored.resumed >= MAX_RESUMES:
-            error = f"the server stopped {stored.resumed + 1} times while generating it"
-        try:
-            request = ResponsesRequest.model_validate(stored.request)
-        except ValidationError as exc:
-            error = f"its stored request is no longer valid: {exc}"
-        if error is not None:
-            failed = {**stored.body, "status": "failed", "error": _error(None, error)}
+        """Run ``stored`` again from its stored request and context, or fail it: it was
+        interrupted `MAX_RESUMES` times already, its request is no longer valid, or its
+        conversation was deleted meanwhile."""
+        request, error = _stored_request(stored)
+        context: list[dict[str, Any]] = []
+        if request is not None:
+            context, error = await _earlier_context(store, stored, request)
+        if request is None or error is not None:
+            failed = {**stored.body, "status": "failed", "error": _error(None, str(error))}
             await update(store, stored, failed)
             return
         split = len(stored.context) - len(stored_items(request.input))
-        request.continue_from(stored.context[:split], stored.context[split:], stored=True)
+        request.continue_from(
+            [*context, *stored.context[:split]], stored.context[split:], stored=True
+        )
         queued = replace(
             stored,
             body={**stored.body, "status": "queued"},
@@ -203,6 +259,44 @@ class BackgroundResponses:
         )
         if await update(store, queued, queued.body, taking_over_from=stored.runner):
             self.runs.start(stored.id, partial(self._run, store, queued, request, None))
+
+
+def _stored_request(stored: StoredResponse) -> tuple[ResponsesRequest | None, str | None]:
+    """The request of a response to run again, or why it is not run again."""
+    if stored.resumed >= MAX_RESUMES:
+        return None, f"the server stopped {stored.resumed + 1} times while generating it"
+    try:
+        request = ResponsesRequest.model_validate(stored.request)
+    except ValidationError as exc:
+        return None, f"its stored request is no longer valid: {exc}"
+    request.bind_lane(BATCH_LANE)  # below every interactive request, as when it came
+    return request, None
+
+
+async def _earlier_context(
+    store: Store, stored: StoredResponse, request: ResponsesRequest
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The conversation's items ``stored`` refers to (`responses.earlier_context`), or
+    why it cannot run again: its conversation was deleted meanwhile.
+
+    Raises:
+        APIError: the store failed (logged).
+    """
+    conversation_id = request.conversation_id
+
+    def read(tx: Transaction) -> tuple[list[dict[str, Any]], str | None]:
+        if conversation_id is not None and not conversations.exists(tx, conversation_id):
+            return [], _conversation_gone(conversation_id)
+        return responses.earlier_context(tx, stored), None
+
+    return await write(store, read, stored.id)
+
+
+def _conversation_gone(conversation_id: str) -> str:
+    return (
+        f"the conversation '{conversation_id}' was deleted while this response was "
+        "generated: its items could not be added to it"
+    )
 
 
 class _Run:

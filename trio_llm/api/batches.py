@@ -93,9 +93,7 @@ def install_batch_routes(app: FastAPI, router: ModelRouter, config: ServerConfig
 
     runner = None
     if router.store is not None:
-        max_in_flight = config.store.batch_max_in_flight or (
-            config.engine.scheduler.max_num_seqs * config.data_parallel_size
-        )
+        max_in_flight = config.store.batch_max_in_flight or config.engine_slots()
         runner = BatchRunner(
             app,
             RouterEngines(router),

@@ -1,7 +1,9 @@
 """OpenAI's Conversations API: ``POST /v1/conversations`` (``items``, ``metadata``),
 ``GET``/``POST`` (new metadata)/``DELETE /v1/conversations/{id}``, its items listed
 (``GET .../items``: ``limit``, ``order``, ``after``) and added (``POST .../items``), one
-item read or deleted (``GET``/``DELETE .../items/{item_id}``).
+item read or deleted (``GET``/``DELETE .../items/{item_id}``). A conversation is bounded
+(``--max-conversation-items``, ``--max-conversation-size``): an append past a limit is a
+400 naming it (``conversation_too_large``), the conversation unchanged.
 
 Items are checked as a response's input items are (`trio_llm.api.responses.check_items`:
 a conversation is a later response's context) and stored with an ``id`` each
@@ -84,7 +86,12 @@ class ConversationsAPI:
         """``POST /v1/conversations``: a new conversation."""
         store = self._store()
         items = _checked(body.items or [])
-        work = partial(conversations.create, metadata=body.metadata or {}, items=items)
+        work = partial(
+            conversations.create,
+            metadata=body.metadata or {},
+            items=items,
+            limits=store.conversation_limits,
+        )
         return JSONResponse(await store.transaction(work))
 
     async def retrieve(self, request: Request) -> Response:
@@ -117,8 +124,13 @@ class ConversationsAPI:
         those added."""
         store = self._store()
         body = await self.router.parse(ConversationItemsRequest, request)
-        work = partial(conversations.add_items, conversation_id=_id(request))
-        added = await store.transaction(partial(work, items=_checked(body.items)))
+        work = partial(
+            conversations.add_items,
+            conversation_id=_id(request),
+            items=_checked(body.items),
+            limits=store.conversation_limits,
+        )
+        added = await store.transaction(work)
         return JSONResponse(Page(added, has_more=False).body())
 
     async def get_item(self, request: Request) -> Response:

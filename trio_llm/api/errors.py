@@ -26,9 +26,12 @@ from trio_llm.errors import (
     RequestRejectedError,
 )
 from trio_llm.store import Evicted, NotFound, StoreError, StoreUnavailable
+from trio_llm.store.conversations import ConversationFull
 
 #: Seconds a client is told to wait (``Retry-After``) when the waiting line is full.
 RETRY_AFTER_SECONDS = 1
+#: The ``code`` of an append that would pass a conversation's limits.
+CONVERSATION_TOO_LARGE = "conversation_too_large"
 
 
 @dataclass(eq=False, repr=False)
@@ -170,9 +173,12 @@ def _retry_later(exc: EngineError, code: str) -> APIError:
 
 
 def store_error(exc: StoreError) -> APIError:
-    """The HTTP error for a failed store lookup or write: 404 for an id that is not (or no
-    longer, `Evicted`) stored, 503 with ``Retry-After`` while the database is busy or
+    """The HTTP error for a failed store lookup or write: 400 naming the limit for an
+    append that would pass a conversation's (`ConversationFull`), 404 for an id that is
+    not (or no longer, `Evicted`) stored, 503 with ``Retry-After`` while the database is busy or
     unreachable, 507 when its disk is full, 500 otherwise."""
+    if isinstance(exc, ConversationFull):
+        return APIError(400, str(exc), param=exc.param, code=CONVERSATION_TOO_LARGE)
     if isinstance(exc, NotFound):
         code = "evicted" if isinstance(exc, Evicted) else "not_found"
         return APIError(404, str(exc), type="not_found_error", code=code)

@@ -13,7 +13,8 @@ from trio_llm.api.errors import store_error
 from trio_llm.api.request_body import known_fields
 from trio_llm.api.responses import ResponsesRequest
 from trio_llm.store import Store, StoreError, Transaction, conversations, responses
-from trio_llm.store.responses import StoredResponse
+from trio_llm.store.conversations import ConversationFull, ConversationLimits
+from trio_llm.store.responses import StoredResponse, stored_response
 
 logger = logging.getLogger(__name__)
 
@@ -28,22 +29,38 @@ def stored_form(request: ResponsesRequest, body: dict[str, Any]) -> StoredRespon
     fields as sent (`known_fields`: what running it again takes; unknown fields are not
     kept), and its context then its input items as the items it was generated from."""
     sent = known_fields(request)
-    return StoredResponse(body["id"], body, sent, [*request.context, *request.items])
+    return stored_response(body["id"], body, sent, request.context, request.items)
 
 
 def record(
-    request: ResponsesRequest, stored: StoredResponse, tx: Transaction, *, new: bool
+    request: ResponsesRequest,
+    stored: StoredResponse,
+    tx: Transaction,
+    *,
+    new: bool,
+    limits: ConversationLimits | None,
 ) -> None:
     """Write a response that ended (``new``: a foreground one, not stored yet; stored
     only if the request is) and add its input and output items to its conversation;
-    nothing if a background response was cancelled or deleted meanwhile."""
+    nothing if a background response was cancelled or deleted meanwhile.
+
+    Raises:
+        NotFound: the conversation is gone (deleted meanwhile): nothing is written.
+        ConversationFull: the items would pass the conversation's ``limits``: nothing
+            is written.
+    """
     if new and request.stored:
         responses.insert(tx, stored)
     elif not new and not responses.update(tx, stored):
         return
     conversation_id = request.conversation_id
     if conversation_id is not None and stored.status in ENDED_WELL:
-        conversations.add_items(tx, conversation_id, [*request.items, *stored.body["output"]])
+        added = [*request.items, *stored.body["output"]]
+        try:
+            conversations.add_items(tx, conversation_id, added, limits)
+        except ConversationFull as exc:
+            exc.param = "conversation"
+            raise
 
 
 async def write(store: Store, work: Callable[[Transaction], T], response_id: str) -> T:

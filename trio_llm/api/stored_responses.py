@@ -28,6 +28,7 @@ from starlette.types import Receive
 from trio_llm.api.background_responses import BackgroundResponses
 from trio_llm.api.disconnect import Emit, EventStreamResponse
 from trio_llm.api.errors import APIError, bad_request, store_error
+from trio_llm.api.lanes import BATCH_LANE
 from trio_llm.api.model_router import ModelRouter, as_router
 from trio_llm.api.request_body import check_json_text
 from trio_llm.api.response_format import Plan
@@ -37,9 +38,10 @@ from trio_llm.api.responses_format import ResponsesFormat
 from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 from trio_llm.api.store_routes import ListParams, need_store
 from trio_llm.errors import CONTEXT_LENGTH_EXCEEDED
-from trio_llm.store import Evicted, NotFound, Store, conversations, responses
+from trio_llm.store import Evicted, NotFound, Store, Transaction, conversations, responses
+from trio_llm.store.conversations import ConversationFull, ConversationLimits
 from trio_llm.store.objects import now
-from trio_llm.store.responses import StoredResponse
+from trio_llm.store.responses import ContextRef, SharedContext, StoredResponse
 
 
 class ResponsesAPI:
@@ -47,14 +49,18 @@ class ResponsesAPI:
 
     Args:
         models: the server's models (`ModelRouter`), or the one model's `OpenAIServing`.
+        max_background: most background responses queued or in progress at once
+            (``--max-background-responses``; `BackgroundResponses`); None: no limit.
 
     Attributes:
         background: the background responses of this server.
     """
 
-    def __init__(self, models: OpenAIServing | ModelRouter) -> None:
+    def __init__(
+        self, models: OpenAIServing | ModelRouter, max_background: int | None = None
+    ) -> None:
         self.router = as_router(models)
-        self.background = BackgroundResponses(self.router)
+        self.background = BackgroundResponses(self.router, max_background)
 
     @property
     def store(self) -> Store | None:
@@ -110,6 +116,8 @@ class ResponsesAPI:
                 progress; 404 for an unknown conversation.
         """
         if request.background:
+            # Background work: below every interactive request, as batch lines are.
+            request.bind_lane(BATCH_LANE)
             if request.store is False:
                 raise bad_request(
                     "background: true needs store: true (a background response is polled)",
@@ -142,20 +150,28 @@ class ResponsesAPI:
             check_json_text(request.input, "input")
 
     async def _context(self, store: Store, request: ResponsesRequest) -> list[dict[str, Any]]:
-        """The items a request continues: its conversation's, or its previous response's
-        context and output; none for a new conversation."""
+        """The items a request continues: its conversation's (which must have room for
+        its input), or its previous response's context and output; none for a new
+        conversation. A conversation's items come as a `SharedContext`: the stored
+        response refers to them instead of copying them."""
         previous_id, conversation_id = request.previous_response_id, request.conversation_id
         if conversation_id is not None:
+            work = partial(
+                _conversation_context,
+                conversation_id=conversation_id,
+                adding=request.items,
+                limits=store.conversation_limits,
+            )
             try:
-                return await store.transaction(
-                    partial(conversations.items, conversation_id=conversation_id)
-                )
-            except NotFound as exc:
+                return await store.transaction(work)
+            except (NotFound, ConversationFull) as exc:
                 raise _named(store_error(exc), "conversation") from exc
         if previous_id is None:
             return []
         try:
-            previous = await store.transaction(partial(responses.get, response_id=previous_id))
+            previous, context = await store.transaction(
+                partial(responses.continuation, response_id=previous_id)
+            )
         except NotFound as exc:
             message = (
                 str(exc)
@@ -171,7 +187,7 @@ class ResponsesAPI:
                 "until it has ended",
                 "previous_response_id",
             )
-        return previous.continuation()
+        return context
 
     async def _finish(self, request: ResponsesRequest, body: dict[str, Any]) -> None:
         """Store a foreground response (and add its items to its conversation) before it
@@ -181,7 +197,8 @@ class ResponsesAPI:
             APIError: the store failed (`store_error`); logged.
         """
         assert self.store is not None
-        work = partial(record, request, stored_form(request, body), new=True)
+        limits = self.store.conversation_limits
+        work = partial(record, request, stored_form(request, body), new=True, limits=limits)
         await write(self.store, work, body["id"])
 
     # ------------------------------------------------------------ stored responses
@@ -225,9 +242,11 @@ class ResponsesAPI:
         return JSONResponse(stored.body)
 
     async def _get(self, request: Request) -> StoredResponse:
+        """The stored response the path names, without its context (not read)."""
         store = self._need_store()
+        response_id = request.path_params["response_id"]
         return await store.transaction(
-            partial(responses.get, response_id=request.path_params["response_id"])
+            partial(responses.get, response_id=response_id, with_context=False)
         )
 
     def _need_store(self) -> Store:
@@ -247,6 +266,23 @@ def _failed_stream(serving: OpenAIServing, request: ResponsesRequest, error: API
             await emit(json.dumps(data, ensure_ascii=False), name)
 
     return EventStreamResponse(produce)
+
+
+def _conversation_context(
+    tx: Transaction,
+    conversation_id: str,
+    adding: list[dict[str, Any]],
+    limits: ConversationLimits,
+) -> SharedContext:
+    """The conversation's items, as the context of a response that refers to them.
+
+    Raises:
+        NotFound: no such conversation.
+        ConversationFull: ``adding`` (the response's input) would pass ``limits``.
+    """
+    conversations.check_room(tx, conversation_id, adding, limits)
+    items, bound = conversations.context(tx, conversation_id)
+    return SharedContext(items, ContextRef(conversation_id, bound), len(items))
 
 
 def _named(error: APIError, param: str) -> APIError:

@@ -21,6 +21,7 @@ from typing import TypeVar
 import trio
 
 from trio_llm.store import runners
+from trio_llm.store.conversations import ConversationFull, ConversationLimits
 from trio_llm.store.database import (
     Database,
     StoreError,
@@ -35,6 +36,8 @@ from trio_llm.store.retention import RetentionPolicy, sweep
 from trio_llm.store.runners import Runner, this_runner
 
 __all__ = [
+    "ConversationFull",
+    "ConversationLimits",
     "Evicted",
     "NotFound",
     "RetentionPolicy",
@@ -64,6 +67,8 @@ class Store:
             per id (`trio_llm.store.files`).
         runner: this server, as the runner of its background responses and batches
             (`trio_llm.store.runners`; registered by `open_store`).
+        conversation_limits: how large a conversation may grow (the API passes them to
+            `conversations.add_items`).
         closed: set by `close`.
     """
 
@@ -71,6 +76,7 @@ class Store:
     policy: RetentionPolicy
     files_dir: Path
     runner: Runner = field(default_factory=this_runner)
+    conversation_limits: ConversationLimits = field(default_factory=ConversationLimits)
     closed: bool = field(default=False, init=False)
 
     async def transaction(self, work: Callable[[Transaction], T]) -> T:
@@ -125,7 +131,12 @@ class Store:
         self.database.close()
 
 
-def open_store(url: str, cache_dir: Path, policy: RetentionPolicy | None = None) -> Store:
+def open_store(
+    url: str,
+    cache_dir: Path,
+    policy: RetentionPolicy | None = None,
+    conversation_limits: ConversationLimits | None = None,
+) -> Store:
     """Open the store a ``--store-url`` names and migrate its schema (blocking: run it in a
     worker thread from async code).
 
@@ -133,6 +144,7 @@ def open_store(url: str, cache_dir: Path, policy: RetentionPolicy | None = None)
         url: see `open_database`.
         cache_dir: the server's cache folder (files of a PostgreSQL store go under it).
         policy: retention; None: `RetentionPolicy`'s defaults.
+        conversation_limits: `Store.conversation_limits`; None: no limit.
 
     Raises:
         ValueError: a malformed URL, or psycopg missing for PostgreSQL.
@@ -151,7 +163,8 @@ def open_store(url: str, cache_dir: Path, policy: RetentionPolicy | None = None)
     except BaseException:
         database.close()
         raise
-    store = Store(database, policy or RetentionPolicy(), files_dir)
+    limits = conversation_limits or ConversationLimits()
+    store = Store(database, policy or RetentionPolicy(), files_dir, conversation_limits=limits)
     try:
         database.transaction_sync(partial(runners.register, runner=store.runner))
     except BaseException:

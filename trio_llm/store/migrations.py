@@ -96,6 +96,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE responses ADD COLUMN runner TEXT",
         "ALTER TABLE batches ADD COLUMN runner TEXT",
     ),
+    # 3: a response's context refers to a conversation's items (the conversation and its
+    # items before context_seq) instead of copying them; items and conversations deleted
+    # while a stored response lists them are hidden until it goes
+    # (`trio_llm.store.conversations`). Older rows keep their whole context, and read so.
+    (
+        "ALTER TABLE responses ADD COLUMN context_conversation TEXT",
+        "ALTER TABLE responses ADD COLUMN context_seq BIGINT",
+        "CREATE INDEX responses_context ON responses (context_conversation, context_seq)",
+        "ALTER TABLE conversations ADD COLUMN hidden INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE conversation_items ADD COLUMN hidden_at BIGINT",
+    ),
 )
 
 #: The schema version this server writes.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trio_llm.store import conversations
 from trio_llm.store.database import Transaction
 from trio_llm.store.objects import loads, now
 
@@ -61,6 +62,7 @@ def _candidates(tx: Transaction) -> list[_Candidate]:
         f"SELECT 'response', id, created_at, nbytes FROM responses "
         f"WHERE status NOT IN ({active_response}) "
         "UNION ALL SELECT 'conversation', id, created_at, nbytes FROM conversations "
+        "WHERE hidden = 0 "
         f"UNION ALL SELECT 'batch', id, created_at, LENGTH(body) FROM batches "
         f"WHERE status NOT IN ({active_batch}) "
         "UNION ALL SELECT 'file', id, created_at, bytes FROM files",
@@ -87,42 +89,69 @@ def _files_in_use(tx: Transaction) -> set[str]:
 
 _DELETE = {
     "response": "DELETE FROM responses WHERE id = ?",
-    "conversation": "DELETE FROM conversations WHERE id = ?",
     "batch": "DELETE FROM batches WHERE id = ?",
     "file": "DELETE FROM files WHERE id = ?",
 }
+
+
+class _Freed:
+    """The bytes a sweep frees as it evicts, oldest first. A conversation whose items
+    stored responses still list is hidden, not removed (`conversations.evict`): its bytes
+    are freed with the last such response (a deleted conversation's too)."""
+
+    def __init__(self, tx: Transaction) -> None:
+        rows = tx.rows(
+            "SELECT id, context_conversation FROM responses WHERE context_conversation IS NOT NULL"
+        )
+        self.listing = {str(r[0]): str(r[1]) for r in rows}
+        self.listed: dict[str, int] = {}
+        for conversation_id in self.listing.values():
+            self.listed[conversation_id] = self.listed.get(conversation_id, 0) + 1
+        hidden = tx.rows("SELECT id, nbytes FROM conversations WHERE hidden = 1")
+        self.held = {str(r[0]): int(r[1]) for r in hidden}
+
+    def evict(self, candidate: _Candidate) -> int:
+        """The bytes evicting ``candidate`` frees."""
+        if candidate.kind == "conversation" and self.listed.get(candidate.object_id):
+            self.held[candidate.object_id] = candidate.nbytes
+            return 0
+        freed = candidate.nbytes
+        conversation_id = self.listing.pop(candidate.object_id, None)
+        if conversation_id is not None:
+            self.listed[conversation_id] -= 1
+            if not self.listed[conversation_id]:
+                freed += self.held.pop(conversation_id, 0)
+        return freed
 
 
 def sweep(tx: Transaction, policy: RetentionPolicy, at: int | None = None) -> list[tuple[str, str]]:
     """Evict what the policy no longer keeps; return ``(kind, id)`` of each object removed
     (the caller deletes the files' contents from disk after the commit)."""
     at = now() if at is None else at
-    candidates = _candidates(tx)
     removed: list[tuple[str, str, str]] = []
-    kept: list[_Candidate] = []
-    for candidate in candidates:
+    freed = _Freed(tx)
+    total = stored_bytes(tx)
+    for candidate in _candidates(tx):
         if policy.max_age is not None and candidate.created_at < at - policy.max_age:
             period = format_duration(policy.max_age)
             reason = f"older than the store's retention period (--store-retention {period})"
-            removed.append((candidate.kind, candidate.object_id, reason))
-        else:
-            kept.append(candidate)
-    if policy.max_bytes is not None:
-        aged = {object_id for _, object_id, _ in removed}
-        total = stored_bytes(tx) - sum(c.nbytes for c in candidates if c.object_id in aged)
-        for candidate in kept:
-            if total <= policy.max_bytes:
-                break
+        elif policy.max_bytes is not None and total > policy.max_bytes:
             reason = "evicted to keep the store within its size (--store-max-size)"
-            removed.append((candidate.kind, candidate.object_id, reason))
-            total -= candidate.nbytes
+        else:
+            continue
+        removed.append((candidate.kind, candidate.object_id, reason))
+        total -= freed.evict(candidate)
     for kind, object_id, reason in removed:
-        tx.execute(_DELETE[kind], (object_id,))
+        if kind == "conversation":
+            conversations.evict(tx, object_id)
+        else:
+            tx.execute(_DELETE[kind], (object_id,))
         tx.execute(
             "INSERT INTO evicted (id, kind, evicted_at, reason) VALUES (?, ?, ?, ?) "
             "ON CONFLICT (id) DO NOTHING",
             (object_id, kind, at, reason),
         )
+    conversations.collect(tx)
     _prune_tombstones(tx, policy, at)
     return [(kind, object_id) for kind, object_id, _ in removed]
 
