@@ -33,15 +33,19 @@ BODY = {"model": "m", "input": "hi", "max_output_tokens": 5}
 
 @asynccontextmanager
 async def _client(
-    smol_tokenizer, store: Store | None, fake: type[FakeEngine] = ScriptedEngine, **options: Any
+    smol_tokenizer,
+    store: Store | None,
+    fake: type[FakeEngine] = ScriptedEngine,
+    max_background: int | None = None,
+    **options: Any,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine]]:
     """An app over a fake engine (`ScriptedEngine` answers two tokens and stops) with
-    ``store`` and its background responses running."""
+    ``store`` and its background responses running (at most ``max_background``)."""
     engine, stream = engine_client_pair()
     engine_side = ScriptedEngine(stream, [28, 28]) if fake is ScriptedEngine else fake(stream)
     serving = OpenAIServing(engine, smol_tokenizer, ("m",), **options)
     serving.store = store
-    api = ResponsesAPI(serving)
+    api = ResponsesAPI(serving, max_background)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(engine_side.run)
