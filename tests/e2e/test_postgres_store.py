@@ -6,10 +6,7 @@ start-up with a message that names ``--store-url``, not a traceback."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import pytest
 
 from tests.e2e.conftest import MODEL, openai_client, parallel
 from tests.support.batches import completion_lines, start_batch, wait_for_batch
-from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
+from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess, serve_until_it_exits
 from trio_llm.store.migrations import SCHEMA_VERSION
 
 psycopg = pytest.importorskip("psycopg")
@@ -127,14 +124,7 @@ def test_a_postgresql_nobody_listens_on_fails_the_start_naming_the_flag() -> Non
     with socket.socket() as bound:
         bound.bind(("127.0.0.1", 0))
         url = f"postgresql://trio@127.0.0.1:{bound.getsockname()[1]}/trio"
-        done = subprocess.run(
-            [sys.executable, "-m", "trio_llm", "serve", "--port", "0", "--store-url", url],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            check=False,
-        )
+        done = serve_until_it_exits("--store-url", url)
     assert done.returncode == 1, done.stderr
     assert f"trio-llm: error: --store-url {url}: " in done.stderr
     assert "Connection refused" in done.stderr

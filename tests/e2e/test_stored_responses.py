@@ -11,9 +11,6 @@ text), so the context was rebuilt as a client would send it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +22,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 
 from tests.e2e.conftest import MODEL, openai_client
 from tests.e2e.test_metrics import _delta, _scrape
-from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
+from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess, serve_until_it_exits
 
 #: A prompt a small model answers at length (a cancelled run must still be running).
 COUNTING = "Count from 1 to 1000, one number per line, with no other text."
@@ -257,14 +254,7 @@ def test_the_stored_routes_refuse_what_they_cannot_do(
 def test_a_store_url_under_a_file_stops_the_start_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("not a folder")
     url = f"sqlite:///{tmp_path}/afile/store.db"
-    done = subprocess.run(
-        [sys.executable, "-m", "trio_llm", "serve", "--port", "0", "--store-url", url],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        check=False,
-    )
+    done = serve_until_it_exits("--store-url", url)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]

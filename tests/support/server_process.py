@@ -30,6 +30,19 @@ SMALL_SERVER_ARGS = [
 _ADDRESS = re.compile(r"serving .* on (http://\S+)")
 
 
+def serve_until_it_exits(*flags: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``trio-llm serve --port 0 FLAGS`` run to its end (flags that stop the start),
+    offline; its exit status and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "trio_llm", "serve", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not print its address in time."""
 
