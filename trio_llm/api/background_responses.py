@@ -89,6 +89,7 @@ class BackgroundResponses:
         self.runs = BackgroundRuns()
         self.max_active = max_active
         self.slots = trio.Semaphore(max_active) if max_active is not None else None
+        self._starting = 0  # `start`s past the limit's check, not yet in `runs`
 
     async def start(self, store: Store, request: ResponsesRequest, plan: Plan) -> dict[str, Any]:
         """Store ``plan``'s response ``queued`` and start generating it; return it.
@@ -100,7 +101,7 @@ class BackgroundResponses:
         """
         if not self.runs.running:
             raise APIError(503, "the server is stopping", type="service_unavailable_error")
-        if self.max_active is not None and len(self.runs) >= self.max_active:
+        if self.max_active is not None and len(self.runs) + self._starting >= self.max_active:
             raise APIError(
                 429,
                 f"too many background responses: this server keeps at most "
@@ -114,8 +115,12 @@ class BackgroundResponses:
         plan.response_id, plan.created = plan.format.new_id(), now()
         queued = _format(plan).status_response(plan, "queued")
         stored = replace(stored_form(request, queued), runner=store.runner.id)
-        await write(store, partial(responses.insert, response=stored), stored.id)
-        self.runs.start(stored.id, partial(self._run, store, stored, request, plan))
+        self._starting += 1
+        try:
+            await write(store, partial(responses.insert, response=stored), stored.id)
+            self.runs.start(stored.id, partial(self._run, store, stored, request, plan))
+        finally:
+            self._starting -= 1
         return stored.body
 
     async def cancel(self, store: Store, stored: StoredResponse) -> None:
@@ -159,8 +164,11 @@ class BackgroundResponses:
             gone = exc.status == 404 and request.conversation_id is not None
             if not (gone or exc.code == CONVERSATION_TOO_LARGE):
                 return
-            message = _conversation_gone(str(request.conversation_id)) if gone else exc.message
-            failed = {**body, "status": "failed", "error": _error(exc.code, message)}
+            if gone:
+                code, message = "conversation_not_found", _conversation_gone(request)
+            else:
+                code, message = exc.code, exc.message
+            failed = {**body, "status": "failed", "error": _error(code, message)}
             await update(store, stored, failed)
 
     async def _generate(self, run: _Run, request: ResponsesRequest) -> dict[str, Any] | None:
@@ -286,16 +294,17 @@ async def _earlier_context(
 
     def read(tx: Transaction) -> tuple[list[dict[str, Any]], str | None]:
         if conversation_id is not None and not conversations.exists(tx, conversation_id):
-            return [], _conversation_gone(conversation_id)
+            return [], _conversation_gone(request)
         return responses.earlier_context(tx, stored), None
 
     return await write(store, read, stored.id)
 
 
-def _conversation_gone(conversation_id: str) -> str:
+def _conversation_gone(request: ResponsesRequest) -> str:
+    """The error of a response whose conversation was deleted while it ran."""
     return (
-        f"the conversation '{conversation_id}' was deleted while this response was "
-        "generated: its items could not be added to it"
+        f"the conversation '{request.conversation_id}' was deleted while this response "
+        "was generated: its items could not be added to it"
     )
 
 
