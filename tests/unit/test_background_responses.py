@@ -113,6 +113,12 @@ async def _statuses(client, count: int) -> list[str]:
     return sorted(found)
 
 
+async def _statuses(client, count: int) -> list[str]:
+    """The statuses of ``resp_0`` ... ``resp_{count - 1}``, sorted."""
+    found = [(await client.get(f"/v1/responses/resp_{k}")).json()["status"] for k in range(count)]
+    return sorted(found)
+
+
 def _engine_request(add: AddRequest) -> Request:
     """The engine's request for ``add``, as `EngineCore.add_request` makes it."""
     scheduling = add.scheduling
@@ -136,11 +142,11 @@ async def test_resumed_background_responses_wait_their_turn_in_the_batch_lane(
     )
     async with _client(smol_tokenizer, store, _Silent, max_background=1) as (client, fake):
         await fake.wait_for_requests(1)
-        await trio.testing.wait_all_tasks_blocked()
-        statuses = [
-            (await client.get(f"/v1/responses/resp_{k}")).json()["status"] for k in range(3)
-        ]
-        assert sorted(statuses) == ["in_progress", "queued", "queued"]
+        with trio.fail_after(10):  # the resume writes each in a worker thread
+            while True:
+                if await _statuses(client, 3) == ["in_progress", "queued", "queued"]:
+                    break
+                await trio.sleep(0.01)
         assert len(fake.added) == 1 and _adds(fake)[0].scheduling.batch
         await fake.output(fake.added[0], "stop")
         await fake.wait_for_requests(2)
