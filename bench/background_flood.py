@@ -12,7 +12,9 @@ token (TTFT), or "none" when none came within ``--deadline`` seconds. Then (unle
 responses in the store, and another is started on the same store: it resumes them, and
 the newcomer's TTFT is measured again. Printed: how many background responses were
 accepted and refused (429), and the TTFTs. ``--pythonpath /work/main`` runs another
-checkout's server (before/after figures). Figures only.
+checkout's server (before/after figures; run it from outside this checkout, e.g. ``cd
+/tmp``, or the server imports this checkout's package from the working directory).
+Figures only.
 """
 
 from __future__ import annotations
