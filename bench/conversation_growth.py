@@ -4,18 +4,18 @@
         [--pythonpath CHECKOUT] [--json out.json] [-- SERVER FLAGS...]
 
 Starts ``trio-llm serve`` with a SQLite store in a temporary folder (and the flags given
-after ``--``), then builds one conversation of ``--items`` reasoning items of ``--item-
-kb`` kB each (20 items a request, OpenAI's limit; reasoning items are never shown to the
-model, so the prompt stays small), and sends ``--responses`` responses that use it (2
-output tokens each). Printed: the store's file size and the bytes its
+after ``--``), then builds one conversation of ``--items`` reasoning items of
+``--item-kb`` kB each (20 items a request, OpenAI's limit; reasoning items are never
+shown to the model, so the prompt stays small), and sends ``--responses`` responses that
+use it (2 output tokens each). Printed: the store's file size and the bytes its
 ``responses.context`` column holds (the copies of the conversation a response stores)
 before and after the responses, the API server's resident memory, each response's
 seconds, and the seconds of ``GET /v1/responses/{id}/input_items?limit=1``.
 ``--pythonpath /work/main`` runs another checkout's server (before/after figures; run it
 from outside this checkout, e.g. ``cd /tmp``, or the server imports this checkout's
-package from the working directory). The limits of a conversation (``--max-conversation-
-size``, default 16 MiB) bound what this can build: keep ``--items`` x ``--item-kb``
-under it. Figures only.
+package from the working directory). The limits of a conversation
+(``--max-conversation-size``, default 16 MiB) bound what this can build: keep
+``--items`` x ``--item-kb`` under it. Figures only.
 """
 
 from __future__ import annotations
