@@ -355,32 +355,37 @@ def delete_item(tx: Transaction, conversation_id: str, item_id: str) -> dict[str
     return get(tx, conversation_id)
 
 
-def collect(tx: Transaction) -> None:
+#: Hidden items no stored response lists (`collect`).
+_UNLISTED = (
+    "hidden_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM responses r WHERE "
+    "r.context_conversation = conversation_items.conversation_id AND "
+    "r.context_seq > conversation_items.seq AND r.context_seq <= conversation_items.hidden_at)"
+)
+#: Hidden conversations no stored response lists (`collect`).
+_UNLISTED_CONVERSATIONS = (
+    "hidden = 1 AND NOT EXISTS "
+    "(SELECT 1 FROM responses r WHERE r.context_conversation = conversations.id)"
+)
+
+
+def collect(tx: Transaction, conversation_id: str | None = None) -> None:
     """Remove what was only kept for stored responses that are gone (see the module
-    doc): hidden items no stored response lists, then hidden conversations none lists."""
-    listed = (
-        "EXISTS (SELECT 1 FROM responses r WHERE r.context_conversation = "
-        "conversation_items.conversation_id AND r.context_seq > conversation_items.seq "
-        "AND r.context_seq <= conversation_items.hidden_at)"
-    )
-    rows = tx.rows(
-        f"SELECT conversation_id, item FROM conversation_items WHERE hidden_at IS NOT NULL "
-        f"AND NOT {listed}"
-    )
+    doc): hidden items no stored response lists, then hidden conversations none lists;
+    of ``conversation_id`` only, when given (after one response is deleted)."""
+    items, unlisted, args = _UNLISTED, _UNLISTED_CONVERSATIONS, ()
+    if conversation_id is not None:
+        items += " AND conversation_id = ?"
+        unlisted += " AND id = ?"
+        args = (conversation_id,)
+    rows = tx.rows(f"SELECT conversation_id, item FROM conversation_items WHERE {items}", args)
     freed: dict[str, int] = {}
-    for conversation_id, text in rows:
-        freed[conversation_id] = freed.get(conversation_id, 0) + len(str(text).encode())
-    tx.execute(f"DELETE FROM conversation_items WHERE hidden_at IS NOT NULL AND NOT {listed}")
-    for conversation_id, nbytes in freed.items():
-        tx.execute(
-            "UPDATE conversations SET nbytes = nbytes - ? WHERE id = ?", (nbytes, conversation_id)
-        )
-    gone = tx.rows(
-        "SELECT id FROM conversations c WHERE hidden = 1 AND NOT EXISTS "
-        "(SELECT 1 FROM responses r WHERE r.context_conversation = c.id)"
-    )
-    for (conversation_id,) in gone:
-        _remove(tx, str(conversation_id))
+    for owner, text in rows:
+        freed[owner] = freed.get(owner, 0) + len(str(text).encode())
+    tx.execute(f"DELETE FROM conversation_items WHERE {items}", args)
+    for owner, nbytes in freed.items():
+        tx.execute("UPDATE conversations SET nbytes = nbytes - ? WHERE id = ?", (nbytes, owner))
+    for (owner,) in tx.rows(f"SELECT id FROM conversations WHERE {unlisted}", args):
+        _remove(tx, str(owner))
 
 
 def _seq(tx: Transaction, conversation_id: str, item_id: str) -> int:

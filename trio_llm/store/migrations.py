@@ -106,6 +106,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX responses_context ON responses (context_conversation, context_seq)",
         "ALTER TABLE conversations ADD COLUMN hidden INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE conversation_items ADD COLUMN hidden_at BIGINT",
+        "CREATE INDEX conversation_items_hidden ON conversation_items (hidden_at)",
+        "CREATE INDEX conversations_hidden ON conversations (hidden)",
     ),
 )
 

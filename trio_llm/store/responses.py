@@ -253,9 +253,12 @@ def delete(tx: Transaction, response_id: str) -> None:
     Raises:
         NotFound: no such response (`Evicted` where the retention removed it).
     """
-    if tx.execute("DELETE FROM responses WHERE id = ?", (response_id,)) == 0:
+    row = tx.one("SELECT context_conversation FROM responses WHERE id = ?", (response_id,))
+    if row is None:
         raise missing(tx, "response", response_id)
-    conversations.collect(tx)
+    tx.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+    if row[0] is not None:
+        conversations.collect(tx, str(row[0]))
 
 
 def input_items(
