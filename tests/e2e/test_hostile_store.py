@@ -7,7 +7,6 @@ did it: the other lines, the newcomer, the conversation stay as they should.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI, RateLimitError
 
 from tests.e2e.conftest import MODEL, openai_client
+from tests.e2e.test_stored_responses import COUNTING, _poll
 from tests.support.batches import file_lines, line, start_batch, wait_for_batch
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
 
@@ -23,8 +23,6 @@ from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
 MAX_BACKGROUND = 2
 #: Most items of one of its conversations.
 MAX_ITEMS = 6
-#: A prompt a small model answers at length.
-COUNTING = "Count from 1 to 1000, one number per line, with no other text."
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +40,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> It
 def client(server: str) -> Iterator[OpenAI]:
     with openai_client(server) as openai:
         yield openai
-
-
-def _poll(client: OpenAI, response_id: str, until: tuple[str, ...], timeout: float = 240) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        response = client.responses.retrieve(response_id)
-        if response.status in until or time.monotonic() > deadline:
-            assert response.status in until, response
-            return response
-        time.sleep(0.05)
 
 
 def _completion(prompt: str) -> dict[str, Any]:
