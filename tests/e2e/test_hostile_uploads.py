@@ -22,6 +22,14 @@ import trio
 from tests.support.metrics_scrape import poll
 from tests.support.procfs import count_fds
 from tests.support.server_process import ServerProcess
+from tests.support.uploads import (
+    chunked,
+    connect,
+    part_head,
+    read_to_the_end,
+    send_chunks,
+    upload_head,
+)
 
 #: --max-file-size, --request-body-timeout (s) and --upload-min-rate (bytes/s).
 MAX_FILE = 64 * 1024
@@ -34,11 +42,6 @@ FLAGS = [
 ]
 #: A guard against a client waiting for ever (not a measurement).
 HANG = 30.0
-BOUNDARY = b"hostile"
-UPLOAD_HEAD = (
-    b"POST /v1/files HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-    b"Content-Type: multipart/form-data; boundary=" + BOUNDARY + b"\r\n\r\n"
-)
 
 
 @pytest.fixture(scope="module")
@@ -78,48 +81,14 @@ def same_server(upload_server: ServerProcess) -> Iterator[ServerProcess]:
     assert httpx.get(f"{upload_server.url}/health", timeout=HANG).status_code == 200
 
 
-def chunked(data: bytes) -> bytes:
-    return b"%x\r\n" % len(data) + data + b"\r\n"
-
-
-def part_head(name: str, filename: str | None = None) -> bytes:
-    disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
-    return b"--" + BOUNDARY + f"\r\nContent-Disposition: {disposition}\r\n\r\n".encode()
-
-
-async def connect(server: ServerProcess) -> trio.SocketStream:
-    host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    return await trio.open_tcp_stream(host, int(port))
-
-
-async def read_to_the_end(stream: trio.SocketStream) -> bytes:
-    """What the server sends until it ends the connection."""
-    received = b""
-    try:
-        while data := await stream.receive_some(65536):
-            received += data
-    except trio.BrokenResourceError:  # reset after the answer: it has been read
-        pass
-    return received
-
-
-async def send_all_of(stream: trio.SocketStream, chunks: Iterable[bytes]) -> None:
-    """Send ``chunks`` for as long as the server's socket takes them."""
-    try:
-        for chunk in chunks:
-            await stream.send_all(chunked(chunk))
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-
-
 async def answer_while_sending(server: ServerProcess, chunks: Iterable[bytes]) -> bytes:
     """Send an upload's head, then ``chunks`` without waiting for the answer; the answer
     once the server ended the connection (the sending ends when its socket refuses)."""
-    stream = await connect(server)
+    stream = await connect(server.url)
     with trio.fail_after(HANG):
         async with stream, trio.open_nursery() as nursery:
-            await stream.send_all(UPLOAD_HEAD)
-            nursery.start_soon(send_all_of, stream, chunks)
+            await stream.send_all(upload_head())
+            nursery.start_soon(send_chunks, stream, chunks)
             return await read_to_the_end(stream)
 
 
@@ -145,9 +114,9 @@ async def test_many_form_fields_are_refused_at_the_first(same_server: ServerProc
 async def drip(server: ServerProcess, answers: list[bytes]) -> None:
     """An upload that sends its file one byte every `BODY_TIMEOUT` / 4 seconds (never
     stalling as long as --request-body-timeout); its answer goes to ``answers``."""
-    stream = await connect(server)
+    stream = await connect(server.url)
     async with stream, trio.open_nursery() as nursery:
-        await stream.send_all(UPLOAD_HEAD + chunked(part_head("file", "slow")))
+        await stream.send_all(upload_head() + chunked(part_head("file", "slow")))
         nursery.start_soon(_one_byte_at_a_time, stream)
         answers.append(await read_to_the_end(stream))
         nursery.cancel_scope.cancel()

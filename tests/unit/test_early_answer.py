@@ -14,7 +14,8 @@ import hypercorn.trio
 import pytest
 import trio
 
-from tests.unit.test_upload_limits import BOUNDARY, part_head, upload_app
+from tests.support.uploads import chunked, part_head, read_to_the_end, send_chunks, upload_head
+from tests.unit.test_upload_limits import upload_app
 from trio_llm.api import connection_guard
 from trio_llm.server_config import ServerConfig
 from trio_llm.store import Store
@@ -41,28 +42,11 @@ async def serving(store: Store) -> AsyncIterator[tuple[str, int]]:
         nursery.cancel_scope.cancel()
 
 
-def chunked(data: bytes) -> bytes:
-    return b"%x\r\n" % len(data) + data + b"\r\n"
-
-
-async def send_until_refused(stream: trio.SocketStream) -> None:
-    """Send body chunks for as long as the server's socket takes them."""
-    try:
-        while True:
-            await stream.send_all(chunked(b"x" * CHUNK))
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-
-
-UPLOAD_HEAD = (
-    b"POST /v1/files HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n"
-    b"Content-Type: multipart/form-data; boundary=" + BOUNDARY.encode() + b"\r\n\r\n"
-)
 #: Requests answered before their bodies end: an upload past --max-file-size, one with a
 #: field it does not take, and a body sent to a route that takes none.
 EARLY_ANSWERS = {
-    "a file past its limit": (UPLOAD_HEAD + chunked(part_head("file", "a")), b"413"),
-    "a field the upload does not take": (UPLOAD_HEAD + chunked(part_head("other")), b"400"),
+    "a file past its limit": (upload_head() + chunked(part_head("file", "a")), b"413"),
+    "a field the upload does not take": (upload_head() + chunked(part_head("other")), b"400"),
     "a body to a route that takes none": (
         b"POST /v1/files/x HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n",
         b"405",
@@ -74,15 +58,14 @@ EARLY_ANSWERS = {
 async def test_a_client_still_sending_gets_the_answer_then_the_end_of_the_connection(
     store: Store, head: bytes, status: bytes
 ) -> None:
-    received = b""
+    endless = (b"x" * CHUNK for _ in range(1_000_000))
     async with serving(store) as (host, port):
         stream = await trio.open_tcp_stream(host, port)
         with trio.fail_after(HANG):
             async with stream, trio.open_nursery() as nursery:
                 await stream.send_all(head)
-                nursery.start_soon(send_until_refused, stream)
-                while data := await stream.receive_some(65536):
-                    received += data
+                nursery.start_soon(send_chunks, stream, endless)
+                received = await read_to_the_end(stream)
                 # The nursery waits for the sender: its sends fail once the server,
                 # having drained what it bounds, closes the socket.
     assert received.startswith(b"HTTP/1.1 " + status), received

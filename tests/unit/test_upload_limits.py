@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.asgi import json_post_scope
+from tests.support.uploads import BOUNDARY, part_head
 from trio_llm.api.errors import install_error_handlers
 from trio_llm.api.files import MULTIPART_ALLOWANCE, install_file_routes
 from trio_llm.api.middleware import install_middleware
@@ -30,7 +31,6 @@ from trio_llm.server_config import ServerConfig, StoreConfig
 from trio_llm.store import Store
 from trio_llm.store.files import FileWriter
 
-BOUNDARY = "b0undary"
 MAX_FILE = 256 * 1024
 #: The test server's --request-body-timeout (s) and --upload-min-rate (bytes/s).
 STALL = 6.0
@@ -47,14 +47,6 @@ def upload_app(store: Store | None, **config: Any) -> FastAPI:
     install_middleware(app, server)
     install_file_routes(app, SimpleNamespace(store=store), server)  # type: ignore[arg-type]
     return app
-
-
-def part_head(name: str, filename: str | None = None, boundary: str = BOUNDARY) -> bytes:
-    """A part's boundary line and headers, up to where its value starts."""
-    disposition = f'form-data; name="{name}"'
-    if filename is not None:
-        disposition += f'; filename="{filename}"'
-    return f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode()
 
 
 def field(name: str, value: bytes) -> bytes:
