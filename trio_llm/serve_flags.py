@@ -411,6 +411,14 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             type=parse.parse_bytes,
             metavar="BYTES",
         ),
+        "upload_min_rate": Flag(
+            "slowest average rate of an upload, in bytes per second: its body must be in "
+            "within --request-body-timeout seconds plus one second per this many bytes "
+            "received, else 408 (default 32KiB)",
+            name="--upload-min-rate",
+            type=parse.parse_bytes,
+            metavar="BYTES",
+        ),
         "batch_max_in_flight": Flag(
             "most lines of /v1/batches running at once, of all batches (default: "
             "--max-num-seqs per engine)",

@@ -116,6 +116,9 @@ class StoreConfig(CheckedFields):
             its room.
         max_size: most bytes of stored objects and file contents; None: no limit.
         max_file_bytes: largest file ``POST /v1/files`` accepts (bytes).
+        upload_min_rate: slowest average rate an upload's body may arrive at (bytes per
+            second): it must be in within ``request_body_timeout`` seconds plus one second
+            per ``upload_min_rate`` bytes received (`trio_llm.api.file_upload`).
         batch_max_in_flight: most batch lines (of all batches) running at once; None:
             ``--max-num-seqs`` per engine.
         max_background_responses: most background responses (``background: true``)
@@ -131,6 +134,7 @@ class StoreConfig(CheckedFields):
     retention: float | None = setting(30 * 86400.0, range=Range(0, exclusive=True))
     max_size: int | None = setting(10 * 2**30, range=Range(1, unit="byte"))
     max_file_bytes: int = setting(512 * 2**20, range=Range(1, unit="byte"))
+    upload_min_rate: int = setting(32 * 1024, range=Range(1, unit="byte"))
     batch_max_in_flight: int | None = setting(None, range=Range(1), none_means="--max-num-seqs")
     max_background_responses: int | None = setting(
         None, range=Range(1), none_means="--max-num-seqs"

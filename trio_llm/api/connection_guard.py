@@ -20,6 +20,13 @@ the connection's first frames, so a client that writes its first frame right beh
 upgrade request is served. And it refuses a WebSocket message split into more than
 `MAX_FRAGMENTS` frames (close code 1009, then the connection is dropped).
 
+A request answered before its body has all arrived (a 413 or 408 in the middle of an
+upload) is not left half-open: the rest of its body is no longer queued for the app, which
+no longer reads it (`trio_llm.api.early_answer.AnsweredHTTPStream`; hypercorn would block
+on the app's full queue, and the client's send with it), and the connection is closed
+after a bounded lingering drain (`GuardedTCPServer`), so the client sees the answer and
+then the end of the connection.
+
 HTTP/1.1 status lines get their reason phrase (`ReasonPhraseH11Protocol`):
 hypercorn writes ``HTTP/1.1 404 \r\n``, and clients that print ``response.reason``
 (vLLM's benchmark client, LiteLLM) then show a blank error.
@@ -36,6 +43,7 @@ import socket
 import time
 from collections.abc import Callable
 from http import HTTPStatus
+from math import inf
 from typing import Any
 
 import h11
@@ -44,17 +52,20 @@ import hypercorn.protocol.h2
 import hypercorn.protocol.h11
 import hypercorn.trio.run
 import trio
+from hypercorn.events import Closed, RawData
 from hypercorn.protocol.events import Body, Data, StreamClosed
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.protocol.ws_stream import (
     ASGIWebsocketState,
     FrameTooLargeError,
     WebsocketBuffer,
     WSStream,
 )
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from wsproto.events import CloseConnection
 from wsproto.frame_protocol import CloseReason
 
+from trio_llm.api.early_answer import AnsweredHTTPStream
 from trio_llm.errors import first_leaf
 
 logger = logging.getLogger(__name__)
@@ -99,6 +110,39 @@ class GuardedTCPServer(TCPServer):
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
 
+    _reading = False  # the reader task is in its loop (`_read_data`)
+    _lingering = False  # the connection is closing: the reader drains, then closes
+    _read_scope: trio.CancelScope | None = None
+
+    async def _read_data(self) -> None:
+        """Hypercorn's read loop, which also drains the connection when it closes while
+        this task reads (see `_close`): what the client still sends is then read and
+        dropped, bounded by `LINGER_SECONDS` and `LINGER_BYTES`, and the socket closed."""
+        drained = 0
+        self._reading = True
+        try:
+            with trio.CancelScope() as self._read_scope:
+                while True:
+                    try:
+                        with trio.fail_after(self.config.read_timeout or inf):
+                            data = await self.stream.receive_some(MAX_RECV)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                        break
+                    if self._lingering:
+                        drained += len(data)
+                        if not data or drained >= LINGER_BYTES:
+                            break
+                        continue
+                    await self.protocol.handle(RawData(bytes(data)))
+                    if not data:
+                        break
+        finally:
+            self._reading = False
+        if self._lingering:
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+        await self.protocol.handle(Closed())
+
     async def _close(self) -> None:
         """Close after a *lingering* drain (RFC 9112 section 9.6).
 
@@ -107,8 +151,12 @@ class GuardedTCPServer(TCPServer):
         yet: a 400 or 413 sent to a client that sent more than was read, or pipelined
         another request. So the write side is shut first, then what the client still
         sends is read and dropped (bounded in time and bytes) until it closes its side.
-        A write in progress finishes first.
+        A write in progress finishes first. When an HTTP/1.1 request is answered before
+        its body has all arrived (the client may well be sending the rest), the
+        connection's reader task, which owns the receiving side, does the draining and
+        closes the socket; this only sets it a deadline.
         """
+        deferred = False
         try:
             # Under the send lock: a response being written (by the app's task) is not
             # cut mid-write by this task's end-of-file (hypercorn closes from the reading
@@ -118,6 +166,11 @@ class GuardedTCPServer(TCPServer):
             else:
                 async with self.send_lock:
                     await self.stream.send_eof()
+            if self._reading and self._read_scope is not None and _body_unread(self.protocol):
+                self._lingering = deferred = True
+                deadline = trio.current_time() + LINGER_SECONDS
+                self._read_scope.deadline = min(self._read_scope.deadline, deadline)
+                return
             with trio.move_on_after(LINGER_SECONDS):
                 drained = 0
                 while drained < LINGER_BYTES:
@@ -133,7 +186,15 @@ class GuardedTCPServer(TCPServer):
         ):
             pass
         finally:
-            await self.stream.aclose()
+            if not deferred:
+                await self.stream.aclose()
+
+
+def _body_unread(protocol: object) -> bool:
+    """Whether hypercorn's ``ProtocolWrapper`` serves HTTP/1.1 and has answered a request
+    whose body has not all arrived."""
+    inner = getattr(protocol, "protocol", None)
+    return isinstance(inner, ReasonPhraseH11Protocol) and inner.body_unread
 
 
 class _FragmentCountingBuffer(WebsocketBuffer):
@@ -289,6 +350,11 @@ def reason_phrase(status: int) -> bytes:
 class ReasonPhraseH11Protocol(hypercorn.protocol.h11.H11Protocol):
     """Hypercorn's HTTP/1.1 protocol, with the reason phrase in every status line."""
 
+    @property
+    def body_unread(self) -> bool:
+        """Whether the client is still sending the current request's body."""
+        return self.connection.their_state is h11.SEND_BODY
+
     async def _send_h11_event(self, event: Any) -> None:
         if isinstance(event, h11.Response | h11.InformationalResponse) and not event.reason:
             kind = type(event)
@@ -302,9 +368,9 @@ class ReasonPhraseH11Protocol(hypercorn.protocol.h11.H11Protocol):
 
 
 def install() -> None:
-    """Make hypercorn's Trio worker use `GuardedTCPServer`, `EarlyDataWSStream` and
-    `ReasonPhraseH11Protocol`, and Trio's accept loop log through `AcceptErrorFilter`
-    (idempotent).
+    """Make hypercorn's Trio worker use `GuardedTCPServer`, `AnsweredHTTPStream`,
+    `EarlyDataWSStream` and `ReasonPhraseH11Protocol`, and Trio's accept loop log through
+    `AcceptErrorFilter` (idempotent).
 
     Raises:
         RuntimeError: this hypercorn version does not build its connections the way this
@@ -314,6 +380,8 @@ def install() -> None:
         (hypercorn.trio.run, "TCPServer", TCPServer, GuardedTCPServer),
         (hypercorn.protocol.h11, "WSStream", WSStream, EarlyDataWSStream),
         (hypercorn.protocol.h2, "WSStream", WSStream, EarlyDataWSStream),
+        (hypercorn.protocol.h11, "HTTPStream", HTTPStream, AnsweredHTTPStream),
+        (hypercorn.protocol.h2, "HTTPStream", HTTPStream, AnsweredHTTPStream),
         (
             hypercorn.protocol,
             "H11Protocol",

@@ -81,9 +81,12 @@ class FileWriter:
     `finish` (flush to disk, rename to the id), or `discard` (on any failure).
 
     Args:
-        files_dir: the store's folder of file contents.
+        files_dir: the store's folder of file contents (made again if it is gone).
         file_id: the id the contents will have.
         max_bytes: the largest size allowed; None: no limit.
+
+    Raises:
+        OSError: the temporary file cannot be made (no permission, a full disk).
     """
 
     def __init__(self, files_dir: Path, file_id: str, max_bytes: int | None = None) -> None:
@@ -91,7 +94,13 @@ class FileWriter:
         self.partial = files_dir / f".{file_id}{PARTIAL_SUFFIX}"
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._handle = self.partial.open("wb")
+        try:
+            self._handle = self.partial.open("wb")
+        except FileNotFoundError:
+            # The folder went away under the running server (removed by hand, a cleaner
+            # of temporary files): make it again rather than refuse every file from now on.
+            files_dir.mkdir(parents=True, exist_ok=True)
+            self._handle = self.partial.open("wb")
 
     def write(self, data: bytes) -> None:
         """Append ``data``.
