@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal, NoReturn, Protocol
 
 import trio
 
-from trio_llm.api.errors import APIError
+from trio_llm.api.errors import APIError, without_host_paths
 from trio_llm.api.model_router import model_unavailable
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.model_catalog import CatalogEntry
@@ -118,11 +119,17 @@ class PoolModel:
         self.failure = None
         self.retry_at = None
 
-    def failed(self, reason: str, retry_at: float | None) -> None:
-        """It failed (to load, or its engines while loaded): its requests get ``reason``
-        (a 500 ``model_load_failed``) until ``retry_at`` (None: until loaded on request)."""
+    def failed(self, what: str, cause: str, retry_at: float | None, then: str = "") -> None:
+        """It failed (to load, or its engines while loaded): until ``retry_at`` (None:
+        until loaded on request) its requests get a 500 ``model_load_failed`` saying
+        ``what``, the error's text ``cause`` and ``then``. ``cause`` names no host path
+        (`trio_llm.api.errors.without_host_paths`: its own path becomes its name)."""
+        model = self.entry.model
+        paths = {model: f"`{self.name}`"} if "/" in model else {}
+        if paths:
+            paths[str(Path(model).expanduser().resolve())] = f"`{self.name}`"
         self.state = "failed"
-        self.error = reason
+        self.error = reason = f"{what}: {without_host_paths(cause, paths)}{then}"
         self.retry_at = retry_at
         self.failure = APIError(
             500,

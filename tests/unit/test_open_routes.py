@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ from tests.unit.test_model_pool import FakeStarter, _config, _state, running_poo
 from trio_llm.api.app import build_app
 from trio_llm.api.model_router import peek_model
 from trio_llm.api.serving import OpenAIServing
+from trio_llm.errors import EngineDeadError
 from trio_llm.model_pool import ModelPool
 from trio_llm.server_config import ServerConfig, keep_alive_seconds
 from trio_llm.text.tokenizer import Tokenizer
@@ -155,3 +157,50 @@ async def test_a_keep_alive_past_a_doubles_range_is_a_400_naming_it(
                 and "keep_alive" in error["message"]
             )
         assert starter.starts == {"a": 1}
+
+
+async def test_a_model_that_fails_names_no_host_path_in_any_body(
+    smol_tokenizer: Tokenizer, autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """Item 12: a model that failed to load named its file (``/.../zero.gguf is not a
+    GGUF file``) in the 500 of its requests, in /v1/models and in the open /health.
+    Bodies name it by its served name; the log keeps the paths."""
+    zero = tmp_path / "zero.gguf"
+    zero.write_bytes(b"")
+    starter = ServingStarter(smol_tokenizer)
+    starter.fail[str(zero)] = (
+        f"{zero} is not a GGUF file (converted under /root/.cache/trio_llm/models/zero-1)"
+    )
+    config = _config("a", str(zero))
+    async with running_pool(config, starter) as (pool, _nursery):
+        app = build_app(pool, lambda: True, ServerConfig(api_key="sesame"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            failed = await client.post(
+                "/v1/completions", json={"model": "zero", "prompt": "Hi"}, headers=KEY
+            )
+            assert failed.status_code == 500
+            message = failed.json()["error"]["message"]
+            assert message.startswith("the model `zero` failed to load: `zero` is not a GGUF")
+            bodies = [
+                failed.text,
+                (await client.get("/health")).text,
+                (await client.get("/v1/models", headers=KEY)).text,
+            ]
+            for body in bodies:
+                assert "not a GGUF file" in body
+                assert str(tmp_path) not in body and "/root/.cache" not in body, body
+
+
+async def test_the_health_of_a_server_of_one_model_names_no_host_path(
+    smol_tokenizer: Tokenizer, autojump_clock: trio.abc.Clock
+) -> None:
+    async with served(smol_tokenizer) as (client, pool, _starter):
+        pool.several = False
+        engine = pool.statuses()[0].serving.engine
+        engine.error = EngineDeadError("engine core died: /srv/models/a.gguf: read failed")
+        engine.is_restarting = False
+        engine.ended.set()
+        health = await client.get("/health")
+        assert health.status_code == 503
+        assert health.json()["error"]["message"] == "engine core died: <path>: read failed"

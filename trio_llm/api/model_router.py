@@ -71,7 +71,8 @@ class ModelStatus:
 
     Attributes:
         names: the names clients use in ``model``.
-        model: what the engine loads (a path or a named model).
+        model: its model card's ``root``: a named model's ``--model`` string (vLLM's),
+            a local one's name (`trio_llm.model_catalog.CatalogEntry.root`).
         kind: ``gguf``, ``hf``, ``sentence-transformers`` or ``named``.
         state: `ModelState`.
         serving: its handlers while loaded, else None.
