@@ -121,10 +121,6 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / "models" / _cache_key(gguf, cache_dir / "models")
     if (target / "config.json").is_file():
         return target
-    try:  # every size its header declares, checked before the gguf package reads it
-        read_gguf_header(gguf)
-    except WeightFileError as exc:
-        raise ModelConversionError(f"{gguf} is not a GGUF file this server reads: {exc}") from None
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,6 +128,10 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     logger.info(f"converting {gguf.name} to torch weights (first start only) -> {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_conversions(target.parent)
+    try:  # every size its header declares, checked before the gguf package reads it
+        read_gguf_header(gguf)
+    except WeightFileError as exc:
+        raise ModelConversionError(f"{gguf} is not a GGUF file this server reads: {exc}") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".convert-{os.getpid()}-", dir=target.parent))
     try:
         try:
