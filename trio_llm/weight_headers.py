@@ -40,7 +40,8 @@ _DEFAULT_ALIGNMENT = 32
 
 class WeightFileError(OSError):
     """A weight file whose header is not what its format allows (cut short, or declaring
-    more than the file holds); the message says what, and where."""
+    more than the file holds); the message says what, and where (the file's path: for the
+    log, `trio_llm.api.errors.without_host_paths` takes it out of a response)."""
 
 
 @dataclass(frozen=True)
@@ -151,9 +152,9 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     """
     path = Path(path)
     with path.open("rb") as handle:
-        reader = _Reader(handle, path.stat().st_size, path.name)
+        reader = _Reader(handle, path.stat().st_size, str(path))
         if handle.read(4) != b"GGUF":
-            raise WeightFileError(f"{path.name} is not a GGUF file")
+            raise WeightFileError(f"{path} is not a GGUF file")
         version = int(reader.unpack("<I"))
         if version not in GGUF_VERSIONS:
             raise reader.fail(f"GGUF version {version} is not supported")
@@ -176,7 +177,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
         data_start = -(-handle.tell() // alignment) * alignment
     if data_start + data_bytes > reader.size:
         raise WeightFileError(
-            f"{path.name}: its tensors span {data_bytes} bytes of data, more than the "
+            f"{path}: its tensors span {data_bytes} bytes of data, more than the "
             f"{max(0, reader.size - data_start)} the file holds"
         )
     return GGUFHeader(version, num_tensors, num_weights, data_start, data_bytes)
@@ -227,4 +228,4 @@ def safetensors_weights(path: str | Path) -> int:
         with safe_open(str(path), framework="numpy") as handle:
             return sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
     except SafetensorError as exc:
-        raise WeightFileError(f"{path.name}: {exc}") from None
+        raise WeightFileError(f"{path}: {exc}") from None
