@@ -46,7 +46,7 @@ def server(
 ) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("hostile-models-server") / "server.log"
     args = ["--dtype", "float32", "--store-url", "none", "--max-num-seqs", "4"]
-    args += ["--kv-cache-memory", "256MiB", "--api-key", KEY]
+    args += ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--api-key", KEY]
     args += ["--model", MODEL, "--served-model-name", "smol", "--models-dir", str(models_dir)]
     with ServerProcess(args, log_path=log) as process:
         yield process
@@ -93,6 +93,7 @@ def test_models_that_cannot_load_name_no_host_path_and_unload_nothing(
         error = failed.json()["error"]
         assert error["code"] == "model_load_failed" and why in error["message"]
         assert error["message"].startswith(f"the model `{name}` failed to load")
+        assert str(models_dir) not in failed.text
     bodies = [
         httpx.get(f"{url}/health").text,
         httpx.get(f"{url}/v1/models", headers=AUTH).text,
