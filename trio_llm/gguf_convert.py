@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from trio_llm.errors import ModelConversionError
+from trio_llm.weight_headers import WeightFileError, read_gguf_header
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     concurrent start never leaves a half-written cache behind.
 
     Raises:
-        ModelConversionError: the file is not a GGUF model transformers can read.
+        ModelConversionError: the file is not a GGUF model transformers can read, or its
+            header declares more than the file holds (`trio_llm.weight_headers`).
     """
     target = cache_dir / "models" / _cache_key(gguf, cache_dir / "models")
     if (target / "config.json").is_file():
@@ -126,6 +128,10 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     logger.info(f"converting {gguf.name} to torch weights (first start only) -> {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_conversions(target.parent)
+    try:  # every size its header declares, checked before the gguf package reads it
+        read_gguf_header(gguf)
+    except WeightFileError as exc:
+        raise ModelConversionError(f"{gguf} is not a GGUF file this server reads: {exc}") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".convert-{os.getpid()}-", dir=target.parent))
     try:
         try:

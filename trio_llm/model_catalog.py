@@ -49,6 +49,14 @@ class CatalogEntry:
         """The first (listed) name."""
         return self.names[0]
 
+    @property
+    def root(self) -> str:
+        """What its model card shows as ``root``: the ``--model`` string as given, as
+        vLLM's cards do, where it is no path on this machine (a named model); else its
+        name (a response names no host path)."""
+        local = self.kind != "named" or self.model.startswith(("/", "~", "."))
+        return self.name if self.source == "dir" or local else self.model
+
 
 def _kind_of(path: Path) -> str | None:
     """What a models folder entry holds, or None for anything else."""
@@ -153,11 +161,26 @@ class Catalog:
         return added, removed
 
 
+def default_served_name(model: str) -> str:
+    """The name a second (or later) ``--model`` without ``--served-model-name`` is served
+    under: as ``--models-dir`` names its entries, a ``.gguf`` file's name without
+    ``.gguf``, a folder's name; a model that is no path on this machine (a named model)
+    by its own string."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        return model
+    if path.is_file() and path.suffix == ".gguf":
+        return path.stem
+    return path.resolve().name if path.name in ("", "..") else path.name
+
+
 def flagged_entries(
     models: Sequence[str], served_names: Iterable[Sequence[str]] = ()
 ) -> list[CatalogEntry]:
     """The catalog entries of the ``--model`` flags: the i-th ``--served-model-name``
-    group names the i-th ``--model`` (a model without one answers to its own string).
+    group names the i-th ``--model``. A model without one answers to its own string if
+    it is the first (vLLM's rule), else to `default_served_name`'s (its file or folder
+    name: a host path is no model name).
 
     Raises:
         ValueError: more ``--served-model-name`` groups than ``--model`` flags, or an
@@ -171,10 +194,13 @@ def flagged_entries(
         )
     entries = []
     for i, model in enumerate(models):
-        names = groups[i] if i < len(groups) and groups[i] else (model,)
+        kind = _kind_of(Path(model).expanduser()) or "named"
+        if i < len(groups) and groups[i]:
+            names = groups[i]
+        else:
+            names = (model if i == 0 else default_served_name(model),)
         if any(not name for name in names):
             raise ValueError("a served model name must not be empty")
-        kind = _kind_of(Path(model).expanduser()) or "named"
         entries.append(CatalogEntry(tuple(dict.fromkeys(names)), model, "flag", kind))
     return entries
 

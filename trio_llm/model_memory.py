@@ -14,16 +14,13 @@ engines use now (`rss_bytes`: their estimate already accounts for it).
 from __future__ import annotations
 
 import functools
-import json
-import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
 
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from trio_llm.dtype_choice import dtype_is_timed, resolve_dtype
 from trio_llm.named_models import NAMED_MODELS
+from trio_llm.weight_headers import read_gguf_header, safetensors_weights
 
 #: Bytes an engine process takes besides its weights and KV cache: the interpreter with
 #: torch and transformers loaded, the tokenizer, a step's activations (an idle CPU engine
@@ -105,20 +102,10 @@ def weight_bytes(model: str, per_weight: int, keep_gguf_blocks: bool = False) ->
     total = 0
     for file in sorted(path.iterdir()) if path.is_dir() else []:
         if file.suffix == ".safetensors":
-            total += _safetensors_weights(file) * per_weight
+            total += safetensors_weights(file) * per_weight
         elif file.suffix in _FILE_WEIGHT_SUFFIXES:
             total += file.stat().st_size * per_weight // 2  # 16-bit weights, most likely
     return total
-
-
-def _safetensors_weights(path: Path) -> int:
-    """The number of weights in a safetensors file (from its header)."""
-    with path.open("rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    return sum(
-        math.prod(tensor["shape"]) for name, tensor in header.items() if name != "__metadata__"
-    )
 
 
 def _gguf_bytes(path: Path, per_weight: int, keep_blocks: bool) -> int:
@@ -131,68 +118,14 @@ def _gguf_bytes(path: Path, per_weight: int, keep_blocks: bool) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _gguf_weights(path: str, size: int, mtime_ns: int) -> int:
-    """The number of weights in a GGUF file, from its header: the metadata is skipped
-    and each tensor's dimensions multiplied (read once per file version).
+    """The number of weights in a GGUF file, from its header (read once per file version,
+    every declared size checked: `trio_llm.weight_headers.read_gguf_header`).
 
     Raises:
-        OSError: not a GGUF file, or one cut short.
+        OSError: not a GGUF file, or one whose header is cut short or declares more than
+            the file holds (`trio_llm.weight_headers.WeightFileError`).
     """
-    with open(path, "rb") as handle:
-        reader = _GGUFHeader(handle)
-        if handle.read(4) != b"GGUF":
-            raise OSError(f"{path} is not a GGUF file")
-        version = reader.unpack("<I")
-        if version < 2:
-            raise OSError(f"{path}: GGUF version {version} is not supported")
-        num_tensors, num_values = reader.unpack("<Q"), reader.unpack("<Q")
-        for _ in range(num_values):
-            reader.skip_string()
-            reader.skip_value(reader.unpack("<I"))
-        total = 0
-        for _ in range(num_tensors):
-            reader.skip_string()
-            dims = [reader.unpack("<Q") for _ in range(reader.unpack("<I"))]
-            reader.unpack("<I")  # the tensor's type
-            reader.unpack("<Q")  # its offset
-            total += math.prod(dims)
-    return total
-
-
-#: GGUF metadata value types with a fixed size: their struct format.
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
-_GGUF_SCALARS |= {10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-class _GGUFHeader:
-    """Reads a GGUF header's fields in order from an open file."""
-
-    def __init__(self, handle: BinaryIO) -> None:
-        self.handle = handle
-
-    def unpack(self, fmt: str) -> Any:
-        data = self.handle.read(struct.calcsize(fmt))
-        if len(data) < struct.calcsize(fmt):
-            raise OSError("the GGUF header is cut short")
-        return struct.unpack(fmt, data)[0]
-
-    def skip_string(self) -> None:
-        self.handle.seek(self.unpack("<Q"), 1)
-
-    def skip_value(self, kind: int) -> None:
-        if kind == _GGUF_STRING:
-            self.skip_string()
-        elif kind == _GGUF_ARRAY:
-            item, count = self.unpack("<I"), self.unpack("<Q")
-            if item in _GGUF_SCALARS:
-                self.handle.seek(struct.calcsize(_GGUF_SCALARS[item]) * count, 1)
-            else:
-                for _ in range(count):
-                    self.skip_value(item)
-        elif kind in _GGUF_SCALARS:
-            self.handle.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
-        else:
-            raise OSError(f"unknown GGUF value type {kind}")
+    return read_gguf_header(path).num_weights
 
 
 def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:

@@ -145,7 +145,7 @@ class ModelPool(ModelRouter):
         for entry in self.catalog.entries:
             model = self._models.get(entry) or PoolModel(entry, None)
             found = (model.state, model.serving, model.error)
-            statuses.append(ModelStatus(entry.names, entry.model, entry.kind, *found))
+            statuses.append(ModelStatus(entry.names, entry.root, entry.kind, *found))
         return statuses
 
     def engines(self) -> list[tuple[str, EngineHandle]]:
@@ -383,7 +383,7 @@ class ModelPool(ModelRouter):
             logger.error(
                 f"the model {model.name} failed to load: {leaf} (tried again in {retry:g} s)"
             )
-            model.failed(f"failed to load: {leaf}", trio.current_time() + retry)
+            model.failed("failed to load", str(leaf), trio.current_time() + retry)
             model.load_failures += 1
         finally:
             model.ended()
@@ -423,7 +423,7 @@ class ModelPool(ModelRouter):
             await engine.stop(self.config.shutdown_timeout)
         if model.died is not None:
             model.failed(
-                f"its engines failed: {model.died}; POST /models/load loads it again", None
+                "its engines failed", model.died, None, "; POST /models/load loads it again"
             )
         elif self.several and not self._stopping:
             logger.info(f"the model {model.name} is unloaded")

@@ -7,7 +7,8 @@ Room is made by unloading idle models, least recently used first: never one with
 Memory is checked against `trio_llm.model_memory`'s estimate; when no idle model is left
 to unload, the KV cache is made smaller (down to `trio_llm.model_memory.MIN_KV_CACHE` per
 engine), and a model that still does not fit is refused with a 503 naming what it needs
-and what is available.
+and what is available. A model that would not fit even with every idle model unloaded and
+the smallest KV cache is refused at once, before anything is unloaded for it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import Literal, NoReturn, Protocol
 
 import trio
 
-from trio_llm.api.errors import APIError
+from trio_llm.api.errors import APIError, without_host_paths
 from trio_llm.api.model_router import model_unavailable
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.model_catalog import CatalogEntry
@@ -117,11 +119,17 @@ class PoolModel:
         self.failure = None
         self.retry_at = None
 
-    def failed(self, reason: str, retry_at: float | None) -> None:
-        """It failed (to load, or its engines while loaded): its requests get ``reason``
-        (a 500 ``model_load_failed``) until ``retry_at`` (None: until loaded on request)."""
+    def failed(self, what: str, cause: str, retry_at: float | None, then: str = "") -> None:
+        """It failed (to load, or its engines while loaded): until ``retry_at`` (None:
+        until loaded on request) its requests get a 500 ``model_load_failed`` saying
+        ``what``, the error's text ``cause`` and ``then``. ``cause`` names no host path
+        (`trio_llm.api.errors.without_host_paths`: its own path becomes its name)."""
+        model = self.entry.model
+        paths = {model: f"`{self.name}`"} if "/" in model else {}
+        if paths:
+            paths[str(Path(model).expanduser().resolve())] = f"`{self.name}`"
         self.state = "failed"
-        self.error = reason
+        self.error = reason = f"{what}: {without_host_paths(cause, paths)}{then}"
         self.retry_at = retry_at
         self.failure = APIError(
             500,
@@ -203,9 +211,15 @@ class ModelRoom:
             return self.config
         entry = model.entry
         config = self.config.for_model(entry.model, entry.names)
-        await self._place(model, fatal)
+        need = None
         if self.check_memory:
-            kv_cache = await self._fit(model, config)
+            engines = config.data_parallel_size
+            need = await trio.to_thread.run_sync(estimate, config.engine, entry.kind, engines)
+            model.need = need
+            self._check_reachable(model, need)  # before a place is made: unload nothing
+        await self._place(model, fatal)
+        if need is not None:
+            kv_cache = await self._fit(model, need)
             if kv_cache is not None:
                 config = self.config.for_model(entry.model, entry.names, kv_cache)
         return config
@@ -269,21 +283,21 @@ class ModelRoom:
                 available -= other.need.total
         return available
 
-    async def _fit(self, model: PoolModel, config: ServerConfig) -> int | None:
-        """Make memory for ``model`` (unloading idle models); the KV cache size per
-        engine to start it with (bytes), or None to keep the configured one.
+    async def _fit(self, model: PoolModel, need: MemoryNeed) -> int | None:
+        """Make memory for ``model``, which needs ``need`` (unloading idle models); the
+        KV cache size per engine to start it with (bytes), or None to keep the
+        configured one.
 
         Raises:
             APIError: 503: it does not fit even with the smallest KV cache.
         """
-        engines = config.data_parallel_size
-        need = await trio.to_thread.run_sync(estimate, config.engine, model.entry.kind, engines)
-        model.need = need
+        engines = need.engines
         while True:
             event = self.pool.changed_event
             room = self.room(model)
             if room is None or need.total + MARGIN <= room:
                 return None
+            self._check_reachable(model, need)
             victim = self.idle_victim(model)
             if victim is not None:
                 self._unload(victim, f"the model {model.name} needs its memory")
@@ -299,14 +313,45 @@ class ModelRoom:
                     f"engine instead of {_gib(need.kv_cache // engines)} (memory)"
                 )
                 return kv_cache
-            model.need = None
-            raise model_unavailable(
-                f"the model `{model.name}` does not fit in memory: it needs about "
-                f"{_gib(need.total)} GiB (weights {_gib(need.weights)}, KV cache "
-                f"{_gib(need.kv_cache)}, engines {_gib(need.overhead)}) and "
-                f"{_gib(max(0, room - MARGIN))} GiB are available; unload a model "
-                "(POST /models/unload) or give a smaller --kv-cache-memory"
-            )
+            self._refuse(model, need, room)
+
+    def _check_reachable(self, model: PoolModel, need: MemoryNeed) -> None:
+        """Refuse ``model`` at once, unloading nothing, when it would not fit even with
+        every idle (or leaving) model unloaded and the smallest KV cache.
+
+        Raises:
+            APIError: 503, as `_refuse`.
+        """
+        room = self.room(model)
+        if room is None:
+            return
+        freeable = sum(
+            other.need.total
+            for other in self.models.values()
+            if other is not model
+            and other.need is not None
+            and (other.leaving or (other.state == "loaded" and other.idle))
+        )
+        smallest = (
+            need.weights + need.overhead + (MIN_KV_CACHE * need.engines if need.kv_cache else 0)
+        )
+        if smallest + MARGIN > room + freeable:
+            self._refuse(model, need, room + freeable)
+
+    def _refuse(self, model: PoolModel, need: MemoryNeed, room: int) -> NoReturn:
+        """Give up ``model``'s load: it needs more than ``room`` bytes.
+
+        Raises:
+            APIError: 503 naming what it needs and what is available.
+        """
+        model.need = None
+        raise model_unavailable(
+            f"the model `{model.name}` does not fit in memory: it needs about "
+            f"{_gib(need.total)} GiB (weights {_gib(need.weights)}, KV cache "
+            f"{_gib(need.kv_cache)}, engines {_gib(need.overhead)}) and "
+            f"{_gib(max(0, room - MARGIN))} GiB can be made available; unload a model "
+            "(POST /models/unload) or give a smaller --kv-cache-memory"
+        )
 
 
 def _gib(size: int) -> str:

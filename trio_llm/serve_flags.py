@@ -193,7 +193,8 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
     ServerConfig: {
         "served_model_names": Flag(
             "name(s) clients use in `model`; with several --model flags, the i-th "
-            "--served-model-name names the i-th --model",
+            "--served-model-name names the i-th --model (without one: the first --model's "
+            "string, a later one's file or folder name)",
             name="--served-model-name",
             nargs="+",
             action="append",

@@ -172,8 +172,13 @@ def keep_alive_seconds(value: object) -> float | None:
     )
     if isinstance(value, bool):
         raise ValueError(problem)
+    if isinstance(value, int) and value < 0:
+        return None
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # a JSON integer past a double's range
+            raise ValueError(problem) from None
     elif isinstance(value, str):
         text = value.strip().lower()
         sign = -1.0 if text.startswith("-") else 1.0

@@ -41,6 +41,7 @@ from tests.support.checks import (
     check_records,
     check_tree_gone,
     port_is_free,
+    settled_fds,
 )
 from tests.support.faults import (
     FAULTS,
@@ -64,7 +65,6 @@ from tests.support.load import (
 from tests.support.procfs import (
     descendants,
     listening_sockets,
-    open_fds,
     wait_for_exit,
 )
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
@@ -299,7 +299,7 @@ async def _trial_body(
         extra = [s for s in listening_sockets(pid) if s != f"tcp:{port}" or pid != server.pid]
         if extra:
             result.failures.append(f"pid {pid} listens on {extra}")
-    fds_before = open_fds(server.pid)
+    fds_before = await settled_fds(server.pid)
     async with trio.open_nursery() as stuck_nursery:
         stuck_done = trio.Event()
         try:

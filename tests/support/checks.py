@@ -106,6 +106,33 @@ def _stop_allowance(spec: TrialSpec) -> float:
 FD_SETTLE_SECONDS = 12.0
 
 
+def client_connections(pid: int) -> list[str]:
+    """The TCP connections ``pid`` holds (every TCP socket of its descriptors but the
+    listening ones), as ``"fd N: STATE"``."""
+    states = {"01": "established", "08": "close-wait", "06": "time-wait"}
+    tcp = tcp_sockets(pid)
+    found = []
+    for fd, target in sorted(open_fds(pid).items()):
+        inode = socket_inode(target)
+        if inode in tcp and tcp[inode][0] != "0A":
+            found.append(f"fd {fd}: {states.get(tcp[inode][0], tcp[inode][0])}")
+    return found
+
+
+async def settled_fds(pid: int) -> dict[int, str]:
+    """``pid``'s descriptors (`open_fds`) once it holds no client connection, or after
+    `FD_SETTLE_SECONDS`: the count a trial's server must come back to.
+
+    A probe's connection (a request just before the snapshot) stays open in the server
+    until hypercorn's keep-alive timeout closes it; counted in the snapshot, it is missing
+    from the later count, which then looks like one descriptor too few."""
+    with trio.move_on_after(FD_SETTLE_SECONDS):
+        # Another process's descriptors: they close as its handlers finish.
+        while client_connections(pid):  # noqa: ASYNC110
+            await trio.sleep(0.1)
+    return open_fds(pid)
+
+
 async def check_fds(
     pid: int,
     before: dict[int, str],

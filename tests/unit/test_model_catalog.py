@@ -130,3 +130,24 @@ def test_keep_alive_refuses_what_is_not_a_duration(text: object) -> None:
 
     with pytest.raises(ValueError, match="keep_alive"):
         keep_alive_seconds(text)
+
+
+def test_a_second_model_without_a_name_is_served_under_its_file_or_folder_name(
+    tmp_path: Path,
+) -> None:
+    """Issue 41, item 12: a second --model without --served-model-name was served (and
+    had to be requested) under its host path. The first keeps vLLM's rule: the string as
+    given."""
+    chat = _hf(tmp_path / "chat")
+    minilm = _hf(tmp_path / "minilm", sentence_transformers=True)
+    (tmp_path / "tiny.Q4_1.gguf").write_bytes(b"GGUF")
+    models = [str(chat), str(minilm) + "/", str(tmp_path / "tiny.Q4_1.gguf"), "smollm2"]
+    entries = flagged_entries(models)
+    assert [e.names for e in entries] == [(str(chat),), ("minilm",), ("tiny.Q4_1",), ("smollm2",)]
+    assert [e.model for e in entries] == models  # what the engines load is unchanged
+    catalog = Catalog(flagged_entries(["smollm2", str(tmp_path / "tiny.Q4_1.gguf")]))
+    assert catalog.names() == ["smollm2", "tiny.Q4_1"]
+    # A model card's root: a named model's string as given (vLLM's), a local one's name.
+    _hf(tmp_path / "dir" / "found")
+    catalog = Catalog(flagged_entries(["smollm2", str(chat)], [["s"], ["c"]]), tmp_path / "dir")
+    assert [e.root for e in catalog.entries] == ["smollm2", "c", "found"]

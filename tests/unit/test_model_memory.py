@@ -17,6 +17,7 @@ from trio_llm.model_memory import (
     estimate,
     weight_bytes,
 )
+from trio_llm.weight_headers import read_gguf_header
 
 
 def _safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
@@ -46,14 +47,17 @@ def test_a_gguf_files_weights_are_counted_from_its_header(tmp_path: Path) -> Non
     writer.add_string("a.string", "text")
     writer.add_array("a.strings", ["x", "yy", "zzz"])
     writer.add_array("a.ints", [1, 2, 3])
+    writer.add_custom_alignment(64)
     writer.add_tensor("one", np.zeros((4, 8), dtype=np.float32))
     writer.add_tensor("two", np.zeros((3,), dtype=np.float16))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    expected = sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(path).tensors)
+    reader = gguf.GGUFReader(path)
+    expected = sum(int(tensor.n_elements) for tensor in reader.tensors)
     assert expected == 35
+    assert read_gguf_header(path).data_start == reader.data_offset  # aligned to 64
     assert weight_bytes(str(path), 4) == 4 * 35
     assert weight_bytes(str(path), 4, keep_gguf_blocks=True) == path.stat().st_size
 

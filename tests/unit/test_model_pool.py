@@ -446,3 +446,32 @@ async def test_memory_idle_models_go_first_then_the_kv_cache_then_a_503(monkeypa
         assert starter.configs["a"].engine.cache.kv_cache_memory == gib // 4
         b_lease.release()
         c_lease.release()
+
+
+async def test_a_model_that_cannot_fit_is_refused_before_anything_is_unloaded(
+    monkeypatch,
+) -> None:
+    """Issue 41, item 5: a model whose header claims 4 x 2^62 elements would not fit with
+    every idle model unloaded and the smallest KV cache: a 503 at once, and the loaded
+    default model stays loaded (it was unloaded first; with --max-loaded-models 1, to
+    make a place for it)."""
+    gib = 2**30
+    needs = {
+        "a": MemoryNeed(gib, 2 * gib, gib // 2),
+        "huge": MemoryNeed(4 * 2**62 * 4, 2 * gib, gib // 2),
+    }
+    monkeypatch.setattr(
+        model_room, "estimate", lambda engine, kind, engines: needs[engine.model.model]
+    )
+    monkeypatch.setattr(model_room, "available_bytes", lambda: 8 * gib)
+    for limit in (None, 1):
+        starter = FakeStarter()
+        config = _config("a", "huge", max_loaded_models=limit)
+        async with running_pool(config, starter, check_memory=True) as (pool, _nursery):
+            with pytest.raises(APIError) as refused:
+                await pool.acquire("huge")
+            assert refused.value.status == 503
+            assert "does not fit in memory" in refused.value.message
+            assert _state(pool, "a") == "loaded" and starter.stopped == []
+            assert "huge" not in starter.starts
+            (await pool.acquire("a")).release()

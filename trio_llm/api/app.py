@@ -164,7 +164,7 @@ def _routed_endpoint(
     async def endpoint(request: Request) -> Response:
         raw = await read_body(request, router.request_body_timeout)
         name, keep_alive = await peek_model(raw)
-        lease = await router.acquire(name, keep_alive)
+        lease = await router.acquire_for(request.scope, name, keep_alive)
         hold(request.scope, lease)
         serving = lease.serving
         body = await serving.parse(body_model, request)

@@ -6,6 +6,8 @@ for 4xx caused by the request, ``server_error`` for 5xx).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -112,6 +114,32 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+#: A file system path in a message: ``/``, ``~/``, ``./`` or ``../`` that begins a word
+#: (the text's start, or after a space, a quote, a bracket or ``=``; not a URL's ``//``),
+#: up to a space, a quote, a bracket, a comma, a semicolon or a colon.
+_HOST_PATH = re.compile(r"""(?<![^\s'"`(\[=])(?:~|\.{1,2})?/[^\s'"`()\[\],;:]*""")
+
+
+def without_host_paths(text: str, known: Mapping[str, str] | None = None) -> str:
+    """``text`` (an error's, for a response body) with no file system path in it: a path
+    of ``known`` (or under one) shown as what it maps to (a model's path as its served
+    name), any other path as ``<path>``. The server's log keeps the full text."""
+    known = known or {}
+    longest_first = sorted(known, key=len, reverse=True)
+
+    def shown(match: re.Match[str]) -> str:
+        path = match.group(0)
+        for prefix in longest_first:
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return known[prefix] + path[len(prefix) :]
+        return "<path>"
+
+    text = _HOST_PATH.sub(shown, text)
+    for path in longest_first:  # a relative one the pattern does not see
+        text = text.replace(path, known[path])
+    return text
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

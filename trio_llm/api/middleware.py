@@ -30,6 +30,18 @@ from trio_llm.server_config import ServerConfig
 #: vLLM) and ``/models/`` (loading and unloading models, llama.cpp's routes).
 PROTECTED_PREFIXES = ("/v1", "/models/")
 
+#: The ASGI scope key where `APIKeyMiddleware` records whether an HTTP request carried
+#: the API key (True on a server without one): `key_presented`.
+KEY_PRESENTED_SCOPE_KEY = "trio_llm.key_presented"
+
+
+def key_presented(scope: Scope) -> bool:
+    """Whether the request of ``scope`` carried the server's API key, or the server has
+    none, as `APIKeyMiddleware` found; False for a request it did not see. Only such a
+    request may change the server's models (`trio_llm.api.model_router`): the routes
+    outside `PROTECTED_PREFIXES` (``/tokenize``...) are open to every client."""
+    return scope.get(KEY_PRESENTED_SCOPE_KEY) is True
+
 
 async def send_error(
     scope: Scope,
@@ -102,14 +114,16 @@ class _RequestCheck:
 
 class APIKeyMiddleware(_RequestCheck):
     """Refuse requests to ``/v1...`` and ``/models/...`` without ``Authorization: Bearer
-    <api_key>`` or ``x-api-key: <api_key>`` (HTTP 401).
+    <api_key>`` or ``x-api-key: <api_key>`` (HTTP 401), and record in every HTTP
+    request's scope whether it carried the key (`key_presented`).
 
     The key is compared in constant time. CORS preflight requests (``OPTIONS``) pass, as
     browsers send them without credentials; every other path is left open.
 
     Args:
         app: the ASGI app to protect.
-        api_key: the key clients must present (visible ASCII).
+        api_key: the key clients must present (visible ASCII); None: no key, every
+            request passes (and may change the models).
     """
 
     status = 401
@@ -120,13 +134,22 @@ class APIKeyMiddleware(_RequestCheck):
     code = "invalid_api_key"
     headers = ((b"www-authenticate", b"Bearer"),)
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         super().__init__(app)
-        self._key = api_key.encode()
+        self._key = api_key.encode() if api_key is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Record whether the request carried the key, then check it."""
+        if scope["type"] == "http":
+            scope[KEY_PRESENTED_SCOPE_KEY] = self.authorized(scope)
+        await super().__call__(scope, receive, send)
 
     def authorized(self, scope: Scope) -> bool:
         """Whether the request carries the right bearer token (the scheme is case-blind),
-        or the key in ``x-api-key`` (the header Anthropic's clients send)."""
+        or the key in ``x-api-key`` (the header Anthropic's clients send); True on a
+        server without a key."""
+        if self._key is None:
+            return True
         anthropic_key = _header(scope, b"x-api-key")
         if anthropic_key is not None and hmac.compare_digest(anthropic_key.strip(), self._key):
             return True
@@ -143,7 +166,7 @@ class APIKeyMiddleware(_RequestCheck):
         return (
             scope["path"].startswith(PROTECTED_PREFIXES)
             and scope["method"] != "OPTIONS"
-            and not self.authorized(scope)
+            and not scope[KEY_PRESENTED_SCOPE_KEY]
         )
 
 
@@ -291,15 +314,15 @@ class RequestIdMiddleware:
 
 
 def install_middleware(app: FastAPI, config: ServerConfig) -> None:
-    """Add the body size limit, the API key check (if ``config.api_key``), CORS (if
+    """Add the body size limit, the API key check (every request passes without
+    ``config.api_key``, `key_presented`), CORS (if
     ``config.allowed_origins``), the framing check and the Anthropic ``request-id``
     header to ``app``, in that order from the inside out.
 
     Must be called before the app serves its first request.
     """
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

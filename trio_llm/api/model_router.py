@@ -9,6 +9,9 @@ middleware, releases every lease a request took once the app has answered it. A 
 is never unloaded (evicted, or idle past its ``keep_alive``) while a lease on it is held.
 The WebSocket's generations and background responses hold theirs with `ModelRouter.leased`.
 
+A request without the API key (``/tokenize``, ``/detokenize``) changes nothing of the
+models (`ModelRouter.acquire_for`): it gets a model loaded now, or a 503.
+
 `OneModel` routes every request to one `OpenAIServing` (an app built around a ready
 serving: the tests', ``trio-llm run-batch``'s); the server's router over several models
 is `trio_llm.model_pool.ModelPool`.
@@ -28,7 +31,8 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trio_llm.api.body_reading import read_body
-from trio_llm.api.errors import APIError, bad_request
+from trio_llm.api.errors import APIError, bad_request, unknown_model
+from trio_llm.api.middleware import key_presented
 from trio_llm.api.parsing import INLINE_PARSE_BYTES, load_json, parse_body
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import EngineError
@@ -67,7 +71,8 @@ class ModelStatus:
 
     Attributes:
         names: the names clients use in ``model``.
-        model: what the engine loads (a path or a named model).
+        model: its model card's ``root``: a named model's ``--model`` string (vLLM's),
+            a local one's name (`trio_llm.model_catalog.CatalogEntry.root`).
         kind: ``gguf``, ``hf``, ``sentence-transformers`` or ``named``.
         state: `ModelState`.
         serving: its handlers while loaded, else None.
@@ -154,6 +159,41 @@ class ModelRouter:
                 model's load error when it failed to load.
         """
         raise NotImplementedError
+
+    async def acquire_for(self, scope: Scope, name: str | None, keep_alive: KeepAlive) -> Lease:
+        """The lease of the request of ``scope`` on model ``name``: `acquire`'s if it may
+        change the models (`trio_llm.api.middleware.key_presented`), else `loaded`'s.
+
+        Raises:
+            APIError: as `acquire` or `loaded`; 401 naming ``keep_alive`` without the key.
+        """
+        if key_presented(scope):
+            return await self.acquire(name, keep_alive)
+        if keep_alive is not UNCHANGED:
+            message = "keep_alive needs the API key (`Authorization: Bearer <key>`)"
+            www = {"www-authenticate": "Bearer"}
+            raise APIError(401, message, param="keep_alive", code="invalid_api_key", headers=www)
+        return self.loaded(name)
+
+    def loaded(self, name: str | None) -> Lease:
+        """A lease on model ``name`` (None: the default) if it is loaded now, changing
+        nothing: no load, no hold against unloading, no use counted (its idle time goes on).
+
+        Raises:
+            APIError: 404 for a name not served (as `acquire`); 503: not loaded now.
+        """
+        statuses = self.statuses()
+        named = [status for status in statuses if name in status.names]
+        if name is not None and not named and self.several:
+            raise unknown_model(name, self.names())
+        found = named[0] if named else statuses[0]
+        if found.state != "loaded" or found.serving is None:
+            raise model_unavailable(
+                f"the model `{found.names[0]}` is not loaded, and a request without the API "
+                "key loads no model: send the key, or ask again once it is loaded",
+                retry=False,
+            )
+        return Lease(found.serving)
 
     async def load(self, name: str, keep_alive: KeepAlive = UNCHANGED) -> None:
         """Load model ``name`` now (``POST /models/load``; a failed one is tried again),

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from trio_llm.api.errors import APIError, unknown_model
+from trio_llm.api.errors import APIError, unknown_model, without_host_paths
 from trio_llm.api.model_router import ModelRouter, ModelStatus, keep_alive_of
 from trio_llm.api.request_body import RequestBody, Text
 from trio_llm.frontend.engine_client import EngineClient
@@ -73,7 +73,8 @@ def _engine_health(engine: EngineHandle, is_serving: Callable[[], bool]) -> Resp
 
 
 def _unavailable(reason: str) -> Response:
-    return APIError(503, reason, type="service_unavailable_error").response()
+    """The 503 of /health (an open route: the reason names no host path)."""
+    return APIError(503, without_host_paths(reason), type="service_unavailable_error").response()
 
 
 def _degraded(engines: list[EngineClient], serving: int) -> dict[str, Any]:
@@ -84,7 +85,7 @@ def _degraded(engines: list[EngineClient], serving: int) -> dict[str, Any]:
         state = "serving" if client.is_alive else "restarting" if client.is_restarting else "failed"
         entry: dict[str, Any] = {"engine": rank, "state": state}
         if client.error is not None and not client.is_alive:
-            entry["error"] = str(client.error)
+            entry["error"] = without_host_paths(str(client.error))
         states.append(entry)
     return {
         "status": "degraded",
@@ -140,14 +141,16 @@ def _add_models(app: FastAPI, router: ModelRouter) -> None:
 
 def _model_card(name: str, status: ModelStatus, created: int) -> dict[str, Any]:
     """vLLM's model card, field for field (clients that list models read these), and the
-    model's ``status``. An unloaded model's card has what the catalog knows (its path,
-    no ``max_model_len``)."""
+    model's ``status``. Its ``root`` is `ModelStatus.model` (never the folder the engine
+    loaded: a GGUF file's conversion under the cache). An unloaded model's card has what
+    the catalog knows (no ``max_model_len``)."""
     serving = status.serving
+    root = status.model
     if serving is not None:
         info = serving.engine.info
-        root, max_model_len, generates = info.model_dir, info.max_model_len, info.task == "generate"
+        max_model_len, generates = info.max_model_len, info.task == "generate"
     else:
-        root, max_model_len = status.model, None
+        max_model_len = None
         generates = status.kind != "sentence-transformers"
     state: dict[str, Any] = {"value": status.state}
     if status.error is not None:

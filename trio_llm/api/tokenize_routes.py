@@ -5,7 +5,10 @@ the model's chat template exactly as ``/v1/chat/completions`` renders them) and 
 ``{"count", "max_model_len", "tokens", "token_strs"}``; ``/detokenize`` turns token ids back
 into text. Neither runs the engine, and neither checks the context length (a client may
 ask how long a text is precisely to learn that it is too long). Like vLLM, these routes
-live outside ``/v1`` and so are not covered by ``--api-key``.
+live outside ``/v1`` and so are not covered by ``--api-key``; a request without the key
+changes nothing of the models (`trio_llm.api.model_router.ModelRouter.acquire_for`): it
+is answered by a loaded model, or refused (503 for a model not loaded, 401 for a
+``keep_alive``).
 """
 
 from __future__ import annotations
@@ -146,10 +149,11 @@ def tokenize_router(models: ModelRouter) -> APIRouter:
 
 
 async def _serving_of(models: ModelRouter, http_request: Request) -> OpenAIServing:
-    """The handlers of the model the body names, held until the answer is sent."""
+    """The handlers of the model the body names, held until the answer is sent (a
+    request without the API key: a loaded model's, holding nothing)."""
     raw = await read_body(http_request, models.request_body_timeout)
     name, keep_alive = await peek_model(raw)
-    lease = await models.acquire(name, keep_alive)
+    lease = await models.acquire_for(http_request.scope, name, keep_alive)
     hold(http_request.scope, lease)
     return lease.serving
 

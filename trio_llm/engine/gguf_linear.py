@@ -31,6 +31,7 @@ import torch
 from trio_llm.engine import kernels
 from trio_llm.engine.support import describe
 from trio_llm.errors import EngineConfigError
+from trio_llm.weight_headers import WeightFileError, read_gguf_header
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,10 @@ class GGUFWeights:
         """
         from gguf import GGUFReader
 
+        try:  # every size its header declares, checked before GGUFReader reads it
+            read_gguf_header(path)
+        except WeightFileError as exc:
+            raise ValueError(str(exc)) from None
         reader = GGUFReader(str(path))
         field = reader.fields.get("general.architecture")
         architecture = bytes(field.parts[field.data[0]]).decode() if field else None
