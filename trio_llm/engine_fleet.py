@@ -21,7 +21,6 @@ import trio
 
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import EngineConfig
-from trio_llm.dtype_choice import dtype_is_timed
 from trio_llm.errors import EngineDeadError, EngineStartupError
 from trio_llm.frontend.data_parallel import DataParallelClient
 from trio_llm.frontend.engine_client import EngineClient
@@ -80,8 +79,6 @@ async def supervise_engines(
 ) -> None:
     """Start ``config.data_parallel_size`` engines at once and supervise each; report one
     `EngineClient`, or a `DataParallelClient` over several, once every engine is ready.
-    Where ``--dtype auto`` is decided by timing (`dtype_is_timed`), engine 0 starts first
-    and the others load the dtype it chose.
 
     One engine's failure for good (no restart, or its restarts used up) leaves the others
     serving; ``lifecycle.request_stop`` (exit 1) learns when the last one is gone.
@@ -101,15 +98,7 @@ async def supervise_engines(
             )
 
         async with trio.open_nursery() as starting:
-            first = 0
-            if size > 1 and dtype_is_timed(config.engine.model):
-                # Each engine would time bfloat16 against float32 by itself, while the
-                # others load on the same cores: engine 0 decides, the others load its dtype.
-                await start(0)
-                dtype = clients[0].info.dtype
-                configs = [engine.with_dtype(dtype) for engine in configs]
-                first = 1
-            for rank in range(first, size):
+            for rank in range(size):
                 starting.start_soon(start, rank)
         ready = [client for client in clients if client is not None]
         fleet.started = True

@@ -201,8 +201,6 @@ async def run_engine_process(
             if client is None or restart is None or client.stopping:
                 raise
             delay = supervision.count_failure(exc)
-            # A restarted child serves the dtype the first one chose for ``--dtype auto``.
-            config = config.with_dtype(client.info.dtype)
             logger.warning(f"{supervision.name} failed: {exc}; restarting it in {delay:g} s")
             with supervision.new_scope():
                 await trio.sleep(delay)
