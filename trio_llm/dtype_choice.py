@@ -96,7 +96,7 @@ def log_dtype_choice(
     flags: frozenset[str] | None = None,
     speedup: Callable[[int, int], float] = bf16_speedup,
 ) -> str:
-    """`resolve_dtype`, logging why; where ``auto`` chose bfloat16 on a CPU and the
+    """`resolve_dtype`, logging why ``auto`` chose what it did; where ``auto`` chose bfloat16 on a CPU and the
     model's ``shapes`` = ``(hidden_size, intermediate_size)`` are known, also time both
     dtypes (``speedup``, default `bf16_speedup`) and log whether ``--dtype float32``
     might serve faster. The timing never changes the answer.
@@ -105,7 +105,8 @@ def log_dtype_choice(
         ``float32`` or ``bfloat16``.
     """
     choice, why = explain_dtype(dtype, device, flags)
-    logger.info(f"{why}: {choice}")
+    if dtype == "auto":
+        logger.info(f"{why}: {choice}")
     if dtype == "auto" and device == "cpu" and choice == "bfloat16" and shapes is not None:
         ratio = speedup(*shapes)
         advice = "; --dtype float32 may serve faster here" if ratio < BF16_ADVICE_SPEEDUP else ""

@@ -291,6 +291,12 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             "/metrics also lists every series under vLLM's vllm: prefix (for routers and "
             "endpoint pickers that read vllm:num_requests_waiting, vllm:kv_cache_usage_perc)"
         ),
+        "disable_access_log": Flag(
+            "write no access log (by default one line per HTTP request and WebSocket "
+            "connection at info: client, method, path and query, status, duration, "
+            "request id; a stream's when it ends)",
+            aliases=("--disable-uvicorn-access-log",),
+        ),
         "max_tokens_policy": Flag(
             "a max_tokens past the room the prompt leaves in the context: clamp lowers it "
             "to that room (llama.cpp's and Ollama's behaviour; the output then ends with "

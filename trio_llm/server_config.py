@@ -258,6 +258,8 @@ class ServerConfig(CheckedFields):
             False reads schemas as JSON Schema does, except ``strict`` ones.
         vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
             prefix (for routers and autoscalers that read vLLM's names).
+        disable_access_log: no access log (`trio_llm.api.access_log`: a line per HTTP
+            request and WebSocket connection at ``info``, on by default).
         stream_interval: output tokens a stream gathers before it sends them, after its
             first token (vLLM's ``--stream-interval``): larger values send fewer, bigger
             events and cost the API server less per token; 1 sends every token at once.
@@ -309,6 +311,7 @@ class ServerConfig(CheckedFields):
     reasoning_parser: str | None = setting(None, choices=REASONING_PARSERS)
     disable_additional_properties: bool = True
     vllm_metric_names: bool = False
+    disable_access_log: bool = False
     max_tokens_policy: str = setting("clamp", choices=MAX_TOKENS_POLICIES)
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)

@@ -247,6 +247,6 @@ def install_error_handlers(app: FastAPI) -> None:
         response = APIError(500, message, type="server_error").response(request.url.path)
         # Answered outside the middleware: the Anthropic request id is added here.
         request_id = getattr(request.state, "request_id", None)
-        if request_id is not None:
+        if request_id is not None and error_style(request.url.path) == "anthropic":
             response.headers["request-id"] = request_id
         return response
