@@ -96,10 +96,10 @@ def log_dtype_choice(
     flags: frozenset[str] | None = None,
     speedup: Callable[[int, int], float] = bf16_speedup,
 ) -> str:
-    """`resolve_dtype`, logging why ``auto`` chose what it did; where ``auto`` chose bfloat16 on a CPU and the
-    model's ``shapes`` = ``(hidden_size, intermediate_size)`` are known, also time both
-    dtypes (``speedup``, default `bf16_speedup`) and log whether ``--dtype float32``
-    might serve faster. The timing never changes the answer.
+    """`resolve_dtype`, logging why ``auto`` chose what it did. Where ``auto`` chose
+    bfloat16 on a CPU and the model's ``shapes`` = ``(hidden_size, intermediate_size)``
+    are known, also time both dtypes (``speedup``, default `bf16_speedup`) and log
+    whether ``--dtype float32`` might serve faster. The timing never changes the answer.
 
     Returns:
         ``float32`` or ``bfloat16``.

@@ -69,7 +69,7 @@ async def test_a_line_has_client_method_path_query_status_duration_and_id(
     app = AccessLogMiddleware(RequestIdMiddleware(_answer))
     await _call(app, _scope("/v1/models", b"limit=2&after=x"))
     [line] = _lines(caplog)
-    head, _, rest = line.partition(' 200 ')
+    head, _, rest = line.partition(" 200 ")
     assert head == '10.1.2.3:5555 "GET /v1/models?limit=2&after=x HTTP/1.1"'
     seconds, request_id = rest.split()
     assert seconds.endswith("s") and float(seconds[:-1]) >= 0
