@@ -207,6 +207,14 @@ async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServ
         engine.info.model_dir,
         config.override_generation_config,
     )
+    cap = generation_defaults.max_tokens_cap
+    if cap is not None:
+        logger.info(
+            f"every answer is capped at {cap} output tokens (max_new_tokens of the "
+            "generation config): one cut there ends with finish_reason length, Messages "
+            "stop_reason max_tokens, Responses incomplete (max_output_tokens), whatever "
+            "the client's own limit"
+        )
     return OpenAIServing(
         engine,
         tokenizer,

@@ -30,7 +30,7 @@ from trio_llm.api.tool_parsers import make_parser, required_parser
 from trio_llm.api.translated_request import ChatTranslated
 from trio_llm.frontend.chat_prompt import ChatPrompt
 from trio_llm.frontend.generation_defaults import GenerationDefaults
-from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
+from trio_llm.frontend.preprocess import InputPreprocessor, OutputBudget, fan_out
 from trio_llm.messages import SamplingParams, Scheduling
 from trio_llm.server_config import RequestLimits
 from trio_llm.text.reasoning import ReasoningFormat, reasoning_format
@@ -127,10 +127,10 @@ class Planner:
         plan.num_prompt_logprobs = request.prompt_logprobs
         plan.structured_param = request.structured_param
         for prompt in prompts:
-            max_tokens = self._max_tokens(request.max_tokens, len(prompt.token_ids), "max_tokens")
+            budget = self._max_tokens(request.max_tokens, len(prompt.token_ids), "max_tokens")
             params = self._params(
                 request,
-                max_tokens,
+                budget.tokens,
                 logprobs=request.logprobs,
                 prompt_logprobs=max(counts) if counts else None,
             )
@@ -139,7 +139,7 @@ class Planner:
                 echo_text = self.tokenizer.decode(
                     prompt.token_ids, skip_special_tokens=request.skip_special_tokens
                 )
-            plan.add_prompt(prompt.token_ids, params, echo_text)
+            plan.add_prompt(prompt.token_ids, params, echo_text, budget.bound)
         return plan
 
     # ------------------------------------------------------------ chat
@@ -175,11 +175,11 @@ class Planner:
             )
         chat = chat_prompt(request, self.tokenizer.special_tokens)
         prompt = await self.inputs.chat_prompt(chat, count_only=count_only)
-        max_tokens = 1  # counted only: no check against the context
+        budget = OutputBudget(1, "request")  # counted only: no check against the context
         if not count_only:
             param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
             requested = request.max_completion_tokens or request.max_tokens
-            max_tokens = self._max_tokens(requested, len(prompt.token_ids), param, "messages")
+            budget = self._max_tokens(requested, len(prompt.token_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         reasoning = None
         if self.reasoning_parser is not None:
@@ -193,10 +193,10 @@ class Planner:
         )
         plan = Plan(chat_format, model, num_top_logprobs=logprobs, scheduling=scheduling)
         plan.structured_param = request.structured_param
-        params = self._params(request, max_tokens, logprobs=logprobs)
+        params = self._params(request, budget.tokens, logprobs=logprobs)
         if reasoning is not None:
             params = [self._after_reasoning(p, reasoning) for p in params]
-        plan.add_prompt(prompt.token_ids, params, None)
+        plan.add_prompt(prompt.token_ids, params, None, budget.bound)
         return plan
 
     def count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
@@ -227,7 +227,8 @@ class Planner:
 
         Raises:
             APIError: ``tool_choice: "auto"`` on a server without a parser, or with a
-                model whose chat template cannot show the tools (400s naming the field).
+                model without a chat template or whose template cannot show the tools
+                (400s naming the field).
         """
         choice = request.effective_tool_choice
         if choice == "none":
@@ -242,6 +243,13 @@ class Planner:
                 "started with --enable-auto-tool-choice --tool-call-parser NAME; or send "
                 'tool_choice "required", "none" or a named function',
                 "tool_choice",
+            )
+        if not self.tokenizer.chat_template:
+            raise bad_request(
+                "this model has no chat template, so a chat request cannot be shown to it "
+                "(nor its tools); start the server with --chat-template naming a template "
+                "that shows tools, or send a plain prompt to /v1/completions",
+                "messages",
             )
         if self.tokenizer.tool_template is None:
             raise bad_request(
@@ -310,17 +318,17 @@ class Planner:
 
     def _max_tokens(
         self, requested: int | None, num_prompt: int, param: str, prompt_param: str = "prompt"
-    ) -> int:
-        """The output budget of one prompt (`InputPreprocessor.resolve_max_tokens`, with
-        the server's generation defaults).
+    ) -> OutputBudget:
+        """The output budget of one prompt (`InputPreprocessor.output_budget`, with the
+        server's generation defaults).
 
         Raises:
             ContextLengthError: the prompt (or, strict, the output asked for) does not fit.
         """
         defaults = self.generation_defaults
         if requested == 0:  # echo only: no output, whatever the server's defaults
-            return self.inputs.resolve_max_tokens(0, num_prompt, param, prompt_param)
-        return self.inputs.resolve_max_tokens(
+            return self.inputs.output_budget(0, num_prompt, param, prompt_param)
+        return self.inputs.output_budget(
             requested,
             num_prompt,
             param,

@@ -51,6 +51,27 @@ INLINE_ENCODE_CHARS = 8192
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
 
 
+#: What ends an output that reaches its budget (`OutputBudget.bound`): the request's own
+#: ``max_tokens``, the server's (its generation config's ``max_new_tokens``: the default of
+#: a request without one, or the cap of ``--override-generation-config``), or the room
+#: the prompt leaves in the context.
+OUTPUT_BOUNDS = ("request", "server", "context")
+
+
+@dataclass(frozen=True)
+class OutputBudget:
+    """One prompt's output budget.
+
+    Attributes:
+        tokens: the most output tokens (the engine request's ``max_tokens``).
+        bound: which limit set it (`OUTPUT_BOUNDS`; the context where several are equal,
+            then the request's own): an answer that ends at ``tokens`` was cut by it.
+    """
+
+    tokens: int
+    bound: str
+
+
 @dataclass
 class Prompt:
     """One tokenized prompt.
@@ -338,6 +359,25 @@ class InputPreprocessor:
             ContextLengthError: the prompt leaves no room for output; with the policy
                 ``"strict"`` (vLLM's), also a ``requested`` above the room left.
         """
+        return self.output_budget(
+            requested, num_prompt, param, prompt_param, default=default, cap=cap
+        ).tokens
+
+    def output_budget(
+        self,
+        requested: int | None,
+        num_prompt: int,
+        param: str = "max_tokens",
+        prompt_param: str = "prompt",
+        *,
+        default: int | None = None,
+        cap: int | None = None,
+    ) -> OutputBudget:
+        """`resolve_max_tokens`'s budget, with the limit that set it (`OutputBudget`).
+
+        Raises:
+            ContextLengthError: as `resolve_max_tokens`.
+        """
         if num_prompt >= self.max_model_len:
             raise ContextLengthError(
                 self.max_model_len, num_prompt, prompt_param, prompt_name=prompt_param
@@ -352,8 +392,10 @@ class InputPreprocessor:
                 prompt_name=prompt_param,
             )
         wanted = requested if requested is not None else default
-        limits = [room, *(v for v in (wanted, cap) if v is not None)]
-        return min(limits)
+        tokens = min([room, *(v for v in (wanted, cap) if v is not None)])
+        if tokens == room:
+            return OutputBudget(tokens, "context")
+        return OutputBudget(tokens, "request" if tokens == requested else "server")
 
 
 def child_seed(seed: int | None, index: int) -> int | None:
