@@ -8,7 +8,7 @@ engine played by the test (a 256-token context):
   Anthropic's "prompt is too long: N tokens > M maximum" on /v1/messages (Claude Code's
   own pattern parses it);
 - a max_tokens past the room left is clamped (finish_reason "length", stop_reason
-  "max_tokens"), or refused under ``--max-tokens-policy strict``;
+  "model_context_window_exceeded"), or refused under ``--max-tokens-policy strict``;
 - the engine's per-request prefix-cache hits reach each API's usage;
 - ``--generation-config`` / ``--override-generation-config`` defaults, as vLLM applies them.
 """
@@ -227,7 +227,7 @@ async def test_max_tokens_past_the_context_is_clamped_and_ends_with_length(
     assert completion["choices"][0]["finish_reason"] == "length"
     assert chat["choices"][0]["finish_reason"] == chat2["choices"][0]["finish_reason"] == "length"
     assert chat["usage"]["completion_tokens"] == CONTEXT - chat_prompt
-    assert message["stop_reason"] == "max_tokens"
+    assert message["stop_reason"] == "model_context_window_exceeded"
     assert response["status"] == "incomplete"
 
 
