@@ -131,7 +131,8 @@ def _add_table_routes(app: FastAPI, router: ModelRouter, owners: dict[str, Any])
         if body_model is not None:
             body_models.append(body_model)
         if route.routed:
-            assert body_model is not None
+            if body_model is None:
+                raise RuntimeError(f"the routed route {route.path} names no body model")
             owner = owners[owner_name] if owner_name else None
             handler = _routed_endpoint(router, body_model, owner, method)
         else:

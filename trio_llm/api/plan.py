@@ -183,8 +183,8 @@ class Planner:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         reasoning = None
         if self.reasoning_parser is not None:
-            assert prompt.text is not None
-            reasoning = reasoning_format(self.reasoning_parser, prompt.text, chat.template_kwargs)
+            text = prompt.text or ""  # a chat prompt always has its rendered text
+            reasoning = reasoning_format(self.reasoning_parser, text, chat.template_kwargs)
         chat_format = make_format(
             self.tokenizer,
             tool_parser,

@@ -216,7 +216,8 @@ class OpenAIServing:
         try:
             if isinstance(request, ChatCompletionRequest):
                 return await planner.plan_chat(request, model, make_format, count_only=count_only)
-            assert isinstance(request, CompletionRequest)
+            if not isinstance(request, CompletionRequest):
+                raise TypeError(f"no plan for a {type(request).__name__}")
             return await planner.plan_completion(request, model)
         except InvalidRequest as exc:
             raise invalid_request(exc) from exc

@@ -95,8 +95,8 @@ class ResponsesAPI:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         chat, plan = planned
         if request.background:
-            assert self.store is not None
-            return JSONResponse(await self.background.start(self.store, request, plan))
+            store = self._need_store()  # `_prepare` refused background without one
+            return JSONResponse(await self.background.start(store, request, plan))
         keeps = request.stored or request.conversation_id is not None
         finish = partial(self._finish, request) if keeps else None
         return await serving.run_plan(plan, chat, receive, finish)
@@ -181,9 +181,8 @@ class ResponsesAPI:
         Raises:
             APIError: the store failed (`store_error`); logged.
         """
-        assert self.store is not None
         work = partial(record, request, stored_form(request, body), new=True)
-        await write(self.store, work, body["id"])
+        await write(self._need_store(), work, body["id"])
 
     # ------------------------------------------------------------ stored responses
 

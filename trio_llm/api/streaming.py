@@ -76,21 +76,22 @@ class Stream:
             await self._send(self.plan.format.stream_start(self.plan, self.choices))
 
     async def _send(self, events: list[Event]) -> None:
-        assert self._emit is not None
+        emit = self._emit
+        if emit is None:
+            raise RuntimeError("a stream sends only while it runs")
         async with self._lock:  # choices stream concurrently; events must not interleave
             for name, data in events:
                 if self.finish is not None:
                     name, data = await self._finished((name, data))
                 text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-                await self._emit(text, name)
+                await emit(text, name)
                 self._last_sent = trio.current_time()
 
     async def _finished(self, event: Event) -> Event:
         """``event``, after `finish` had the whole response it carries (if it ends the
         stream with one); the error event in its place when `finish` refused."""
-        assert self.finish is not None
         body = self.plan.format.final_body(event)
-        if body is None:
+        if body is None or self.finish is None:
             return event
         try:
             await self.finish(body)

@@ -166,7 +166,8 @@ async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]
         if request.prompt is not None:
             special = True if request.add_special_tokens is None else request.add_special_tokens
             return await inputs.tokenize_async(request.prompt, "prompt", special_tokens=special)
-        assert request.messages is not None
+        if request.messages is None:  # check_supported refused this already
+            raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         if request.continue_final_message and messages[-1]["role"] != "assistant":
             raise bad_request(

@@ -246,8 +246,9 @@ class _Supervision:
             EngineDeadError: more failures than the restart policy allows came within its
                 window; the client gave up with this error.
         """
-        assert self.restart is not None and self.client is not None
         restart = self.restart
+        if restart is None or self.client is None:
+            raise RuntimeError("a failure counted without a restart policy or a client")
         now = trio.current_time()
         self.failures = [t for t in self.failures if now - t < restart.window] + [now]
         if len(self.failures) > restart.max_restarts:
