@@ -228,4 +228,5 @@ async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServ
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser,
         disable_additional_properties=config.disable_additional_properties,
+        trust_request_chat_template=config.trust_request_chat_template,
     )

@@ -233,6 +233,12 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             metavar="PATH",
             convert=read_chat_template,
         ),
+        "trust_request_chat_template": Flag(
+            "use the chat_template a request brings (/v1/chat/completions, /tokenize), "
+            "sandboxed and within --max-request-chat-template-bytes and "
+            "--request-chat-template-timeout; without this flag such a request gets a 400 "
+            "(vLLM's flag)"
+        ),
         "enable_auto_tool_choice": Flag(
             'serve tool_choice "auto" (the default when a request has tools): the model '
             "decides, and --tool-call-parser reads its calls out of the text"
@@ -363,6 +369,17 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             "longest stop string, in characters (default %(default)s)",
             type=parse.parse_positive_int,
             metavar="CHARS",
+        ),
+        "max_request_chat_template_bytes": Flag(
+            "with --trust-request-chat-template: longest chat_template a request may "
+            "bring (default 64KiB)",
+            type=parse.parse_bytes,
+            metavar="BYTES",
+        ),
+        "request_chat_template_timeout": Flag(
+            "with --trust-request-chat-template: longest a request's chat_template may "
+            "take to render (default %(default)s)",
+            **_SECONDS,
         ),
     },
     ModelsConfig: {

@@ -28,7 +28,7 @@ from trio_llm.api.response_format import Plan
 from trio_llm.api.tool_calls import NamedCallParser, ToolCallParser
 from trio_llm.api.tool_parsers import make_parser, required_parser
 from trio_llm.api.translated_request import ChatTranslated
-from trio_llm.frontend.chat_prompt import ChatPrompt
+from trio_llm.frontend.chat_prompt import ChatPrompt, RequestTemplate
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.preprocess import InputPreprocessor, OutputBudget, fan_out
 from trio_llm.messages import SamplingParams, Scheduling
@@ -45,9 +45,14 @@ INLINE_STOP_CHARS = 1024
 SMALL_GRAMMAR_CHARS = 16 * 1024
 
 
-def chat_prompt(request: ChatCompletionRequest, special_tokens: Iterable[str]) -> ChatPrompt:
-    """What the chat template renders for ``request`` (``special_tokens``: the
-    tokenizer's, which ``chat_template_kwargs`` may not set).
+def chat_prompt(
+    request: ChatCompletionRequest,
+    special_tokens: Iterable[str],
+    request_template: RequestTemplate | None = None,
+) -> ChatPrompt:
+    """What the chat template (the model's, or the request's own ``request_template``
+    once `Planner.request_template` allowed it) renders for ``request``
+    (``special_tokens``: the tokenizer's, which ``chat_template_kwargs`` may not set).
 
     Raises:
         APIError: ``chat_template_kwargs`` sets a variable the server sets itself.
@@ -59,6 +64,7 @@ def chat_prompt(request: ChatCompletionRequest, special_tokens: Iterable[str]) -
         continue_final_message=request.continue_final_message,
         template_kwargs=template_kwargs,
         fold_late_system=request.translated.fold_late_system,
+        request_template=request_template,
     )
 
 
@@ -84,6 +90,7 @@ class Planner:
     reasoning_parser: str | None
     disable_additional_properties: bool
     scheduling_policy: str = "fcfs"
+    trust_request_chat_template: bool = False
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -167,13 +174,14 @@ class Planner:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self._check_logprobs(request.top_logprobs, "top_logprobs")
-        tool_parser = self._tool_parser(request)
+        own_template = self.request_template(request.request_chat_template)
+        tool_parser = self._tool_parser(request, own_template is not None)
         if request.continue_final_message and request.messages[-1].role != "assistant":
             raise bad_request(
                 "continue_final_message needs a final assistant message to continue",
                 "continue_final_message",
             )
-        chat = chat_prompt(request, self.tokenizer.special_tokens)
+        chat = chat_prompt(request, self.tokenizer.special_tokens, own_template)
         prompt = await self.inputs.chat_prompt(chat, count_only=count_only)
         budget = OutputBudget(1, "request")  # counted only: no check against the context
         if not count_only:
@@ -222,8 +230,36 @@ class Planner:
         kwargs.setdefault("enable_thinking", wanted)
         chat.chat_template_kwargs = kwargs
 
-    def _tool_parser(self, request: ChatCompletionRequest) -> Callable[[], ToolCallParser] | None:
-        """What reads tool calls out of each choice's text (None: plain text).
+    def request_template(self, source: str | None) -> RequestTemplate | None:
+        """A request's own chat template (``source``; None: it brings none), as allowed.
+
+        Raises:
+            APIError: a 400 naming ``chat_template``: the server does not trust request
+                templates (``--trust-request-chat-template``), or it is too long.
+        """
+        if source is None:
+            return None
+        if not self.trust_request_chat_template:
+            raise bad_request(
+                "this server does not use a chat_template sent with a request: leave it "
+                "out (the model's template is used), or start the server with "
+                "--trust-request-chat-template",
+                "chat_template",
+            )
+        limit = self.limits.max_request_chat_template_bytes
+        if len(source.encode("utf-8", "surrogatepass")) > limit:
+            raise bad_request(
+                f"chat_template is longer than this server's limit of {limit} bytes "
+                "(--max-request-chat-template-bytes)",
+                "chat_template",
+            )
+        return RequestTemplate(source, self.limits.request_chat_template_timeout)
+
+    def _tool_parser(
+        self, request: ChatCompletionRequest, own_template: bool = False
+    ) -> Callable[[], ToolCallParser] | None:
+        """What reads tool calls out of each choice's text (None: plain text);
+        ``own_template``: the request brings the template that shows its tools.
 
         Raises:
             APIError: ``tool_choice: "auto"`` on a server without a parser, or with a
@@ -244,14 +280,15 @@ class Planner:
                 'tool_choice "required", "none" or a named function',
                 "tool_choice",
             )
-        if not self.tokenizer.chat_template:
+        # A request's own template shows its tools, or not: the client's choice.
+        if not own_template and not self.tokenizer.chat_template:
             raise bad_request(
                 "this model has no chat template, so a chat request cannot be shown to it "
                 "(nor its tools); start the server with --chat-template naming a template "
                 "that shows tools, or send a plain prompt to /v1/completions",
                 "messages",
             )
-        if self.tokenizer.tool_template is None:
+        if not own_template and self.tokenizer.tool_template is None:
             raise bad_request(
                 "this model's chat template cannot show tools to the model; start the "
                 "server with a tool-aware --chat-template",

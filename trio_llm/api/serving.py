@@ -108,6 +108,8 @@ class OpenAIServing:
             (``--max-tokens-policy``).
         generation_defaults: the server's sampling defaults and output cap
             (``--generation-config``, ``--override-generation-config``).
+        trust_request_chat_template: a request's own ``chat_template`` is rendered
+            (sandboxed, within ``limits``); else it is a 400 (vLLM's flag).
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class OpenAIServing:
         disable_additional_properties: bool = True,
         max_tokens_policy: str = "clamp",
         generation_defaults: GenerationDefaults | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         #: The server's store (stored responses, conversations, files, batches); None
@@ -153,6 +156,7 @@ class OpenAIServing:
             reasoning_parser=reasoning_parser,
             disable_additional_properties=disable_additional_properties,
             scheduling_policy=engine.info.scheduling_policy,
+            trust_request_chat_template=trust_request_chat_template,
         )
 
     # ------------------------------------------------------------ validation

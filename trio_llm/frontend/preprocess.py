@@ -41,6 +41,7 @@ from trio_llm.errors import (
 )
 from trio_llm.frontend.chat_prompt import ChatPrompt, fold_system_messages
 from trio_llm.messages import SamplingParams
+from trio_llm.text.template_guard import TemplateLimits
 from trio_llm.text.tokenizer import Tokenizer
 
 #: Texts shorter than this (characters) are tokenized or rendered on the event loop
@@ -212,14 +213,17 @@ class InputPreprocessor:
     async def render_chat_async(self, chat: ChatPrompt, param: str = "messages") -> str:
         """The prompt text of ``chat`` (as `render_chat`), in a worker thread when the
         conversation is long (the template's cost grows with it). Raises as `render_chat`."""
-        if chat.size() < INLINE_ENCODE_CHARS:
+        if chat.size() < INLINE_ENCODE_CHARS and chat.request_template is None:
             return self._render(chat, param)
         return await trio.to_thread.run_sync(self._render, chat, param)
 
     def _render(self, chat: ChatPrompt, param: str) -> str:
-        messages = chat.messages
-        if chat.fold_late_system and not self.tokenizer.renders_late_system(bool(chat.tools)):
-            messages = fold_system_messages(messages)
+        messages, own = chat.messages, chat.request_template
+        if chat.fold_late_system and own is None:
+            if not self.tokenizer.renders_late_system(bool(chat.tools)):
+                messages = fold_system_messages(messages)
+        # A request's template renders no longer a text than could fit the context.
+        max_chars = self.max_model_len * self.tokenizer.max_token_chars
         try:
             return self.tokenizer.render_chat(
                 messages,
@@ -227,9 +231,11 @@ class InputPreprocessor:
                 tools=chat.tools,
                 continue_final_message=chat.continue_final_message,
                 template_kwargs=chat.template_kwargs,
+                request_template=own.source if own else None,
+                limits=TemplateLimits(own.timeout, max_chars) if own else None,
             )
-        except ChatTemplateError as exc:
-            raise InvalidRequest(str(exc), param) from exc
+        except ChatTemplateError as exc:  # a request's own template: its field named
+            raise InvalidRequest(str(exc), "chat_template" if own else param) from exc
 
     # ------------------------------------------------------------ whole prompts
 
