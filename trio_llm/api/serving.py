@@ -42,6 +42,7 @@ from trio_llm.api.errors import (
     APIError,
     bad_request,
     engine_error,
+    internal_error,
     invalid_request,
     unknown_model,
 )
@@ -385,7 +386,10 @@ class OpenAIServing:
         collect = partial(run_choices, self.engine, plan, choices, admission, None)
         if not await run_connected(self.engine, receive, admission, collect, plan.structured_param):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        body = plan.format.response(plan, choices)
+        try:
+            body = plan.format.response(plan, choices)
+        except Exception as exc:  # a bug (a tool parser, the format): this answer alone
+            raise internal_error(exc, "writing the response") from exc
         if finish is not None:
             await finish(body)
         return JSONResponse(body)

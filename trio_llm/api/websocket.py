@@ -39,7 +39,7 @@ from trio_llm.api.errors import (
     APIError,
     bad_request,
     engine_error,
-    error_body,
+    internal_error,
 )
 from trio_llm.api.model_router import ModelRouter, keep_alive_of
 from trio_llm.api.parsing import (
@@ -328,9 +328,7 @@ class _Connection:
         except EngineError as exc:
             event = error_event(generation_id, engine_error(exc).body())
         except Exception as exc:  # a bug: end this generation with an error, as HTTP does
-            logger.exception("internal error in a WebSocket generation")
-            text = f"internal error: {type(exc).__name__}: {exc}"
-            event = error_event(generation_id, error_body(text, "server_error"))
+            event = error_event(generation_id, internal_error(exc, "generating").body())
         finally:
             # Free the id before its last event leaves: the client may reuse it at once.
             del self.active[generation_id]
