@@ -7,18 +7,17 @@ the engine played by the test; the failing pieces are monkeypatched to raise."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from tests.unit.conftest import ScriptedEngine, engine_client_pair
+from tests.unit.conftest import ScriptedEngine, app_client
 from trio_llm.api import plan as plan_module
 from trio_llm.api.anthropic_format import MessagesFormat
-from trio_llm.api.app import build_app
 from trio_llm.api.responses_format import ResponsesFormat
-from trio_llm.api.serving import OpenAIServing
 from trio_llm.text.tokenizer import Tokenizer
 
 SECRET = "/srv/secret/path.py"  # what the failure's text holds: never shown to a client
@@ -49,24 +48,21 @@ async def _exchange(
     """Every ``(path, body)`` sent at once, then one more plain chat request; the
     responses in that order (the last one's last)."""
     plain = ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 4})
-    async with trio.open_nursery() as nursery:
-        engine, stream = engine_client_pair()
-        fake = ScriptedEngine(stream, tokenizer.encode("Hello", add_special_tokens=False))
-        nursery.start_soon(engine.route_outputs)
-        nursery.start_soon(fake.run)
-        app = build_app(OpenAIServing(engine, tokenizer, ("m",), **serving), lambda: True)
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        responses: list[httpx.Response | None] = [None] * (len(requests) + 1)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+    engine = partial(ScriptedEngine, token_ids=hello)
+    responses: list[httpx.Response | None] = [None] * (len(requests) + 1)
+    async with app_client(tokenizer, engine, raise_app_exceptions=False, **serving) as (
+        client,
+        _fake,
+    ):
 
-            async def send(i: int, path: str, body: dict[str, Any]) -> None:
-                responses[i] = await client.post(path, json=body)
+        async def send(i: int, path: str, body: dict[str, Any]) -> None:
+            responses[i] = await client.post(path, json=body)
 
-            async with trio.open_nursery() as together:
-                for i, (path, body) in enumerate([*requests, plain]):
-                    together.start_soon(send, i, path, body)
-            responses.append(await client.post(plain[0], json=plain[1]))
-        nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as together:
+            for i, (path, body) in enumerate([*requests, plain]):
+                together.start_soon(send, i, path, body)
+        responses.append(await client.post(plain[0], json=plain[1]))
     return [r for r in responses if r is not None]
 
 

@@ -8,15 +8,13 @@ next request is served as before."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
-import trio
 
-from tests.unit.conftest import ScriptedEngine, engine_client_pair
-from trio_llm.api.app import build_app
-from trio_llm.api.serving import OpenAIServing
+from tests.unit.conftest import ScriptedEngine, app_client
 from trio_llm.messages import AddRequest
 from trio_llm.server_config import RequestLimits
 from trio_llm.text.chat_template import TemplateError
@@ -97,16 +95,9 @@ async def _post(
 ) -> tuple[list[httpx.Response], list[list[int]]]:
     """Each ``(path, body)`` posted in turn; the responses and the prompts that reached
     the engine."""
-    async with trio.open_nursery() as nursery:
-        engine, stream = engine_client_pair()
-        fake = ScriptedEngine(stream, [28])
-        nursery.start_soon(engine.route_outputs)
-        nursery.start_soon(fake.run)
-        app = build_app(OpenAIServing(engine, smol_tokenizer, ("m",), **serving), lambda: True)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            responses = [await client.post(path, json=body) for path, body in requests]
-        nursery.cancel_scope.cancel()
+    engine = partial(ScriptedEngine, token_ids=[28])
+    async with app_client(smol_tokenizer, engine, **serving) as (client, fake):
+        responses = [await client.post(path, json=body) for path, body in requests]
     prompts = [m.prompt_token_ids for m in fake.received if isinstance(m, AddRequest)]
     return responses, prompts
 

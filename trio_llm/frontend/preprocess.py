@@ -14,7 +14,7 @@ the same way, here:
 - `InputPreprocessor.render_chat` / `render_chat_async` render chat messages with the
   model's chat template.
 - `InputPreprocessor.check_token_ids` checks a token-id prompt against the vocabulary.
-- `InputPreprocessor.resolve_max_tokens` fits the output budget into the context.
+- `InputPreprocessor.output_budget` fits the output budget into the context.
 - `fan_out` makes the ``n`` samples of one request (seeds ``seed + i``).
 - `run_all` drives many engine requests at once and ends them all at the first error.
 
@@ -94,7 +94,7 @@ class InputPreprocessor:
         tokenizer: the model's tokenizer (with chat template).
         max_model_len: context length in tokens (prompt + output).
         vocab_size: number of token ids (valid ids are ``0 .. vocab_size - 1``).
-        max_tokens_policy: what `resolve_max_tokens` does with a ``max_tokens`` past the
+        max_tokens_policy: what `output_budget` does with a ``max_tokens`` past the
             room the prompt leaves: ``"clamp"`` it to that room, or refuse it
             (``"strict"``, vLLM's 400); `MAX_TOKENS_POLICIES`.
     """
@@ -332,7 +332,7 @@ class InputPreprocessor:
 
     # ------------------------------------------------------------ output budget
 
-    def resolve_max_tokens(
+    def output_budget(
         self,
         requested: int | None,
         num_prompt: int,
@@ -341,8 +341,8 @@ class InputPreprocessor:
         *,
         default: int | None = None,
         cap: int | None = None,
-    ) -> int:
-        """The output budget (tokens) within the context.
+    ) -> OutputBudget:
+        """The output budget (tokens) within the context, and the limit that set it.
 
         Args:
             requested: the request's ``max_tokens``; None means ``default``, or else the
@@ -355,34 +355,15 @@ class InputPreprocessor:
                 ``--override-generation-config``), or None.
 
         Returns:
-            ``requested`` (else ``default``, else the room left), lowered to the room
-            the context leaves after the prompt and to ``cap``. With the policy
-            ``"clamp"`` a larger ``requested`` is thus lowered to the room left
-            (llama.cpp's and Ollama's behaviour): the output then ends with
-            finish_reason "length" when it fills the context.
+            Its ``tokens``: ``requested`` (else ``default``, else the room left), lowered
+            to the room the context leaves after the prompt and to ``cap``. With the
+            policy ``"clamp"`` a larger ``requested`` is thus lowered to the room left
+            (llama.cpp's and Ollama's behaviour): the output then ends with finish_reason
+            "length" when it fills the context. Its ``bound``: which of them set it.
 
         Raises:
             ContextLengthError: the prompt leaves no room for output; with the policy
                 ``"strict"`` (vLLM's), also a ``requested`` above the room left.
-        """
-        return self.output_budget(
-            requested, num_prompt, param, prompt_param, default=default, cap=cap
-        ).tokens
-
-    def output_budget(
-        self,
-        requested: int | None,
-        num_prompt: int,
-        param: str = "max_tokens",
-        prompt_param: str = "prompt",
-        *,
-        default: int | None = None,
-        cap: int | None = None,
-    ) -> OutputBudget:
-        """`resolve_max_tokens`'s budget, with the limit that set it (`OutputBudget`).
-
-        Raises:
-            ContextLengthError: as `resolve_max_tokens`.
         """
         if num_prompt >= self.max_model_len:
             raise ContextLengthError(
