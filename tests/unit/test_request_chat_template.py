@@ -49,6 +49,10 @@ HOSTILE = {
         "{% endmacro %}{{ m()|length }}",
         "a block of more than",
     ),
+    "nested repeat": (
+        "{% set a = ['x' * 1000] * 99 %}{% set b = [a] * 99 %}{{ [b] * 99 }}",
+        "repeated value",
+    ),
     "padding": ("{{ 'a'.ljust(1000000000) }}", "padded text"),
     "replace": ("{% set s = 'a' * 90000 %}{{ s.replace('a', s) }}", "replaced text"),
     "format width": ("{{ '{:>999999999}'.format(1) }}", "width past its cap"),

@@ -37,6 +37,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.compiler import CodeGenerator, Frame
+from jinja2.filters import make_attrgetter
 from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
@@ -112,9 +113,31 @@ def _need(size: int, what: str) -> None:
         _refuse(f"the chat template builds {what} of more than {limit} characters")
 
 
+def _weight(value: Any) -> int:
+    """The characters ``value`` holds, nested values counted each time they appear (what
+    printing it would cost, roughly); counting stops just past the cap."""
+    limit = _budget().max_chars
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str | bytes):
+            total += len(item)
+        elif isinstance(item, list | tuple):
+            total += len(item)
+            stack.extend(item)
+        elif isinstance(item, dict):
+            total += len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        else:
+            total += 1
+    return total
+
+
 def _sized(value: Any) -> Any:
+    """``value``, once its `_weight` is known to be within the cap."""
     if isinstance(value, str | bytes | list | tuple | dict):
-        _need(len(value), "a value")
+        _need(_weight(value), "a value")
     return value
 
 
@@ -130,14 +153,14 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
         if isinstance(left, int) and isinstance(right, sequence):
             left, right = right, left
         if isinstance(left, sequence) and isinstance(right, int):
-            _need(len(left) * max(right, 0), "a repeated value")
+            _need(_weight(left) * max(right, 0), "a repeated value")
         elif isinstance(left, int) and isinstance(right, int):
             _check_int_bits(left.bit_length() + right.bit_length())
     elif operator == "**" and isinstance(left, int) and isinstance(right, int):
         if right > 0 and abs(left) > 1:
             _check_int_bits(left.bit_length() * right)
     elif operator == "+" and isinstance(left, sequence) and isinstance(right, sequence):
-        _need(len(left) + len(right), "a joined value")
+        _need(_weight(left) + _weight(right), "a joined value")
     elif operator == "%" and isinstance(left, str):
         _check_printf(left)
 
@@ -211,8 +234,18 @@ def _guard_filters(filters: dict[str, Callable[..., Any]]) -> None:
 
     @jinja2.pass_eval_context
     def join(context: Any, value: Iterable[Any], d: str = "", attribute: Any = None) -> str:
-        items = _join(str(d), value) if attribute is None else list(value)
-        return _sized(original["join"](context, items, d, attribute))
+        if attribute is not None:
+            value = map(make_attrgetter(context.environment, attribute), value)
+        return original["join"](context, _join(str(d), value), d)
+
+    @jinja2.pass_environment
+    def sum(
+        environment: Any, iterable: Iterable[Any], attribute: Any = None, start: Any = 0
+    ) -> Any:
+        items = list(iterable)
+        if isinstance(start, list | tuple | str):
+            _need(_weight(start) + _weight(items), "a summed value")
+        return _sized(original["sum"](environment, items, attribute, start))
 
     @jinja2.pass_eval_context
     def replace(context: Any, value: str, old: str, new: str, count: int | None = None) -> str:
@@ -252,6 +285,7 @@ def _guard_filters(filters: dict[str, Callable[..., Any]]) -> None:
         ("slice", slice),
         ("tojson", tojson),
         ("wordwrap", wordwrap),
+        ("sum", sum),
     ):
         filters[name] = wrapped
 
