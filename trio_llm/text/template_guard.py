@@ -37,7 +37,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.compiler import CodeGenerator, Frame
-from jinja2.filters import make_attrgetter
+from jinja2.filters import FILTERS, make_attrgetter
 from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
@@ -219,75 +219,83 @@ def _str_method(owner: str, name: str, args: tuple[Any, ...], kwargs: dict[str, 
     return args
 
 
-def _guard_filters(filters: dict[str, Callable[..., Any]]) -> None:
-    """Replace the filters that can multiply a size by checked ones."""
-    original = dict(filters)
+def _center_filter(value: Any, width: int = 80) -> str:
+    _width(width)
+    return FILTERS["center"](value, width)
 
-    def center(value: Any, width: int = 80) -> str:
-        _width(width)
-        return original["center"](value, width)
 
-    def indent(value: str, width: int | str = 4, first: bool = False, blank: bool = False) -> str:
-        pad = len(width) if isinstance(width, str) else max(int(width), 0)
-        _need(len(str(value)) + (str(value).count("\n") + 1) * pad, "an indented text")
-        return original["indent"](value, width, first, blank)
+def _indent_filter(
+    value: str, width: int | str = 4, first: bool = False, blank: bool = False
+) -> str:
+    pad = len(width) if isinstance(width, str) else max(int(width), 0)
+    _need(len(str(value)) + (str(value).count("\n") + 1) * pad, "an indented text")
+    return FILTERS["indent"](value, width, first, blank)
 
-    @jinja2.pass_eval_context
-    def join(context: Any, value: Iterable[Any], d: str = "", attribute: Any = None) -> str:
-        if attribute is not None:
-            value = map(make_attrgetter(context.environment, attribute), value)
-        return original["join"](context, _join(str(d), value), d)
 
-    @jinja2.pass_environment
-    def sum(
-        environment: Any, iterable: Iterable[Any], attribute: Any = None, start: Any = 0
-    ) -> Any:
-        items = list(iterable)
-        if isinstance(start, list | tuple | str):
-            _need(_weight(start) + _weight(items), "a summed value")
-        return _sized(original["sum"](environment, items, attribute, start))
+@jinja2.pass_eval_context
+def _join_filter(context: Any, value: Iterable[Any], d: str = "", attribute: Any = None) -> str:
+    if attribute is not None:
+        value = map(make_attrgetter(context.environment, attribute), value)
+    return FILTERS["join"](context, _join(str(d), value), d)
 
-    @jinja2.pass_eval_context
-    def replace(context: Any, value: str, old: str, new: str, count: int | None = None) -> str:
-        _need(_replace_bound(str(value), str(old), str(new), count or -1), "a replaced text")
-        return original["replace"](context, value, old, new, count)
 
-    def format(value: str, *args: Any, **kwargs: Any) -> str:
-        _check_printf(str(value))
-        return _sized(original["format"](value, *args, **kwargs))
+@jinja2.pass_environment
+def _sum_filter(
+    environment: Any, iterable: Iterable[Any], attribute: Any = None, start: Any = 0
+) -> Any:
+    items = list(iterable)
+    if isinstance(start, list | tuple | str):
+        _need(_weight(start) + _weight(items), "a summed value")
+    return _sized(FILTERS["sum"](environment, items, attribute, start))
 
-    def batch(value: Any, linecount: int, fill_with: Any = None) -> Any:
-        _width(linecount)
-        return original["batch"](value, linecount, fill_with)
 
-    def slice(value: Any, slices: int, fill_with: Any = None) -> Any:
-        _width(slices)
-        return original["slice"](value, slices, fill_with)
+@jinja2.pass_eval_context
+def _replace_filter(context: Any, value: str, old: str, new: str, count: int | None = None) -> str:
+    _need(_replace_bound(str(value), str(old), str(new), count or -1), "a replaced text")
+    return FILTERS["replace"](context, value, old, new, count)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
-        if indent is not None and int(indent) > MAX_JSON_INDENT:
-            _refuse(f"tojson indents by at most {MAX_JSON_INDENT}")
-        return _sized(template_json(value, ensure_ascii=ensure_ascii, indent=indent))
 
-    @jinja2.pass_environment
-    def wordwrap(environment: Any, s: str, width: int = 79, *args: Any, **kwargs: Any) -> str:
-        wrap = kwargs.get("wrapstring", args[1] if len(args) > 1 else None) or "\n"
-        _need(len(str(s)) * (len(str(wrap)) + 1), "a wrapped text")
-        return original["wordwrap"](environment, s, width, *args, **kwargs)
+def _format_filter(value: str, *args: Any, **kwargs: Any) -> str:
+    _check_printf(str(value))
+    return _sized(FILTERS["format"](value, *args, **kwargs))
 
-    for name, wrapped in (
-        ("center", center),
-        ("indent", indent),
-        ("join", join),
-        ("replace", replace),
-        ("format", format),
-        ("batch", batch),
-        ("slice", slice),
-        ("tojson", tojson),
-        ("wordwrap", wordwrap),
-        ("sum", sum),
-    ):
-        filters[name] = wrapped
+
+def _batch_filter(value: Any, linecount: int, fill_with: Any = None) -> Any:
+    _width(linecount)
+    return FILTERS["batch"](value, linecount, fill_with)
+
+
+def _slice_filter(value: Any, slices: int, fill_with: Any = None) -> Any:
+    _width(slices)
+    return FILTERS["slice"](value, slices, fill_with)
+
+
+def _tojson_filter(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
+    if indent is not None and int(indent) > MAX_JSON_INDENT:
+        _refuse(f"tojson indents by at most {MAX_JSON_INDENT}")
+    return _sized(template_json(value, ensure_ascii=ensure_ascii, indent=indent))
+
+
+@jinja2.pass_environment
+def _wordwrap_filter(environment: Any, s: str, width: int = 79, *args: Any, **kwargs: Any) -> str:
+    wrap = kwargs.get("wrapstring", args[1] if len(args) > 1 else None) or "\n"
+    _need(len(str(s)) * (len(str(wrap)) + 1), "a wrapped text")
+    return FILTERS["wordwrap"](environment, s, width, *args, **kwargs)
+
+
+#: The filters that can multiply a size, replaced by checked ones.
+_CHECKED_FILTERS: dict[str, Callable[..., Any]] = {
+    "center": _center_filter,
+    "indent": _indent_filter,
+    "join": _join_filter,
+    "sum": _sum_filter,
+    "replace": _replace_filter,
+    "format": _format_filter,
+    "batch": _batch_filter,
+    "slice": _slice_filter,
+    "tojson": _tojson_filter,
+    "wordwrap": _wordwrap_filter,
+}
 
 
 class _Buffer(list):
@@ -329,7 +337,7 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
 
     def __init__(self) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        _guard_filters(self.filters)
+        self.filters.update(_CHECKED_FILTERS)
         self.globals.pop("lipsum", None)
         self.globals["raise_exception"] = raise_template_exception
         self.globals["strftime_now"] = strftime_now
