@@ -35,7 +35,9 @@ Outcome (exit status): 0 when every exchange was a 2xx and every client exited 0
 the client's prompt, e.g. SmolLM2's 8,192 tokens against Claude Code's ~20,000) *and* the
 client showed them in its own words (Claude Code: "Prompt is too long", Codex: "ran out of
 room in the model's context window") rather than as raw JSON. Anything else is 1. What each
-client printed is shown below its table.
+client printed is shown below its table. An exchange is recorded when its request arrives:
+a client killed at ``--timeout`` while an answer still streams is reported as such (that
+exchange's row ends in ``+``: its time so far).
 """
 
 from __future__ import annotations
@@ -110,11 +112,19 @@ class Exchange:
     usage: dict | None = None
     error: str = ""
     response_head: bytes = b""
+    #: When the proxy received it (``time.monotonic``).
+    started: float = field(default_factory=time.monotonic)
+    #: The answer ended (or broke): False while it still streams.
+    done: bool = False
 
     @property
     def failed(self) -> bool:
         """A 4xx/5xx status, no answer at all, or an error event inside the stream."""
         return self.status >= 400 or self.status == 0 or bool(set(self.events) & ERROR_EVENTS)
+
+    def elapsed(self) -> float:
+        """Its duration: to the end of its answer, or so far while it still streams."""
+        return self.seconds if self.done else time.monotonic() - self.started
 
     @property
     def context_error(self) -> bool:
@@ -164,7 +174,9 @@ class Exchange:
 
 
 class Recorder:
-    """The exchanges of every client, in arrival order (thread-safe)."""
+    """The exchanges of every client, in arrival order (thread-safe); each is added when
+    its request arrives, so one whose answer never ends (a client killed mid-stream) is
+    there too, not ``done``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -233,7 +245,8 @@ def make_proxy(upstream: str, recorder: Recorder) -> ThreadingHTTPServer:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
             exchange = Exchange(recorder.client, self.command, self.path, body, dict(self.headers))
-            started = time.monotonic()
+            started = exchange.started
+            recorder.add(exchange)
             headers = {
                 k: v for k, v in self.headers.items() if k.lower() not in (*_HOP_BY_HOP, "host")
             }
@@ -273,7 +286,7 @@ def make_proxy(upstream: str, recorder: Recorder) -> ThreadingHTTPServer:
                 exchange.usage = _last_usage(bytes(collected))
                 if exchange.failed and not exchange.error:
                     exchange.error = _error_text(bytes(collected), exchange.events)
-                recorder.add(exchange)
+                exchange.done = True
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward
 
@@ -406,6 +419,8 @@ def _text(data: bytes | str | None) -> str:
 
 def verdict(run: ClientRun, exchanges: list[Exchange]) -> tuple[bool, str]:
     """Whether ``run`` counts as served, and why."""
+    if run.returncode is None:  # killed at the --timeout
+        return False, _killed(run, exchanges)
     failed = [e for e in exchanges if e.failed]
     if not exchanges:
         return False, "no request reached the server"
@@ -421,6 +436,21 @@ def verdict(run: ClientRun, exchanges: list[Exchange]) -> tuple[bool, str]:
     return False, f"{len(failed)} failed exchanges ({statuses})"
 
 
+def _killed(run: ClientRun, exchanges: list[Exchange]) -> str:
+    """What was going on when the client was killed at its timeout."""
+    why = f"the client was killed at its timeout ({run.seconds:.0f} s)"
+    if not exchanges:
+        return why + " before any request reached the server"
+    streaming = [i for i, e in enumerate(exchanges, 1) if not e.done]
+    if not streaming:
+        return why + f" after {len(exchanges)} exchanges, none in flight"
+    last = exchanges[streaming[-1] - 1]
+    return why + (
+        f" while exchange #{streaming[-1]} was still being answered ({last.elapsed():.0f} s "
+        f"so far, status {last.status or 'not yet sent'}; {last.request_summary()})"
+    )
+
+
 def print_report(
     run: ClientRun, exchanges: list[Exchange], ok: bool, why: str, tail_lines: int
 ) -> None:
@@ -432,14 +462,16 @@ def print_report(
     for i, e in enumerate(exchanges, 1):
         ttfb = f"{e.first_byte_s:.2f}" if e.first_byte_s is not None else "-"
         ttft = f"{e.first_delta_s:.2f}" if e.first_delta_s is not None else "-"
-        total = f"{e.seconds:.2f}"
+        total = f"{e.elapsed():.2f}" + ("" if e.done else "+")
         row = (i, e.method, e.path[:34], e.status, ttfb, ttft, total, e.request_summary())
         print("{:>2}  {:6} {:34} {:>6} {:>7} {:>7} {:>7}  {}".format(*row))
         if e.usage:
             print(f"{'':>4}usage: {json.dumps(e.usage)}")
         if e.events:
             print(f"{'':>4}events: {_squeeze(e.events)}")
-        if e.failed:
+        if not e.done:
+            print(f"{'':>4}still being answered when the client ended")
+        elif e.failed:
             print(f"{'':>4}error: {e.error[:600]}")
     lines = run.output.rstrip().splitlines()
     print(f"--- {run.name} printed ({len(lines)} lines; last {min(tail_lines, len(lines))}):")

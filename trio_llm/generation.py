@@ -193,7 +193,8 @@ class Generation:
 
     async def _next_output(self) -> GenerationOutput:
         stream = self._stream
-        assert stream is not None
+        if stream is None:
+            raise RuntimeError("the generation's output stream is not open")
         while True:
             try:
                 delta = await stream.__anext__()

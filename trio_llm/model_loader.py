@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trio_llm.dtype_choice import resolve_dtype
+from trio_llm.dtype_choice import log_dtype_choice
 from trio_llm.errors import ModelNotFoundError
 from trio_llm.gguf_convert import convert_gguf, write_generation_config
 from trio_llm.named_models import NAMED_MODELS
@@ -102,7 +102,7 @@ def load_model(
     """Load a causal LM from a local folder for inference (eval mode, no grad).
 
     Args:
-        dtype: ``auto`` (see `resolve_dtype`), ``float32`` or ``bfloat16``.
+        dtype: ``auto`` (see `trio_llm.dtype_choice.explain_dtype`), ``float32`` or ``bfloat16``.
         attn_implementation: a name registered with ``transformers.AttentionInterface``.
         device: ``cpu`` or ``cuda``.
 
@@ -127,7 +127,7 @@ def load_model(
     intermediate = getattr(config, "intermediate_size", None)
     if isinstance(hidden, int) and isinstance(intermediate, int):
         shapes = (hidden, intermediate)
-    torch_dtype = getattr(torch, resolve_dtype(dtype, device, shapes=shapes))
+    torch_dtype = getattr(torch, log_dtype_choice(dtype, device, shapes))
     logger.info(f"loading {model_dir} ({torch_dtype}, {device})")
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch_dtype, attn_implementation=attn_implementation

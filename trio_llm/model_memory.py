@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from trio_llm.dtype_choice import dtype_is_timed, resolve_dtype
+from trio_llm.dtype_choice import resolve_dtype
 from trio_llm.named_models import NAMED_MODELS
 from trio_llm.weight_headers import read_gguf_header, safetensors_weights
 
@@ -69,14 +69,13 @@ def estimate(config: EngineConfig, kind: str, engines: int = 1) -> MemoryNeed:
         OSError: a weight file cannot be read.
     """
     model = config.model
-    if model.dtype == "auto" and dtype_is_timed(model):
-        per_weight = 4  # the engine may time float32 the faster
-    else:
-        per_weight = _DTYPE_BYTES[resolve_dtype(model.dtype, model.device)]
-    weights = weight_bytes(model.model, per_weight, model.quantization == "gguf")
     pooling = model.runner == "pooling" or (
         model.runner == "auto" and kind == "sentence-transformers"
     )
+    # An embedding model's auto is float32 (`trio_llm.engine.pooling`).
+    dtype = "float32" if pooling and model.dtype == "auto" else model.dtype
+    per_weight = _DTYPE_BYTES[resolve_dtype(dtype, model.device)]
+    weights = weight_bytes(model.model, per_weight, model.quantization == "gguf")
     kv = 0 if pooling else (config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
     return MemoryNeed(weights * engines, kv * engines, ENGINE_OVERHEAD * engines, engines)
 

@@ -206,18 +206,15 @@ class ModelPool(ModelRouter):
                 while True:
                     event = self._changed
                     if model.state == "loaded" and not model.unload_requested:
-                        assert model.serving is not None
-                        model.leases += 1
-                        model.last_used = trio.current_time()
-                        return Lease(model.serving, partial(self._release, model))
+                        serving = model.lease(trio.current_time())
+                        return Lease(serving, partial(self._release, model))
                     if joined == model.attempt and model.state != "loading":
                         if model.attempt_error is not None:
                             raise model.attempt_error
                     if self.stopping:
                         raise model_unavailable("the server is shutting down", retry=False)
                     if model.state == "failed" and not model.may_retry(trio.current_time()):
-                        assert model.failure is not None
-                        raise model.failure
+                        raise model.failure or RuntimeError(f"{model.name} failed, no answer")
                     if model.state in ("unloaded", "failed"):
                         self._start(model)
                     if model.state == "loading" and joined is None:
@@ -348,7 +345,8 @@ class ModelPool(ModelRouter):
 
     def _start(self, model: PoolModel) -> None:
         """Start loading ``model`` (a task of the pool's nursery)."""
-        assert self._nursery is not None
+        if self._nursery is None:
+            raise RuntimeError("a model is loaded only while the pool runs")
         model.begin()
         logger.info(f"loading the model {model.name}")
         self._nursery.start_soon(self._model_task, model, False)

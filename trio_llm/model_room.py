@@ -119,6 +119,18 @@ class PoolModel:
         self.failure = None
         self.retry_at = None
 
+    def lease(self, now: float) -> OpenAIServing:
+        """One more lease on the loaded model, taken at ``now``: its handlers.
+
+        Raises:
+            RuntimeError: it has no handlers (it is not loaded).
+        """
+        if self.serving is None:
+            raise RuntimeError(f"{self.name} is leased without its handlers")
+        self.leases += 1
+        self.last_used = now
+        return self.serving
+
     def failed(self, what: str, cause: str, retry_at: float | None, then: str = "") -> None:
         """It failed (to load, or its engines while loaded): until ``retry_at`` (None:
         until loaded on request) its requests get a 500 ``model_load_failed`` saying

@@ -87,7 +87,8 @@ class PyPIModel:
         chunks = self.chunk_paths(name)
         if len(chunks) == 1:
             return chunks[0]
-        assert self.sha256 is not None, "a model in chunks needs its digest"
+        if self.sha256 is None:
+            raise RuntimeError(f"{name}: a model in chunks needs its digest")
         return join_chunks(
             chunks,
             cache_dir / "gguf" / self.file_name,

@@ -234,6 +234,12 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             metavar="PATH",
             convert=read_chat_template,
         ),
+        "trust_request_chat_template": Flag(
+            "use the chat_template a request brings (/v1/chat/completions, /tokenize), "
+            "sandboxed and within --max-request-chat-template-bytes and "
+            "--request-chat-template-timeout; without this flag such a request gets a 400 "
+            "(vLLM's flag)"
+        ),
         "enable_auto_tool_choice": Flag(
             'serve tool_choice "auto" (the default when a request has tools): the model '
             "decides, and --tool-call-parser reads its calls out of the text"
@@ -291,6 +297,12 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
         "vllm_metric_names": Flag(
             "/metrics also lists every series under vLLM's vllm: prefix (for routers and "
             "endpoint pickers that read vllm:num_requests_waiting, vllm:kv_cache_usage_perc)"
+        ),
+        "disable_access_log": Flag(
+            "write no access log (by default one line per HTTP request and WebSocket "
+            "connection at info: client, method, path and query, status, duration, "
+            "request id; a stream's when it ends)",
+            aliases=("--disable-uvicorn-access-log",),
         ),
         "max_tokens_policy": Flag(
             "a max_tokens past the room the prompt leaves in the context: clamp lowers it "
@@ -358,6 +370,17 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             "longest stop string, in characters (default %(default)s)",
             type=parse.parse_positive_int,
             metavar="CHARS",
+        ),
+        "max_request_chat_template_bytes": Flag(
+            "with --trust-request-chat-template: longest chat_template a request may "
+            "bring (default 64KiB)",
+            type=parse.parse_bytes,
+            metavar="BYTES",
+        ),
+        "request_chat_template_timeout": Flag(
+            "with --trust-request-chat-template: longest a request's chat_template may "
+            "take to render (default %(default)s)",
+            **_SECONDS,
         ),
     },
     ModelsConfig: {

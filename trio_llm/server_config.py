@@ -91,12 +91,18 @@ class RequestLimits(CheckedFields):
         max_chat_messages: most ``messages`` in one chat request.
         max_stop_strings: most ``stop`` strings in one request (OpenAI allows 4).
         max_stop_string_length: longest ``stop`` string, in characters.
+        max_request_chat_template_bytes: longest ``chat_template`` a request may bring
+            (UTF-8 bytes; with ``trust_request_chat_template``).
+        request_chat_template_timeout: seconds a request's ``chat_template`` may take
+            to render (`trio_llm.text.template_guard`).
     """
 
     max_choices: int = setting(1024, range=Range(1))
     max_chat_messages: int = setting(2048, range=Range(1))
     max_stop_strings: int = setting(64, range=Range(1))
     max_stop_string_length: int = setting(256, range=Range(1))
+    max_request_chat_template_bytes: int = setting(64 * 1024, range=Range(1, unit="byte"))
+    request_chat_template_timeout: float = setting(2.0, range=Range(0, exclusive=True))
 
 
 #: ``--store-url`` value that turns the store off (no stored responses, files or batches).
@@ -280,6 +286,10 @@ class ServerConfig(CheckedFields):
             False reads schemas as JSON Schema does, except ``strict`` ones.
         vllm_metric_names: /metrics also lists every series under vLLM's ``vllm:``
             prefix (for routers and autoscalers that read vLLM's names).
+        trust_request_chat_template: a request's own ``chat_template`` is used (within
+            `RequestLimits`' caps); off (vLLM's default), it is a 400 naming the field.
+        disable_access_log: no access log (`trio_llm.api.access_log`: a line per HTTP
+            request and WebSocket connection at ``info``, on by default).
         stream_interval: output tokens a stream gathers before it sends them, after its
             first token (vLLM's ``--stream-interval``): larger values send fewer, bigger
             events and cost the API server less per token; 1 sends every token at once.
@@ -331,6 +341,8 @@ class ServerConfig(CheckedFields):
     reasoning_parser: str | None = setting(None, choices=REASONING_PARSERS)
     disable_additional_properties: bool = True
     vllm_metric_names: bool = False
+    disable_access_log: bool = False
+    trust_request_chat_template: bool = False
     max_tokens_policy: str = setting("clamp", choices=MAX_TOKENS_POLICIES)
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)

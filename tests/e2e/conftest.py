@@ -38,6 +38,7 @@ INLINE_ONLY_MODULES = {
     "test_hostile_messages",
     "test_langchain",
     "test_litellm",
+    "test_operators",
     "test_prefix_caching",
     "test_responses_agents",
     "test_responses_api",
@@ -107,11 +108,12 @@ GUARDED_BODY_LIMIT = 64 * 1024
 def guarded_server(
     tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path
 ) -> Iterator[ServerProcess]:
-    """A small server with an API key, CORS for one origin, a 64 KiB body limit and vLLM's
-    metric names (test_operators; test_hostile_messages' key and descriptor tests)."""
+    """A small server with an API key, CORS for one origin, a 64 KiB body limit, vLLM's
+    metric names and no access log (test_operators; test_hostile_messages' key and
+    descriptor tests)."""
     log = tmp_path_factory.mktemp("guarded-server") / "server.log"
     args = ["--dtype", "float32", "--max-num-seqs", "4", "--api-key", GUARDED_API_KEY]
-    args += ["--allowed-origins", GUARDED_ORIGIN, "--vllm-metric-names"]
+    args += ["--allowed-origins", GUARDED_ORIGIN, "--vllm-metric-names", "--disable-access-log"]
     args += ["--max-request-body-bytes", f"{GUARDED_BODY_LIMIT // 1024}KiB"]
     process = ServerProcess(args, log_path=log)
     with process:

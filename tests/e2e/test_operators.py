@@ -1,20 +1,24 @@
-"""Operator settings on a real server: API key, CORS and the request body limit, over
-HTTP and the WebSocket.
+"""Operator settings on a real server: API key, CORS, the request body limit and the
+access log, over HTTP and the WebSocket.
 
 One extra server (the session's ``guarded_server``, shared with test_hostile_messages),
-started with ``--api-key``, ``--allowed-origins`` and a 64 KiB body limit. The last tests
-check the command line and `ServerConfig` alone.
+started with ``--api-key``, ``--allowed-origins``, a 64 KiB body limit and
+``--disable-access-log``; the access log's own test reads the shared ``server``'s log. The
+last tests check the command line and `ServerConfig` alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from collections.abc import Iterator
 
 import anthropic
 import httpx
 import openai
 import pytest
+import trio
 
 from tests.e2e.conftest import (
     GUARDED_API_KEY,
@@ -22,6 +26,7 @@ from tests.e2e.conftest import (
     GUARDED_ORIGIN,
     MODEL,
 )
+from tests.support.metrics_scrape import poll
 from tests.support.server_process import ServerProcess
 from trio_llm.cli import build_parser, config_from_args
 from trio_llm.client import ConnectionClosedError, DoneEvent, open_ws_client
@@ -296,6 +301,64 @@ async def test_an_oversized_websocket_message_closes_with_1009(guarded: str) -> 
             ):
                 pass
     assert closed.value.code == 1009
+
+
+# ------------------------------------------------------------------ access log
+
+
+async def test_the_access_log_has_a_line_per_request(server: ServerProcess) -> None:
+    """Method, path with its query, status, duration and request id on stderr, never a
+    header; a stream's line once it ended, and a client that hung up said so."""
+    start = len(server.log())
+    auth = {"authorization": "Bearer sk-never-logged"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        assert (await http.get("/v1/models?after=a%20b", headers=auth)).status_code == 200
+        assert (await http.get("/v1/no-such-route")).status_code == 404
+        async with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            assert r.status_code == 200
+            assert [line async for line in r.aiter_lines() if line][-1] == "data: [DONE]"
+        endless = {**chat, "max_tokens": 500, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/chat/completions?left=1", json=endless) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token: hang up
+
+    line = r'^trio-llm: 127\.0\.0\.1:\d+ "{}" {} \d+\.\d{{3}}s req_[0-9a-f]{{24}}{}$'
+    expected = [
+        line.format(r"GET /v1/models\?after=a%20b HTTP/1\.1", 200, ""),
+        line.format(r"GET /v1/no-such-route HTTP/1\.1", 404, ""),
+        line.format(r"POST /v1/chat/completions HTTP/1\.1", 200, ""),
+        line.format(r"POST /v1/chat/completions\?left=1 HTTP/1\.1", 200, r" \(client hung up\)"),
+    ]
+
+    async def all_logged() -> bool:
+        new = server.log()[start:]
+        return all(re.search(pattern, new, re.MULTILINE) for pattern in expected)
+
+    with contextlib.suppress(trio.TooSlowError):  # the assertions below say what is missing
+        await poll(all_logged, 30)
+    new = server.log()[start:]
+    for pattern in expected:
+        assert re.search(pattern, new, re.MULTILINE), (pattern, new)
+    assert "sk-never-logged" not in new
+
+
+def test_disable_access_log_writes_no_line(
+    client: httpx.Client, guarded_server: ServerProcess
+) -> None:
+    start = len(guarded_server.log())
+    assert client.post("/v1/completions", json=SMALL_REQUEST, headers=AUTH).status_code == 200
+    assert client.get("/v1/models?x=1", headers=AUTH).status_code == 200
+    assert client.get("/health").status_code == 200
+    assert "/v1/models?x=1" not in guarded_server.log()[start:]
+    assert "/v1/completions" not in guarded_server.log()[start:]
+
+
+def test_the_access_log_flag_and_vllms_alias() -> None:
+    assert _parse().disable_access_log is False
+    assert _parse("--disable-access-log").disable_access_log is True
+    assert _parse("--disable-uvicorn-access-log").disable_access_log is True
 
 
 # ------------------------------------------------------------------ command line

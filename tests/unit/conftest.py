@@ -4,8 +4,12 @@ SentencePiece-style), and the engine core played by a test over an in-memory str
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -193,3 +197,28 @@ class ScriptedEngine(FakeEngine):
                 await self.server_side.send(StepOutputs([output], STATS))
             done = RequestOutput(message.request_id, [2], "stop")
             await self.server_side.send(StepOutputs([done], STATS))
+
+
+@asynccontextmanager
+async def app_client(
+    tokenizer: Any,
+    fake_engine: Callable[[trio.abc.Stream], FakeEngine],
+    *,
+    raise_app_exceptions: bool = True,
+    **serving: Any,
+) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine]]:
+    """An HTTP client of the real app (model ``m``, ``serving``: `OpenAIServing`'s
+    keywords) over an engine played by ``fake_engine(stream)``, which is yielded too."""
+    from trio_llm.api.app import build_app
+    from trio_llm.api.serving import OpenAIServing
+
+    async with trio.open_nursery() as nursery:
+        engine, stream = engine_client_pair()
+        fake = fake_engine(stream)
+        nursery.start_soon(engine.route_outputs)
+        nursery.start_soon(fake.run)
+        app = build_app(OpenAIServing(engine, tokenizer, ("m",), **serving), lambda: True)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client, fake
+        nursery.cancel_scope.cancel()

@@ -38,3 +38,20 @@ def test_the_tokenizer_renders_with_the_given_template(real_model_dir: Path) -> 
     given = Tokenizer.load(real_model_dir, TEMPLATE)
     assert given.render_chat(messages) == "[user] hi\n[assistant] "
     assert own.render_chat(messages) != given.render_chat(messages)
+
+
+def test_request_templates_are_off_unless_trusted() -> None:
+    default = _config()
+    assert default.trust_request_chat_template is False
+    assert default.limits.max_request_chat_template_bytes == 64 * 1024
+    assert default.limits.request_chat_template_timeout == 2.0
+    trusted = _config(
+        "--trust-request-chat-template",
+        "--max-request-chat-template-bytes",
+        "8KiB",
+        "--request-chat-template-timeout",
+        "0.5",
+    )
+    assert trusted.trust_request_chat_template is True
+    assert trusted.limits.max_request_chat_template_bytes == 8 * 1024
+    assert trusted.limits.request_chat_template_timeout == 0.5

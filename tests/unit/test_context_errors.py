@@ -8,7 +8,7 @@ engine played by the test (a 256-token context):
   Anthropic's "prompt is too long: N tokens > M maximum" on /v1/messages (Claude Code's
   own pattern parses it);
 - a max_tokens past the room left is clamped (finish_reason "length", stop_reason
-  "max_tokens"), or refused under ``--max-tokens-policy strict``;
+  "model_context_window_exceeded"), or refused under ``--max-tokens-policy strict``;
 - the engine's per-request prefix-cache hits reach each API's usage;
 - ``--generation-config`` / ``--override-generation-config`` defaults, as vLLM applies them.
 """
@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import trio
 
 from tests.support.asgi import json_post_scope
 from tests.support.sse import named_events
-from tests.unit.conftest import INFO, STATS, FakeEngine, engine_client_pair
+from tests.unit.conftest import INFO, STATS, FakeEngine, app_client, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -74,17 +75,10 @@ async def _post(
     smol_tokenizer, requests: list[tuple[str, dict[str, Any]]], num_cached: int = 0, **serving
 ) -> tuple[list[httpx.Response], ScriptedEngine]:
     """Each ``(path, body)`` posted in turn to the app around a `ScriptedEngine`."""
-    async with trio.open_nursery() as nursery:
-        engine, stream = engine_client_pair()
-        fake = ScriptedEngine(stream, num_cached)
-        nursery.start_soon(engine.route_outputs)
-        nursery.start_soon(fake.run)
-        app = build_app(OpenAIServing(engine, smol_tokenizer, ("m",), **serving), lambda: True)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            responses = [await client.post(path, json=body) for path, body in requests]
-        nursery.cancel_scope.cancel()
-    return responses, fake
+    engine = partial(ScriptedEngine, num_cached=num_cached)
+    async with app_client(smol_tokenizer, engine, **serving) as (client, fake):
+        responses = [await client.post(path, json=body) for path, body in requests]
+    return responses, fake  # type: ignore[return-value]
 
 
 def _chat(content: str = "hi", **fields: Any) -> dict[str, Any]:
@@ -227,7 +221,7 @@ async def test_max_tokens_past_the_context_is_clamped_and_ends_with_length(
     assert completion["choices"][0]["finish_reason"] == "length"
     assert chat["choices"][0]["finish_reason"] == chat2["choices"][0]["finish_reason"] == "length"
     assert chat["usage"]["completion_tokens"] == CONTEXT - chat_prompt
-    assert message["stop_reason"] == "max_tokens"
+    assert message["stop_reason"] == "model_context_window_exceeded"
     assert response["status"] == "incomplete"
 
 

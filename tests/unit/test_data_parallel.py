@@ -7,16 +7,14 @@ engine holds which request, and when one dies, is known exactly.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import httpx
-import msgspec
 import pytest
 import trio
 import trio.testing
 
 from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
-from trio_llm import engine_fleet, supervisor
+from trio_llm import dtype_choice, engine_fleet, supervisor
 from trio_llm.api.app import build_app
 from trio_llm.api.serving import OpenAIServing
 from trio_llm.config import EngineConfig, engine_config
@@ -27,11 +25,10 @@ from trio_llm.errors import (
     EngineShutdownError,
     EngineStartupError,
 )
-from trio_llm.frontend import engine_process
 from trio_llm.frontend.data_parallel import PREFIX_SLACK, DataParallelClient, prefix_block_hashes
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import SamplingParams
-from trio_llm.server_config import RestartPolicy, ServerConfig
+from trio_llm.server_config import ServerConfig
 
 PARAMS = SamplingParams(max_tokens=5)
 BLOCK = INFO.block_size
@@ -322,23 +319,20 @@ class _FakeProcesses:
     at once (an in-memory client) unless it is in ``loading``; it fails for good when
     the test sets ``fail[rank]``."""
 
-    def __init__(self, size: int, loading: set[int] = frozenset(), dtype: str = "float32") -> None:
+    def __init__(self, size: int, loading: set[int] = frozenset()) -> None:
         self.loading = loading
         self.fail = [trio.Event() for _ in range(size)]
         self.clients: dict[int, EngineClient] = {}
-        self.info = msgspec.structs.replace(INFO, dtype=dtype)
-        #: Each engine's config, and the engines ready when it was started.
+        #: Each engine's config.
         self.configs: dict[int, EngineConfig] = {}
-        self.ready_before: dict[int, set[int]] = {}
 
     async def __call__(
         self, engine_config: EngineConfig, *, data_parallel_rank: int, task_status, **_: object
     ) -> None:
         self.configs[data_parallel_rank] = engine_config
-        self.ready_before[data_parallel_rank] = set(self.clients)
         if data_parallel_rank in self.loading:
             await trio.sleep_forever()
-        client, _stream = engine_client_pair(self.info)
+        client, _stream = engine_client_pair(INFO)
         self.clients[data_parallel_rank] = client
         task_status.started(client)
         await self.fail[data_parallel_rank].wait()
@@ -380,45 +374,16 @@ async def test_the_server_stops_when_the_last_engine_is_gone(monkeypatch) -> Non
         assert group.ended.is_set()
 
 
-@pytest.mark.parametrize("timed", [True, False])
-async def test_engines_load_the_dtype_engine_0_timed(monkeypatch, timed: bool) -> None:
-    """Where ``--dtype auto`` is decided by timing, engine 0 decides alone and the others
-    start after it with its choice; elsewhere every engine resolves auto at once."""
-    fakes = _FakeProcesses(2, dtype="bfloat16")
+async def test_engines_start_together_with_the_dtype_given(monkeypatch) -> None:
+    """``--dtype auto`` is decided by the CPU's flags, the same in every engine: no engine
+    waits for another's choice (engine 1 starts while engine 0 still loads)."""
+    fakes = _FakeProcesses(2, loading={0})
     monkeypatch.setattr(engine_fleet, "run_engine_process", fakes)
-    monkeypatch.setattr(engine_fleet, "dtype_is_timed", lambda model: timed)
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     async with trio.open_nursery() as nursery:
         config = ServerConfig(data_parallel_size=2)
-        await nursery.start(supervisor.supervise_engines, config, supervisor.Lifecycle())
-        dtypes = [fakes.configs[rank].model.dtype for rank in range(2)]
-        if timed:
-            assert dtypes == ["auto", "bfloat16"]
-            assert fakes.ready_before[1] == {0}
-        else:
-            assert dtypes == ["auto"] * 2
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_restarted_engine_loads_the_dtype_its_first_child_chose(monkeypatch) -> None:
-    seen: list[str] = []
-    ready = msgspec.structs.replace(INFO, dtype="bfloat16")
-
-    async def children(config: EngineConfig, grace, mode, supervision) -> None:
-        seen.append(config.model.dtype)
-        if supervision.client is None:
-            client, _stream = engine_client_pair(ready)
-            supervision.client = client
-            supervision.task_status.started(client)
-        if len(seen) < 3:
-            raise EngineDeadError("the engine core process exited unexpectedly")
-        await trio.sleep_forever()
-
-    monkeypatch.setattr(engine_process, "_run_children", children)
-    policy = RestartPolicy(initial_backoff=0, max_backoff=0)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(
-            partial(engine_process.run_engine_process, EngineConfig(), restart=policy)
-        )
+        nursery.start_soon(supervisor.supervise_engines, config, supervisor.Lifecycle())
         await trio.testing.wait_all_tasks_blocked()
-        assert seen == ["auto", "bfloat16", "bfloat16"]
+        assert sorted(fakes.configs) == [0, 1]
+        assert [fakes.configs[rank].model.dtype for rank in range(2)] == ["auto"] * 2
         nursery.cancel_scope.cancel()

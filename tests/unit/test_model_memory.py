@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trio_llm import dtype_choice
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, engine_config
 from trio_llm.model_memory import (
     ENGINE_OVERHEAD,
@@ -75,6 +76,21 @@ def test_a_folders_estimate_has_weights_kv_cache_and_engines(tmp_path: Path) -> 
     assert embedding.weights == (32 + 16) * 2 and embedding.kv_cache == 0
     sized = estimate(engine_config(str(folder), dtype="float32", kv_cache_memory=2**20), "hf")
     assert sized.kv_cache == 2**20
+
+
+def test_auto_is_estimated_at_the_dtype_the_engine_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU with native bf16, ``--dtype auto`` loads a generating model in bfloat16 and
+    an embedding model in float32 (`trio_llm.engine.pooling`)."""
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    _safetensors(folder / "model.safetensors", {"a": [4, 8], "b": [16]})
+    assert estimate(engine_config(str(folder)), "hf").weights == (32 + 16) * 2
+    embedding = estimate(engine_config(str(folder)), "sentence-transformers")
+    assert embedding.weights == (32 + 16) * 4
 
 
 def test_available_memory_comes_from_meminfo(tmp_path: Path) -> None:

@@ -228,6 +228,18 @@ def test_no_function_above_the_line_limit() -> None:
     assert long_functions == {}
 
 
+def test_no_assert_statement_guards_anything() -> None:
+    """``python -O`` drops every ``assert`` (vLLM's CVE-2026-41523 vanished so): the
+    package checks with ``if ...: raise`` instead (ruff's S101 on ``trio_llm/`` too)."""
+    asserts = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assert)
+    ]
+    assert asserts == []
+
+
 @pytest.mark.parametrize(
     ("source", "expected"),
     [

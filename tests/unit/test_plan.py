@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+from types import SimpleNamespace
+
 import pytest
 import trio
 
+from trio_llm.api.anthropic_format import MessagesFormat
 from trio_llm.api.chat_request import ChatCompletionRequest
 from trio_llm.api.completion_request import CompletionRequest
 from trio_llm.api.errors import APIError
@@ -92,3 +96,69 @@ def test_refusals_name_their_field(smol_tokenizer: Tokenizer) -> None:
     with pytest.raises(APIError, match="--max-logprobs") as error:
         trio.run(planner.plan_completion, logprobs, "m")
     assert error.value.param == "logprobs"
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "cap", "bound", "stop_reason"),
+    [
+        (5, None, "request", "max_tokens"),  # the client's own limit
+        (5, 3, "server", "max_tokens"),  # the operator's: the model's maximum here
+        (None, 3, "server", "max_tokens"),  # no limit sent (Codex): the operator's
+        (10_000, 3, "server", "max_tokens"),
+        (10_000, None, "context", "model_context_window_exceeded"),  # the context is full
+        (None, None, "context", "model_context_window_exceeded"),
+    ],
+)
+def test_a_cut_answer_names_the_limit_that_cut_it(
+    smol_tokenizer: Tokenizer, max_tokens: int | None, cap: int | None, bound: str, stop_reason: str
+) -> None:
+    """Issue 41 item 18: an answer cut at its budget says which limit cut it. Messages:
+    ``max_tokens`` for the request's own limit and for the server's cap (Anthropic: "the
+    requested max_tokens or the model's maximum"), ``model_context_window_exceeded`` when
+    the output filled the context (Claude Code then says the context window is full
+    instead of telling the user to raise CLAUDE_CODE_MAX_OUTPUT_TOKENS)."""
+    planner = _planner(smol_tokenizer, max_model_len=64, max_tokens_cap=cap)
+    fields = {"messages": CHAT} | ({"max_tokens": max_tokens} if max_tokens else {})
+    request = ChatCompletionRequest.model_validate(fields)
+    plan = trio.run(partial(planner.plan_chat, request, "m", MessagesFormat))
+    assert plan.output_bounds == [bound]
+    [(_ids, params)] = plan.requests
+    choice = SimpleNamespace(
+        index=0,
+        text="cut",
+        finish_reason="length",
+        stop_reason=None,
+        num_output_tokens=params.max_tokens,
+        num_cached_tokens=0,
+        all_logprobs=[],
+    )
+    form = plan.format
+    assert form.response(plan, [choice])["stop_reason"] == stop_reason
+    events = dict(form.message_finished(plan, choice, "length"))
+    assert events["message_delta"]["delta"]["stop_reason"] == stop_reason
+
+
+TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    ("template", "says", "param"),
+    [
+        (None, "this model has no chat template", "messages"),
+        ("{{ messages[0]['content'] }}", "chat template cannot show tools", "tools"),
+    ],
+)
+def test_tools_without_a_template_say_what_is_missing(
+    smol_tokenizer: Tokenizer, template: str | None, says: str, param: str
+) -> None:
+    """Issue 41 item 18: a model without any chat template (Gemma 3 270M, a base model)
+    is not told its template "cannot show tools": it has none."""
+    tokenizer = Tokenizer(smol_tokenizer.backend, template)
+    planner = _planner(tokenizer)
+    planner.tool_call_parser = "hermes"
+    request = ChatCompletionRequest.model_validate({"messages": CHAT, "tools": TOOLS})
+    with pytest.raises(APIError) as error:
+        trio.run(planner.plan_chat, request, "m")
+    assert says in error.value.message and error.value.param == param
+    if template is None:
+        assert "cannot show tools" not in error.value.message

@@ -24,9 +24,9 @@ def test_refusals_name_the_parameter(inputs: InputPreprocessor) -> None:
         inputs.check_token_ids([1, 49152], "stop_token_ids")
     assert info.value.param == "stop_token_ids"
     # A max_tokens past the room left is clamped to it (the default policy).
-    assert inputs.resolve_max_tokens(60, 10) == 54
+    assert inputs.output_budget(60, 10).tokens == 54
     with pytest.raises(InvalidRequest) as info:
-        inputs.resolve_max_tokens(None, 64, prompt_param="messages")
+        inputs.output_budget(None, 64, prompt_param="messages")
     assert info.value.param == "messages"
     assert isinstance(info.value, ValueError)  # what the embedding API raises
 

@@ -27,7 +27,8 @@ def thinking_signature(thinking: str) -> str:
 
 
 #: Chat finish reasons as Messages ``stop_reason``\ s ("stop" is end_turn or, when a stop
-#: sequence matched, stop_sequence).
+#: sequence matched, stop_sequence; "length" is model_context_window_exceeded where the
+#: output filled the context, `_stop`).
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -62,10 +63,19 @@ class MessagesFormat(BlockFormat):
         }
 
     @staticmethod
-    def _stop(choice: Choice, finish_reason: str | None) -> tuple[str | None, str | None]:
-        """``stop_reason`` and ``stop_sequence``."""
+    def _stop(
+        plan: Plan, choice: Choice, finish_reason: str | None
+    ) -> tuple[str | None, str | None]:
+        """``stop_reason`` and ``stop_sequence``. An output cut at its ``max_tokens`` is
+        ``max_tokens`` when the request's own limit or the server's (the model's maximum
+        on this server: ``--override-generation-config``'s ``max_new_tokens``) set it,
+        as Anthropic's API defines it, and ``model_context_window_exceeded`` when the
+        room the prompt left in the context did (Anthropic's reason for a ``max_tokens``
+        past the context window; Claude Code then says the context is full)."""
         if finish_reason == "stop" and isinstance(choice.stop_reason, str):
             return "stop_sequence", choice.stop_reason
+        if finish_reason == "length" and plan.output_bound(choice.index) == "context":
+            return "model_context_window_exceeded", None
         return _STOP_REASONS.get(finish_reason or "", finish_reason), None
 
     def _message(self, plan: Plan, content: list[dict[str, Any]]) -> dict[str, Any]:
@@ -100,7 +110,7 @@ class MessagesFormat(BlockFormat):
         (choice,) = choices
         blocks, finish_reason = self.blocks(plan, choice)
         body = self._message(plan, [self._content(block, True) for block in blocks])
-        body["stop_reason"], body["stop_sequence"] = self._stop(choice, finish_reason)
+        body["stop_reason"], body["stop_sequence"] = self._stop(plan, choice, finish_reason)
         body["usage"] = self._usage(plan, choices)
         return body
 
@@ -140,7 +150,7 @@ class MessagesFormat(BlockFormat):
         return [*events, ("content_block_stop", stop)]
 
     def message_finished(self, plan: Plan, choice: Choice, finish_reason: str) -> list[Event]:
-        stop_reason, stop_sequence = self._stop(choice, finish_reason)
+        stop_reason, stop_sequence = self._stop(plan, choice, finish_reason)
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},

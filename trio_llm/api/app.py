@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from starlette.types import Receive
 
 from trio_llm.api import metrics
+from trio_llm.api.access_log import AccessLogMiddleware
 from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
 from trio_llm.api.batches import install_batch_routes
 from trio_llm.api.body_reading import read_body
@@ -96,6 +97,8 @@ def build_app(
     install_file_routes(app, router, config)
     install_batch_routes(app, router, config)
     install_chat_page(app)
+    if not config.disable_access_log:
+        app.add_middleware(AccessLogMiddleware)  # outermost: every answer is logged
     return app
 
 
@@ -128,7 +131,8 @@ def _add_table_routes(app: FastAPI, router: ModelRouter, owners: dict[str, Any])
         if body_model is not None:
             body_models.append(body_model)
         if route.routed:
-            assert body_model is not None
+            if body_model is None:
+                raise RuntimeError(f"the routed route {route.path} names no body model")
             owner = owners[owner_name] if owner_name else None
             handler = _routed_endpoint(router, body_model, owner, method)
         else:

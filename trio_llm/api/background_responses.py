@@ -190,7 +190,8 @@ class BackgroundResponses:
         try:
             if run.plan is None:  # resumed: planned again from the stored request
                 planned = await serving.plan_as(request, None)
-                assert planned is not None
+                if planned is None:  # only a client that left gives none: there is none
+                    raise RuntimeError("a background response was not planned")
                 run.plan = planned[1]
                 run.plan.response_id = run.stored.id
                 run.plan.created = run.stored.body["created_at"]
@@ -335,5 +336,6 @@ def _error(code: str | None, message: str) -> dict[str, Any]:
 
 
 def _format(plan: Plan) -> ResponsesFormat:
-    assert isinstance(plan.format, ResponsesFormat)
+    if not isinstance(plan.format, ResponsesFormat):
+        raise TypeError(f"a background response planned as {type(plan.format).__name__}")
     return plan.format

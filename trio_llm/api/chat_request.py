@@ -102,6 +102,18 @@ class ChatCompletionRequest(GenerationRequest):
     #: vLLM's: further variables for the chat template, such as Qwen3's
     #: ``{"enable_thinking": false}`` (`template_kwargs`).
     chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's: the request's own chat template, used with --trust-request-chat-template
+    #: only (`request_chat_template`).
+    chat_template: Text | None = None
+
+    @property
+    def request_chat_template(self) -> str | None:
+        """The template the request brings: ``chat_template``, else a string under
+        ``chat_template_kwargs.chat_template`` (vLLM reads both); None for the model's."""
+        if self.chat_template is not None:
+            return self.chat_template
+        given = (self.chat_template_kwargs or {}).get("chat_template")
+        return given if isinstance(given, str) else None
 
     def template_kwargs(self, special_tokens: Iterable[str] = ()) -> dict[str, Any] | None:
         """``chat_template_kwargs`` as the template sees them (None when not given).

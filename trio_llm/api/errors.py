@@ -6,6 +6,7 @@ for 4xx caused by the request, ``server_error`` for 5xx).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
@@ -26,9 +27,12 @@ from trio_llm.errors import (
     EngineShutdownError,
     InvalidRequest,
     RequestRejectedError,
+    first_leaf,
 )
 from trio_llm.store import Evicted, NotFound, StoreError, StoreUnavailable
 from trio_llm.store.conversations import ConversationFull
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a client is told to wait (``Retry-After``) when the waiting line is full.
 RETRY_AFTER_SECONDS = 1
@@ -200,6 +204,19 @@ def _retry_later(exc: EngineError, code: str) -> APIError:
     )
 
 
+def internal_message(exc: BaseException, during: str) -> str:
+    """What a client is told of an unexpected error ``exc`` (a bug) while ``during``:
+    the exception's type only, never its text (it may hold host paths or internals)."""
+    return f"internal error while {during} ({type(first_leaf(exc)).__name__}); see the server log"
+
+
+def internal_error(exc: BaseException, during: str) -> APIError:
+    """The 500 of an unexpected error ``exc`` (a bug) while ``during`` one request, which
+    it ends alone: its traceback goes to the log, `internal_message` to the client."""
+    logger.error(f"internal error while {during}", exc_info=exc)
+    return APIError(500, internal_message(exc, during), type="server_error")
+
+
 def store_error(exc: StoreError) -> APIError:
     """The HTTP error for a failed store lookup or write: 400 naming the limit for an
     append that would pass a conversation's (`ConversationFull`), 404 for an id that is
@@ -277,10 +294,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        message = f"internal error: {type(exc).__name__}: {exc}"
+        # Starlette re-raises after this answer: the server logs the traceback.
+        message = internal_message(exc, "answering the request")
         response = APIError(500, message, type="server_error").response(request.url.path)
         # Answered outside the middleware: the Anthropic request id is added here.
         request_id = getattr(request.state, "request_id", None)
-        if request_id is not None:
+        if request_id is not None and error_style(request.url.path) == "anthropic":
             response.headers["request-id"] = request_id
         return response

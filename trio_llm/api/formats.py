@@ -209,9 +209,10 @@ class ChatFormat(ResponseFormat):
 
     def _reason(self, index: int, piece: ChoiceDelta) -> ReasoningDelta:
         """``piece``'s text through choice ``index``'s reasoning parser."""
-        assert self.reasoning_parser is not None
         parser = self._reasoners.get(index)
         if parser is None:
+            if self.reasoning_parser is None:
+                raise RuntimeError("reasoning split without a reasoning parser")
             parser = self._reasoners[index] = self.reasoning_parser()
         split = parser.feed(piece.text)
         if piece.finish_reason is not None:
@@ -290,14 +291,15 @@ class BlockFormat(ChatFormat):
             events += self._add_text(plan, "text", delta["content"])
         for call in delta.get("tool_calls", ()):
             function = call["function"]
+            block = self._open
             if "id" in call:
-                events += self._open_block(
-                    plan, Block("call", self._num_blocks, "", call["id"], function["name"])
-                )
-            assert self._open is not None
+                block = Block("call", self._num_blocks, "", call["id"], function["name"])
+                events += self._open_block(plan, block)
+            if block is None:
+                raise RuntimeError("a tool call's arguments came before the call")
             if function["arguments"]:
-                self._open.text += function["arguments"]
-                events += self.block_delta(plan, self._open, function["arguments"])
+                block.text += function["arguments"]
+                events += self.block_delta(plan, block, function["arguments"])
         if entry["finish_reason"] is not None:
             self.finish_reason = entry["finish_reason"]
             events += self._close_block(plan)
@@ -308,11 +310,12 @@ class BlockFormat(ChatFormat):
         """The events that add ``text`` to the open block of ``kind`` (a new one is
         opened when no block, or one of another kind, is open)."""
         events: list[Event] = []
-        if self._open is None or self._open.kind != kind:
-            events += self._open_block(plan, Block(kind, self._num_blocks))
-        assert self._open is not None
-        self._open.text += text
-        return events + self.block_delta(plan, self._open, text)
+        block = self._open
+        if block is None or block.kind != kind:
+            block = Block(kind, self._num_blocks)
+            events += self._open_block(plan, block)
+        block.text += text
+        return events + self.block_delta(plan, block, text)
 
     def _open_block(self, plan: Plan, block: Block) -> list[Event]:
         events = self._close_block(plan)

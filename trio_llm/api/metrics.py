@@ -215,8 +215,8 @@ class EngineRequestMetrics:
 
     def on_first_token(self, record: RequestRecord) -> None:
         """Observe the time to first token and count the token."""
-        assert record.first_token_seconds is not None
-        self._ttft.observe(record.first_token_seconds)
+        if record.first_token_seconds is not None:
+            self._ttft.observe(record.first_token_seconds)
         self._generation_tokens.inc()
 
     def on_tokens(self, interval: float, count: int) -> None:

@@ -283,11 +283,12 @@ def new_request_id() -> str:
 
 
 class RequestIdMiddleware:
-    """Give every response under ``/v1/messages`` (the Anthropic API) a ``request-id``
-    header, as Anthropic's API does: successes, streams and errors alike, the refusals of
-    the middleware inside this one (401, 413) included. The id is also left in the
-    scope's ``state`` (``request.state.request_id``), for the error handler of the
-    outermost layer (an unexpected 500).
+    """Give every HTTP request and WebSocket connection an id (`new_request_id`), left in
+    the scope's ``state`` (``request.state.request_id``) for the access log
+    (`trio_llm.api.access_log`) and the error handler of the outermost layer (an
+    unexpected 500). Every response under ``/v1/messages`` (the Anthropic API) carries it
+    in a ``request-id`` header, as Anthropic's API does: successes, streams and errors
+    alike, the refusals of the middleware inside this one (401, 413) included.
 
     Args:
         app: the ASGI app.
@@ -297,12 +298,15 @@ class RequestIdMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Pass the request on, adding the header to its response's start."""
-        if scope["type"] != "http" or error_style(scope["path"]) != "anthropic":
+        """Pass the request on, with its id; on Anthropic routes, in its response's start."""
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
+        if scope["type"] != "http" or error_style(scope["path"]) != "anthropic":
+            await self.app(scope, receive, send)
+            return
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -307,9 +307,8 @@ def _members_before_too_deep(text: str) -> tuple[dict[str, Any], str | None]:
     members: dict[str, Any] = {}
 
     def skip(i: int) -> int:
-        match = _WHITESPACE.match(text, i)
-        assert match is not None  # the pattern matches the empty string
-        return match.end()
+        match = _WHITESPACE.match(text, i)  # always matches: the empty string too
+        return match.end() if match is not None else i
 
     try:
         i = skip(0)

@@ -28,9 +28,9 @@ from trio_llm.api.response_format import Plan
 from trio_llm.api.tool_calls import NamedCallParser, ToolCallParser
 from trio_llm.api.tool_parsers import make_parser, required_parser
 from trio_llm.api.translated_request import ChatTranslated
-from trio_llm.frontend.chat_prompt import ChatPrompt
+from trio_llm.frontend.chat_prompt import ChatPrompt, RequestTemplate
 from trio_llm.frontend.generation_defaults import GenerationDefaults
-from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
+from trio_llm.frontend.preprocess import InputPreprocessor, OutputBudget, fan_out
 from trio_llm.messages import SamplingParams, Scheduling
 from trio_llm.server_config import RequestLimits
 from trio_llm.text.reasoning import ReasoningFormat, reasoning_format
@@ -45,9 +45,14 @@ INLINE_STOP_CHARS = 1024
 SMALL_GRAMMAR_CHARS = 16 * 1024
 
 
-def chat_prompt(request: ChatCompletionRequest, special_tokens: Iterable[str]) -> ChatPrompt:
-    """What the chat template renders for ``request`` (``special_tokens``: the
-    tokenizer's, which ``chat_template_kwargs`` may not set).
+def chat_prompt(
+    request: ChatCompletionRequest,
+    special_tokens: Iterable[str],
+    request_template: RequestTemplate | None = None,
+) -> ChatPrompt:
+    """What the chat template (the model's, or the request's own ``request_template``
+    once `Planner.request_template` allowed it) renders for ``request``
+    (``special_tokens``: the tokenizer's, which ``chat_template_kwargs`` may not set).
 
     Raises:
         APIError: ``chat_template_kwargs`` sets a variable the server sets itself.
@@ -59,6 +64,7 @@ def chat_prompt(request: ChatCompletionRequest, special_tokens: Iterable[str]) -
         continue_final_message=request.continue_final_message,
         template_kwargs=template_kwargs,
         fold_late_system=request.translated.fold_late_system,
+        request_template=request_template,
     )
 
 
@@ -84,6 +90,7 @@ class Planner:
     reasoning_parser: str | None
     disable_additional_properties: bool
     scheduling_policy: str = "fcfs"
+    trust_request_chat_template: bool = False
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -127,10 +134,10 @@ class Planner:
         plan.num_prompt_logprobs = request.prompt_logprobs
         plan.structured_param = request.structured_param
         for prompt in prompts:
-            max_tokens = self._max_tokens(request.max_tokens, len(prompt.token_ids), "max_tokens")
+            budget = self._max_tokens(request.max_tokens, len(prompt.token_ids), "max_tokens")
             params = self._params(
                 request,
-                max_tokens,
+                budget.tokens,
                 logprobs=request.logprobs,
                 prompt_logprobs=max(counts) if counts else None,
             )
@@ -139,7 +146,7 @@ class Planner:
                 echo_text = self.tokenizer.decode(
                     prompt.token_ids, skip_special_tokens=request.skip_special_tokens
                 )
-            plan.add_prompt(prompt.token_ids, params, echo_text)
+            plan.add_prompt(prompt.token_ids, params, echo_text, budget.bound)
         return plan
 
     # ------------------------------------------------------------ chat
@@ -167,24 +174,25 @@ class Planner:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self._check_logprobs(request.top_logprobs, "top_logprobs")
-        tool_parser = self._tool_parser(request)
+        own_template = self.request_template(request.request_chat_template)
+        tool_parser = self._tool_parser(request, own_template is not None)
         if request.continue_final_message and request.messages[-1].role != "assistant":
             raise bad_request(
                 "continue_final_message needs a final assistant message to continue",
                 "continue_final_message",
             )
-        chat = chat_prompt(request, self.tokenizer.special_tokens)
+        chat = chat_prompt(request, self.tokenizer.special_tokens, own_template)
         prompt = await self.inputs.chat_prompt(chat, count_only=count_only)
-        max_tokens = 1  # counted only: no check against the context
+        budget = OutputBudget(1, "request")  # counted only: no check against the context
         if not count_only:
             param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
             requested = request.max_completion_tokens or request.max_tokens
-            max_tokens = self._max_tokens(requested, len(prompt.token_ids), param, "messages")
+            budget = self._max_tokens(requested, len(prompt.token_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         reasoning = None
         if self.reasoning_parser is not None:
-            assert prompt.text is not None
-            reasoning = reasoning_format(self.reasoning_parser, prompt.text, chat.template_kwargs)
+            text = prompt.text or ""  # a chat prompt always has its rendered text
+            reasoning = reasoning_format(self.reasoning_parser, text, chat.template_kwargs)
         chat_format = make_format(
             self.tokenizer,
             tool_parser,
@@ -193,10 +201,10 @@ class Planner:
         )
         plan = Plan(chat_format, model, num_top_logprobs=logprobs, scheduling=scheduling)
         plan.structured_param = request.structured_param
-        params = self._params(request, max_tokens, logprobs=logprobs)
+        params = self._params(request, budget.tokens, logprobs=logprobs)
         if reasoning is not None:
             params = [self._after_reasoning(p, reasoning) for p in params]
-        plan.add_prompt(prompt.token_ids, params, None)
+        plan.add_prompt(prompt.token_ids, params, None, budget.bound)
         return plan
 
     def count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
@@ -222,12 +230,41 @@ class Planner:
         kwargs.setdefault("enable_thinking", wanted)
         chat.chat_template_kwargs = kwargs
 
-    def _tool_parser(self, request: ChatCompletionRequest) -> Callable[[], ToolCallParser] | None:
-        """What reads tool calls out of each choice's text (None: plain text).
+    def request_template(self, source: str | None) -> RequestTemplate | None:
+        """A request's own chat template (``source``; None: it brings none), as allowed.
+
+        Raises:
+            APIError: a 400 naming ``chat_template``: the server does not trust request
+                templates (``--trust-request-chat-template``), or it is too long.
+        """
+        if source is None:
+            return None
+        if not self.trust_request_chat_template:
+            raise bad_request(
+                "this server does not use a chat_template sent with a request: leave it "
+                "out (the model's template is used), or start the server with "
+                "--trust-request-chat-template",
+                "chat_template",
+            )
+        limit = self.limits.max_request_chat_template_bytes
+        if len(source.encode("utf-8", "surrogatepass")) > limit:
+            raise bad_request(
+                f"chat_template is longer than this server's limit of {limit} bytes "
+                "(--max-request-chat-template-bytes)",
+                "chat_template",
+            )
+        return RequestTemplate(source, self.limits.request_chat_template_timeout)
+
+    def _tool_parser(
+        self, request: ChatCompletionRequest, own_template: bool = False
+    ) -> Callable[[], ToolCallParser] | None:
+        """What reads tool calls out of each choice's text (None: plain text);
+        ``own_template``: the request brings the template that shows its tools.
 
         Raises:
             APIError: ``tool_choice: "auto"`` on a server without a parser, or with a
-                model whose chat template cannot show the tools (400s naming the field).
+                model without a chat template or whose template cannot show the tools
+                (400s naming the field).
         """
         choice = request.effective_tool_choice
         if choice == "none":
@@ -243,7 +280,15 @@ class Planner:
                 'tool_choice "required", "none" or a named function',
                 "tool_choice",
             )
-        if self.tokenizer.tool_template is None:
+        # A request's own template shows its tools, or not: the client's choice.
+        if not own_template and not self.tokenizer.chat_template:
+            raise bad_request(
+                "this model has no chat template, so a chat request cannot be shown to it "
+                "(nor its tools); start the server with --chat-template naming a template "
+                "that shows tools, or send a plain prompt to /v1/completions",
+                "messages",
+            )
+        if not own_template and self.tokenizer.tool_template is None:
             raise bad_request(
                 "this model's chat template cannot show tools to the model; start the "
                 "server with a tool-aware --chat-template",
@@ -310,17 +355,17 @@ class Planner:
 
     def _max_tokens(
         self, requested: int | None, num_prompt: int, param: str, prompt_param: str = "prompt"
-    ) -> int:
-        """The output budget of one prompt (`InputPreprocessor.resolve_max_tokens`, with
-        the server's generation defaults).
+    ) -> OutputBudget:
+        """The output budget of one prompt (`InputPreprocessor.output_budget`, with the
+        server's generation defaults).
 
         Raises:
             ContextLengthError: the prompt (or, strict, the output asked for) does not fit.
         """
         defaults = self.generation_defaults
         if requested == 0:  # echo only: no output, whatever the server's defaults
-            return self.inputs.resolve_max_tokens(0, num_prompt, param, prompt_param)
-        return self.inputs.resolve_max_tokens(
+            return self.inputs.output_budget(0, num_prompt, param, prompt_param)
+        return self.inputs.output_budget(
             requested,
             num_prompt,
             param,

@@ -45,6 +45,9 @@ class Plan:
             error about the constraint names), else None.
         scheduling: the priority and lane of every engine request
             (`RequestBody.scheduling`).
+        output_bounds: per choice, the limit that set its ``max_tokens``
+            (`trio_llm.frontend.preprocess.OUTPUT_BOUNDS`): what cut an output that
+            reached it.
         response_id, created: the response's ``id`` and ``created`` (Unix seconds),
             set when the request is admitted (`OpenAIServing.admit`).
     """
@@ -61,15 +64,26 @@ class Plan:
     created: int = 0
     structured_param: str | None = None
     scheduling: Scheduling = DEFAULT_SCHEDULING
+    output_bounds: list[str] = field(default_factory=list)
 
     def add_prompt(
-        self, token_ids: list[int], params: list[SamplingParams], echo_text: str | None
+        self,
+        token_ids: list[int],
+        params: list[SamplingParams],
+        echo_text: str | None,
+        output_bound: str = "request",
     ) -> None:
-        """Add one prompt with one `SamplingParams` per sample."""
+        """Add one prompt with one `SamplingParams` per sample, whose ``max_tokens`` was
+        set by ``output_bound``."""
         self.prompt_lengths.append(len(token_ids))
         for sample in params:
             self.requests.append((token_ids, sample))
             self.echo_texts.append(echo_text)
+            self.output_bounds.append(output_bound)
+
+    def output_bound(self, index: int) -> str:
+        """What set choice ``index``'s ``max_tokens`` (``"request"`` where unknown)."""
+        return self.output_bounds[index] if index < len(self.output_bounds) else "request"
 
 
 def num_cached_tokens(plan: Plan, choices: list[Choice]) -> int:

@@ -42,6 +42,7 @@ from trio_llm.api.errors import (
     APIError,
     bad_request,
     engine_error,
+    internal_error,
     invalid_request,
     unknown_model,
 )
@@ -108,6 +109,8 @@ class OpenAIServing:
             (``--max-tokens-policy``).
         generation_defaults: the server's sampling defaults and output cap
             (``--generation-config``, ``--override-generation-config``).
+        trust_request_chat_template: a request's own ``chat_template`` is rendered
+            (sandboxed, within ``limits``); else it is a 400 (vLLM's flag).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class OpenAIServing:
         disable_additional_properties: bool = True,
         max_tokens_policy: str = "clamp",
         generation_defaults: GenerationDefaults | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         #: The server's store (stored responses, conversations, files, batches); None
@@ -153,6 +157,7 @@ class OpenAIServing:
             reasoning_parser=reasoning_parser,
             disable_additional_properties=disable_additional_properties,
             scheduling_policy=engine.info.scheduling_policy,
+            trust_request_chat_template=trust_request_chat_template,
         )
 
     # ------------------------------------------------------------ validation
@@ -216,7 +221,8 @@ class OpenAIServing:
         try:
             if isinstance(request, ChatCompletionRequest):
                 return await planner.plan_chat(request, model, make_format, count_only=count_only)
-            assert isinstance(request, CompletionRequest)
+            if not isinstance(request, CompletionRequest):
+                raise TypeError(f"no plan for a {type(request).__name__}")
             return await planner.plan_completion(request, model)
         except InvalidRequest as exc:
             raise invalid_request(exc) from exc
@@ -380,7 +386,10 @@ class OpenAIServing:
         collect = partial(run_choices, self.engine, plan, choices, admission, None)
         if not await run_connected(self.engine, receive, admission, collect, plan.structured_param):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        body = plan.format.response(plan, choices)
+        try:
+            body = plan.format.response(plan, choices)
+        except Exception as exc:  # a bug (a tool parser, the format): this answer alone
+            raise internal_error(exc, "writing the response") from exc
         if finish is not None:
             await finish(body)
         return JSONResponse(body)

@@ -101,8 +101,8 @@ class ResponsesAPI:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         chat, plan = planned
         if request.background:
-            assert self.store is not None
-            return JSONResponse(await self.background.start(self.store, request, plan))
+            store = self._need_store()  # `_prepare` refused background without one
+            return JSONResponse(await self.background.start(store, request, plan))
         keeps = request.stored or request.conversation_id is not None
         finish = partial(self._finish, request) if keeps else None
         return await serving.run_plan(plan, chat, receive, finish)
@@ -196,10 +196,10 @@ class ResponsesAPI:
         Raises:
             APIError: the store failed (`store_error`); logged.
         """
-        assert self.store is not None
-        limits = self.store.conversation_limits
+        store = self._need_store()
+        limits = store.conversation_limits
         work = partial(record, request, stored_form(request, body), new=True, limits=limits)
-        await write(self.store, work, body["id"])
+        await write(store, work, body["id"])
 
     # ------------------------------------------------------------ stored responses
 

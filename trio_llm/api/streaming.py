@@ -18,7 +18,6 @@ name their events instead and have no ``[DONE]`` (`trio_llm.api.anthropic`,
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,15 +26,13 @@ from typing import Any
 import trio
 
 from trio_llm.api.disconnect import Emit
-from trio_llm.api.errors import APIError, engine_error
+from trio_llm.api.errors import APIError, engine_error, internal_error
 from trio_llm.api.response_format import Event, Plan
 from trio_llm.api.run_choices import run_choices
-from trio_llm.errors import EngineError, first_leaf
+from trio_llm.errors import EngineError
 from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.text.choice import Choice, ChoiceDelta
-
-logger = logging.getLogger(__name__)
 
 #: Given a whole response before it is sent (`Stream.finish`, `OpenAIServing.run_plan`).
 Finish = Callable[[dict[str, Any]], Awaitable[None]]
@@ -76,21 +73,22 @@ class Stream:
             await self._send(self.plan.format.stream_start(self.plan, self.choices))
 
     async def _send(self, events: list[Event]) -> None:
-        assert self._emit is not None
+        emit = self._emit
+        if emit is None:
+            raise RuntimeError("a stream sends only while it runs")
         async with self._lock:  # choices stream concurrently; events must not interleave
             for name, data in events:
                 if self.finish is not None:
                     name, data = await self._finished((name, data))
                 text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-                await self._emit(text, name)
+                await emit(text, name)
                 self._last_sent = trio.current_time()
 
     async def _finished(self, event: Event) -> Event:
         """``event``, after `finish` had the whole response it carries (if it ends the
         stream with one); the error event in its place when `finish` refused."""
-        assert self.finish is not None
         body = self.plan.format.final_body(event)
-        if body is None:
+        if body is None or self.finish is None:
             return event
         try:
             await self.finish(body)
@@ -158,12 +156,10 @@ class Stream:
         except EngineError as exc:
             await self._start()
             await self._send([form.stream_error(engine_error(exc, plan.structured_param))])
-        except Exception as exc:  # a bug: still end the stream properly, and say so
-            logger.exception("internal error in a streamed response")
-            leaf = first_leaf(exc)
-            message = f"internal error: {type(leaf).__name__}: {leaf}"
+        except Exception as exc:  # a bug (a parser, the format): this stream ends, says so
+            error = internal_error(exc, "streaming the response")
             await self._start()
-            await self._send([form.stream_error(APIError(500, message, type="server_error"))])
+            await self._send([form.stream_error(error)])
         finally:
             self.engine.release(self.admission)
         if form.done_marker is not None:

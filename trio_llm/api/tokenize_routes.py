@@ -37,7 +37,6 @@ INLINE_LIMIT = 8192
 
 #: vLLM fields of /tokenize this server does not implement; accepted only at these values.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "tools": (None, []),
     "mm_processor_kwargs": (None, {}),
@@ -61,6 +60,8 @@ class TokenizeRequest(BaseModel):
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
+    #: vLLM's: the request's own template (with --trust-request-chat-template only).
+    chat_template: Text | None = None
 
     def check_supported(self) -> None:
         """Raise a 400 for a malformed combination or an unimplemented vLLM field.
@@ -170,7 +171,8 @@ async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]
         if request.prompt is not None:
             special = True if request.add_special_tokens is None else request.add_special_tokens
             return await inputs.tokenize_async(request.prompt, "prompt", special_tokens=special)
-        assert request.messages is not None
+        if request.messages is None:  # check_supported refused this already
+            raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         if request.continue_final_message and messages[-1]["role"] != "assistant":
             raise bad_request(
@@ -181,6 +183,7 @@ async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]
             messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            request_template=serving.planner.request_template(request.chat_template),
         )
         text = await inputs.render_chat_async(chat)
         special = bool(request.add_special_tokens)

@@ -79,7 +79,8 @@ class HermesParser(ToolCallParser, _ContentMixin):
         out = ParsedDelta()
         while text:
             if self._state == "call":
-                assert self._call is not None
+                if self._call is None:
+                    raise RuntimeError("a tool-call parser in a call without one")
                 piece, text = self._call.take(text)
                 out.extend(piece)
                 if self._call.failed:
@@ -208,8 +209,7 @@ class JsonCallsParser(ToolCallParser, _ContentMixin):
                 self._truncated(self._call.raw, out)
         elif self._state == "start" or (unstarted and self.num_calls == 0):
             self._content(self._seen, out)
-        elif unstarted:
-            assert self._call is not None
+        elif unstarted and self._call is not None:
             self._content(self._call.raw, out)
         self._state, self._call = "text", None
         self._finish_content(out, self.num_calls > 0)

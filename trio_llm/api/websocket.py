@@ -39,7 +39,7 @@ from trio_llm.api.errors import (
     APIError,
     bad_request,
     engine_error,
-    error_body,
+    internal_error,
 )
 from trio_llm.api.model_router import ModelRouter, keep_alive_of
 from trio_llm.api.parsing import (
@@ -278,11 +278,16 @@ class _Connection:
             )
             self._reply_error(generation_id, APIError(429, problem, code="too_many_generations"))
         else:
-            scope = trio.CancelScope()
-            self.active[generation_id] = scope
-            assert self._generations is not None
-            large = len(text) > INLINE_PARSE_BYTES
-            self._generations.start_soon(self._generate, generation_id, kind, message, scope, large)
+            self._start(generation_id, kind, message, len(text) > INLINE_PARSE_BYTES)
+
+    def _start(self, generation_id: str, kind: str, message: dict[str, Any], large: bool) -> None:
+        """Run a new generation in the connection's nursery (``large``: parse it in a
+        worker thread)."""
+        if self._generations is None:
+            raise RuntimeError("a generation arrived before the connection was served")
+        scope = trio.CancelScope()
+        self.active[generation_id] = scope
+        self._generations.start_soon(self._generate, generation_id, kind, message, scope, large)
 
     def _reply_error(self, generation_id: str | None, error: APIError) -> None:
         """Queue an error event without waiting: the reader must go on receiving, or a
@@ -323,9 +328,7 @@ class _Connection:
         except EngineError as exc:
             event = error_event(generation_id, engine_error(exc).body())
         except Exception as exc:  # a bug: end this generation with an error, as HTTP does
-            logger.exception("internal error in a WebSocket generation")
-            text = f"internal error: {type(exc).__name__}: {exc}"
-            event = error_event(generation_id, error_body(text, "server_error"))
+            event = error_event(generation_id, internal_error(exc, "generating").body())
         finally:
             # Free the id before its last event leaves: the client may reuse it at once.
             del self.active[generation_id]

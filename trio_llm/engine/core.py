@@ -41,7 +41,7 @@ from trio_llm.messages import (
     TokenLogprobs,
 )
 from trio_llm.model_loader import gguf_file_of
-from trio_llm.structured_output.errors import matcher_error
+from trio_llm.structured_output.errors import internal_error_text, matcher_error
 
 logger = logging.getLogger(__name__)
 
@@ -308,15 +308,27 @@ class EngineCore:
         tokens = dict(zip(result.requests, sampled.token_ids, strict=True))
         logprobs = dict(zip(result.requests, sampled.logprobs, strict=True))
         for request, token in tokens.items():
-            matcher = request.matcher
-            if matcher is None:
-                continue
+            if request.matcher is not None and request.error is None:
+                self._advance_grammar(request, token)
+        return tokens, logprobs
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> None:
+        """``request``'s matcher consumes ``token``: a rejected token, or any error of the
+        matcher itself, becomes the request's error (it ends, the step goes on);
+        `Request.grammar_done` says whether the grammar is complete."""
+        matcher = request.matcher
+        try:
             # A matcher can fail while its mask is filled (past llguidance's limits):
             # it then allows only EOS, which must not read as a completed grammar.
             if not matcher.consume_token(token) or matcher.is_error():
                 reason = matcher_error(matcher) or "the token was rejected"
                 request.error = f"structured output: {reason}"
-        return tokens, logprobs
+            else:
+                request.grammar_done = matcher.is_stopped()
+        except Exception as exc:  # a bug in the grammar library: this request only
+            logger.exception(f"request {request.request_id}: its grammar failed")
+            request.error = internal_error_text(exc)
 
     def _outputs(
         self,

@@ -155,7 +155,8 @@ class DecodeGraphs:
         of a static buffer: valid until the next run)."""
         attention = step.attention
         n = attention.num_decode
-        assert attention.decode_blocks is not None and attention.decode_lengths is not None
+        if attention.decode_blocks is None or attention.decode_lengths is None:
+            raise RuntimeError("a CUDA graph runs decode steps only")
         blocks = attention.decode_blocks[0]
         key = (_bucket(self.batch_sizes, n), _bucket(self.widths, blocks.shape[1]))
         entry = self._graphs.get(key)
@@ -176,7 +177,8 @@ class DecodeGraphs:
             self._capture(entry, key)
         if entry.graph is not None:
             entry.graph.replay()
-            assert entry.hidden is not None
+            if entry.hidden is None:
+                raise RuntimeError("a captured CUDA graph has no output buffer")
             return entry.hidden[:n]
         return self._forward(entry)[:n]
 

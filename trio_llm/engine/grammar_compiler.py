@@ -111,20 +111,23 @@ class GrammarCompiler:
         self._timers: set[threading.Timer] = set()
         self._lock = threading.Lock()
 
-    def start(self) -> None:
+    def start(self) -> Future[llguidance.LLTokenizer]:
         """Begin building llguidance's tokenizer in a worker thread, without waiting for
-        it (once; later calls do nothing). The engine calls this when it starts, so the
-        first constrained request does not wait for the tokenizer; `compile` calls it too.
+        it (once; later calls return the same build). The engine calls this when it
+        starts, so the first constrained request does not wait for the tokenizer;
+        `compile` calls it too.
+
+        Returns:
+            The build's future.
         """
         if self._tokenizer is None:
             self._tokenizer = self._pool().submit(self._build_tokenizer)
+        return self._tokenizer
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the model's tokenizer (blocks until a worker built it)."""
-        self.start()
-        assert self._tokenizer is not None
-        return self._tokenizer.result()
+        return self.start().result()
 
     def compile(self, spec: StructuredOutput) -> GrammarCompile:
         """The compile of ``spec``'s grammar, counting one more request waiting for it
@@ -188,9 +191,8 @@ class GrammarCompiler:
         Raises:
             StructuredOutputError: see `compile`.
         """
-        assert self._tokenizer is not None, "build() runs in a worker, after start()"
         try:
-            tokenizer = self._tokenizer.result()
+            tokenizer = self.start().result()
         except Exception as exc:
             raise StructuredOutputError(f"cannot build the grammar tokenizer: {exc}") from exc
         return checked_matcher(spec, tokenizer, self.vocab_size)
@@ -213,9 +215,8 @@ class GrammarCompiler:
     def _run(self, job: GrammarCompile, spec: StructuredOutput) -> None:
         """A worker's whole compile of ``job``: wait for the tokenizer, then `build`
         within the time limit, then publish the outcome."""
-        assert self._tokenizer is not None
         try:
-            self._tokenizer.result()  # built by another worker; its time does not count
+            self.start().result()  # built by another worker; not timed
         except Exception:
             pass  # build() reports it
         job.started = time.monotonic()

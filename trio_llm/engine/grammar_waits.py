@@ -9,9 +9,13 @@ or its error.
 
 from __future__ import annotations
 
+import logging
+
 from trio_llm.engine.grammar_compiler import GrammarCompile, GrammarCompiler
 from trio_llm.engine.request import Request
-from trio_llm.structured_output.errors import StructuredOutputError
+from trio_llm.structured_output.errors import StructuredOutputError, internal_error_text
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarWaits:
@@ -36,7 +40,11 @@ class GrammarWaits:
             The request's error text if its grammar is known to have failed (or its
             compile is past its time limit); else None: it has its matcher, or waits here.
         """
-        job = self.grammars.compile(request.params.structured_output)
+        try:
+            job = self.grammars.compile(request.params.structured_output)
+        except Exception as exc:  # a bug: this request fails, the engine goes on
+            logger.exception(f"request {request.request_id}: its grammar failed to start")
+            return internal_error_text(exc)
         request.grammar = job
         if job.ready():  # compiled before (or its compile is past its time limit)
             return self._take(request)
@@ -86,4 +94,7 @@ class GrammarWaits:
             request.matcher = job.future.result().deep_copy()
         except StructuredOutputError as exc:
             return f"structured_output: {exc}"
+        except Exception as exc:  # a bug: this request fails, the engine goes on
+            logger.exception(f"request {request.request_id}: its grammar failed to compile")
+            return internal_error_text(exc)
         return None

@@ -71,6 +71,7 @@ class Request:
         "finish_reason",
         "generator",
         "grammar",
+        "grammar_done",
         "group",
         "matcher",
         "next_prompt_logprob",
@@ -123,6 +124,8 @@ class Request:
         #: scheduler leaves the request waiting, unscheduled, until the engine core sets
         #: `matcher` from it and this back to None.
         self.grammar: Any = None
+        #: Its matcher's grammar is complete (EOS, or nothing can follow): it stops.
+        self.grammar_done = False
         #: Why the engine ended the request (finish_reason "abort"), e.g. a token the
         #: matcher rejected.
         self.error: str | None = None

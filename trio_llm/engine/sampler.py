@@ -25,6 +25,7 @@ reading the sampled ids back (and the logprobs, for requests that ask for them).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,9 @@ from trio_llm.engine.grammar_masks import apply_masks
 from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.request import Request
 from trio_llm.messages import TokenLogprobs
+from trio_llm.structured_output.errors import internal_error_text
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -142,8 +146,10 @@ class Sampler:
         """Apply the structured-output masks, logit_bias, the min_tokens mask and the
         penalties in place."""
         constrained = [(row, r.matcher) for row, r in enumerate(requests) if r.matcher is not None]
-        if constrained:
-            apply_masks(logits, constrained)
+        for row, exc in apply_masks(logits, constrained) if constrained else ():
+            request = requests[row]
+            logger.error(f"request {request.request_id}: its grammar failed", exc_info=exc)
+            request.error = internal_error_text(exc)  # it ends; the step goes on
         for row, request in enumerate(requests):
             params = request.params
             if params.logit_bias:

@@ -436,7 +436,7 @@ class Scheduler:
         params = request.params
         if request.error is not None:
             return "abort"
-        if request.matcher is not None and request.matcher.is_stopped():
+        if request.grammar_done:
             return "stop"  # the grammar is complete (EOS, or nothing can follow)
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"

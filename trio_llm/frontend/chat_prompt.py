@@ -10,6 +10,20 @@ from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True)
+class RequestTemplate:
+    """A chat template that came with a request (``chat_template``), allowed by
+    ``--trust-request-chat-template``.
+
+    Attributes:
+        source: the template's text (within ``--max-request-chat-template-bytes``).
+        timeout: seconds its rendering may take (``--request-chat-template-timeout``).
+    """
+
+    source: str
+    timeout: float
+
+
 @dataclass
 class ChatPrompt:
     """What the chat template renders into one prompt (`Tokenizer.render_chat`).
@@ -22,6 +36,8 @@ class ChatPrompt:
         fold_late_system: fold system messages after the first into the leading system
             prompt when the template cannot show them at their place.
         add_generation_prompt: end with the assistant's prompt.
+        request_template: the request's own template, rendered instead of the model's
+            (in a worker thread, within its caps), or None.
     """
 
     messages: list[dict[str, Any]]
@@ -30,6 +46,7 @@ class ChatPrompt:
     template_kwargs: dict[str, Any] | None = None
     fold_late_system: bool = False
     add_generation_prompt: bool = True
+    request_template: RequestTemplate | None = None
 
     def size(self) -> int:
         """Characters of its messages, tools and template variables (what the template's

@@ -56,8 +56,10 @@ class ChildProcess:
             else:
                 await trio.to_thread.run_sync(self._popen.wait, abandon_on_cancel=True)
         self._close_pidfd()
-        assert self._popen.returncode is not None
-        return self._popen.returncode
+        returncode = self._popen.returncode
+        if returncode is None:
+            raise RuntimeError(f"child {self._popen.pid} was reaped without an exit status")
+        return returncode
 
     def terminate(self) -> None:
         """Send SIGTERM (and SIGCONT, so a stopped child acts on it) unless already reaped."""

@@ -189,7 +189,8 @@ class EngineClient(AdmissionControl):
         self._check_open()
         if not self.is_restarting:
             return
-        assert self.restart_wait is not None  # is_restarting implies restart_enabled
+        if self.restart_wait is None:
+            raise RuntimeError("restarting without a restart policy")
         with trio.move_on_after(self.restart_wait):
             await self._ready.wait()
         self._check_open()

@@ -201,8 +201,6 @@ async def run_engine_process(
             if client is None or restart is None or client.stopping:
                 raise
             delay = supervision.count_failure(exc)
-            # A restarted child serves the dtype the first one chose for ``--dtype auto``.
-            config = config.with_dtype(client.info.dtype)
             logger.warning(f"{supervision.name} failed: {exc}; restarting it in {delay:g} s")
             with supervision.new_scope():
                 await trio.sleep(delay)
@@ -248,8 +246,9 @@ class _Supervision:
             EngineDeadError: more failures than the restart policy allows came within its
                 window; the client gave up with this error.
         """
-        assert self.restart is not None and self.client is not None
         restart = self.restart
+        if restart is None or self.client is None:
+            raise RuntimeError("a failure counted without a restart policy or a client")
         now = trio.current_time()
         self.failures = [t for t in self.failures if now - t < restart.window] + [now]
         if len(self.failures) > restart.max_restarts:

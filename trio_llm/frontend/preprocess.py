@@ -14,7 +14,7 @@ the same way, here:
 - `InputPreprocessor.render_chat` / `render_chat_async` render chat messages with the
   model's chat template.
 - `InputPreprocessor.check_token_ids` checks a token-id prompt against the vocabulary.
-- `InputPreprocessor.resolve_max_tokens` fits the output budget into the context.
+- `InputPreprocessor.output_budget` fits the output budget into the context.
 - `fan_out` makes the ``n`` samples of one request (seeds ``seed + i``).
 - `run_all` drives many engine requests at once and ends them all at the first error.
 
@@ -41,6 +41,7 @@ from trio_llm.errors import (
 )
 from trio_llm.frontend.chat_prompt import ChatPrompt, fold_system_messages
 from trio_llm.messages import SamplingParams
+from trio_llm.text.template_guard import TemplateLimits
 from trio_llm.text.tokenizer import Tokenizer
 
 #: Texts shorter than this (characters) are tokenized or rendered on the event loop
@@ -49,6 +50,27 @@ INLINE_ENCODE_CHARS = 8192
 
 #: A completion request's ``prompt``: a text, token ids, or a batch of either.
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+
+
+#: What ends an output that reaches its budget (`OutputBudget.bound`): the request's own
+#: ``max_tokens``, the server's (its generation config's ``max_new_tokens``: the default of
+#: a request without one, or the cap of ``--override-generation-config``), or the room
+#: the prompt leaves in the context.
+OUTPUT_BOUNDS = ("request", "server", "context")
+
+
+@dataclass(frozen=True)
+class OutputBudget:
+    """One prompt's output budget.
+
+    Attributes:
+        tokens: the most output tokens (the engine request's ``max_tokens``).
+        bound: which limit set it (`OUTPUT_BOUNDS`; the context where several are equal,
+            then the request's own): an answer that ends at ``tokens`` was cut by it.
+    """
+
+    tokens: int
+    bound: str
 
 
 @dataclass
@@ -72,7 +94,7 @@ class InputPreprocessor:
         tokenizer: the model's tokenizer (with chat template).
         max_model_len: context length in tokens (prompt + output).
         vocab_size: number of token ids (valid ids are ``0 .. vocab_size - 1``).
-        max_tokens_policy: what `resolve_max_tokens` does with a ``max_tokens`` past the
+        max_tokens_policy: what `output_budget` does with a ``max_tokens`` past the
             room the prompt leaves: ``"clamp"`` it to that room, or refuse it
             (``"strict"``, vLLM's 400); `MAX_TOKENS_POLICIES`.
     """
@@ -191,14 +213,17 @@ class InputPreprocessor:
     async def render_chat_async(self, chat: ChatPrompt, param: str = "messages") -> str:
         """The prompt text of ``chat`` (as `render_chat`), in a worker thread when the
         conversation is long (the template's cost grows with it). Raises as `render_chat`."""
-        if chat.size() < INLINE_ENCODE_CHARS:
+        if chat.size() < INLINE_ENCODE_CHARS and chat.request_template is None:
             return self._render(chat, param)
         return await trio.to_thread.run_sync(self._render, chat, param)
 
     def _render(self, chat: ChatPrompt, param: str) -> str:
-        messages = chat.messages
-        if chat.fold_late_system and not self.tokenizer.renders_late_system(bool(chat.tools)):
-            messages = fold_system_messages(messages)
+        messages, own = chat.messages, chat.request_template
+        if chat.fold_late_system and own is None:
+            if not self.tokenizer.renders_late_system(bool(chat.tools)):
+                messages = fold_system_messages(messages)
+        # A request's template renders no longer a text than could fit the context.
+        max_chars = self.max_model_len * self.tokenizer.max_token_chars
         try:
             return self.tokenizer.render_chat(
                 messages,
@@ -206,9 +231,11 @@ class InputPreprocessor:
                 tools=chat.tools,
                 continue_final_message=chat.continue_final_message,
                 template_kwargs=chat.template_kwargs,
+                request_template=own.source if own else None,
+                limits=TemplateLimits(own.timeout, max_chars) if own else None,
             )
-        except ChatTemplateError as exc:
-            raise InvalidRequest(str(exc), param) from exc
+        except ChatTemplateError as exc:  # a request's own template: its field named
+            raise InvalidRequest(str(exc), "chat_template" if own else param) from exc
 
     # ------------------------------------------------------------ whole prompts
 
@@ -305,7 +332,7 @@ class InputPreprocessor:
 
     # ------------------------------------------------------------ output budget
 
-    def resolve_max_tokens(
+    def output_budget(
         self,
         requested: int | None,
         num_prompt: int,
@@ -314,8 +341,8 @@ class InputPreprocessor:
         *,
         default: int | None = None,
         cap: int | None = None,
-    ) -> int:
-        """The output budget (tokens) within the context.
+    ) -> OutputBudget:
+        """The output budget (tokens) within the context, and the limit that set it.
 
         Args:
             requested: the request's ``max_tokens``; None means ``default``, or else the
@@ -328,11 +355,11 @@ class InputPreprocessor:
                 ``--override-generation-config``), or None.
 
         Returns:
-            ``requested`` (else ``default``, else the room left), lowered to the room
-            the context leaves after the prompt and to ``cap``. With the policy
-            ``"clamp"`` a larger ``requested`` is thus lowered to the room left
-            (llama.cpp's and Ollama's behaviour): the output then ends with
-            finish_reason "length" when it fills the context.
+            Its ``tokens``: ``requested`` (else ``default``, else the room left), lowered
+            to the room the context leaves after the prompt and to ``cap``. With the
+            policy ``"clamp"`` a larger ``requested`` is thus lowered to the room left
+            (llama.cpp's and Ollama's behaviour): the output then ends with finish_reason
+            "length" when it fills the context. Its ``bound``: which of them set it.
 
         Raises:
             ContextLengthError: the prompt leaves no room for output; with the policy
@@ -352,8 +379,10 @@ class InputPreprocessor:
                 prompt_name=prompt_param,
             )
         wanted = requested if requested is not None else default
-        limits = [room, *(v for v in (wanted, cap) if v is not None)]
-        return min(limits)
+        tokens = min([room, *(v for v in (wanted, cap) if v is not None)])
+        if tokens == room:
+            return OutputBudget(tokens, "context")
+        return OutputBudget(tokens, "request" if tokens == requested else "server")
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

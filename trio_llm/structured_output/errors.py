@@ -56,6 +56,13 @@ def one_line(message: str) -> str:
     return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
 
 
+def internal_error_text(exc: BaseException) -> str:
+    """The error of a request whose grammar failed unexpectedly (a bug in the grammar
+    library or here, not the spec): the exception's type only, for the client; the
+    engine logs the rest. Only that request ends (vLLM CVE-2026-105757's class)."""
+    return f"structured output: internal error in the grammar ({type(exc).__name__})"
+
+
 def matcher_error(matcher: llguidance.LLMatcher) -> str | None:
     """Why ``matcher`` failed (one line, as `StructuredOutputError`), or None if it did not."""
     if not matcher.is_error():

@@ -28,15 +28,20 @@ class TemplateError(ValueError):
     """The template raised an error (``raise_exception``) or could not be rendered."""
 
 
-def _raise_exception(message: str) -> None:
+def raise_template_exception(message: str) -> None:
+    """A template's ``raise_exception(message)``: a `TemplateError`."""
     raise TemplateError(message)
 
 
-def _strftime_now(fmt: str) -> str:
+def strftime_now(fmt: str) -> str:
+    """A template's ``strftime_now(format)``: the local time so formatted."""
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
+def template_json(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any
+) -> str:
+    """A template's ``tojson`` filter: JSON, not HTML-escaped (as transformers renders)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
 
 
@@ -50,9 +55,9 @@ def compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = template_json
+    env.globals["raise_exception"] = raise_template_exception
+    env.globals["strftime_now"] = strftime_now
     try:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
@@ -92,6 +97,26 @@ RESERVED_VARIABLES = frozenset(
 )
 
 
+def template_variables(
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    special_tokens: dict[str, str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a chat template sees: ``template_kwargs`` (vLLM's ``chat_template_kwargs``),
+    then ``messages``, ``tools``, ``add_generation_prompt`` and the special tokens over
+    them (the caller refuses kwargs naming those: `RESERVED_VARIABLES`)."""
+    return {
+        **(template_kwargs or {}),
+        "messages": messages,
+        "tools": tools,
+        "add_generation_prompt": add_generation_prompt,
+        **(special_tokens or {}),
+    }
+
+
 def render_chat(
     source: str,
     messages: list[dict[str, Any]],
@@ -103,23 +128,36 @@ def render_chat(
 ) -> str:
     """Render ``messages`` (dicts with ``role`` and ``content``; assistant messages may
     have ``tool_calls``, tool messages ``tool_call_id``) and the ``tools`` (OpenAI's
-    definitions) to the prompt text. ``template_kwargs`` are further variables the
-    template sees (vLLM's ``chat_template_kwargs``, such as Qwen3's ``enable_thinking``);
-    they cannot replace the variables above (`RESERVED_VARIABLES`: the caller checks).
+    definitions) to the prompt text with the server's own (trusted) template ``source``.
+    ``template_kwargs`` are further variables the template sees (vLLM's
+    ``chat_template_kwargs``, such as Qwen3's ``enable_thinking``); see
+    `template_variables`. A template that came with a request is rendered by
+    `trio_llm.text.template_guard.render_guarded` instead.
 
     Raises:
-        TemplateError: the template rejected the conversation or failed to render
-            (also when it recursed too deeply).
+        TemplateError: the template rejected the conversation or failed to render (any
+            error while rendering: it fails this request only; also when it recursed
+            too deeply).
+    """
+    variables = template_variables(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        special_tokens=special_tokens,
+        tools=tools,
+        template_kwargs=template_kwargs,
+    )
+    return render_template(source, variables)
+
+
+def render_template(source: str, variables: dict[str, Any]) -> str:
+    """`render_chat` with its `template_variables` made.
+
+    Raises:
+        TemplateError: as `render_chat`.
     """
     template = compile_template(source)
     try:
-        return template.render(
-            **(template_kwargs or {}),
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            **(special_tokens or {}),
-        )
+        return template.render(**variables)
     except TemplateError:
         raise
     except jinja2.TemplateError as exc:
@@ -128,6 +166,9 @@ def render_chat(
         raise TemplateError(
             "cannot apply the chat template: the conversation nests too deeply for it"
         ) from None
+    except Exception as exc:  # the template failed on this conversation: its 400
+        problem = f"{type(exc).__name__}: {exc}"
+        raise TemplateError(f"cannot apply the chat template: {problem}") from exc
 
 
 def read_chat_template(

@@ -17,7 +17,13 @@ from typing import Any
 from tokenizers import Tokenizer as FastTokenizer
 
 from trio_llm.errors import ChatTemplateError, InvalidTextError
-from trio_llm.text.chat_template import TemplateError, render_chat, tool_template_for
+from trio_llm.text.chat_template import (
+    TemplateError,
+    render_template,
+    template_variables,
+    tool_template_for,
+)
+from trio_llm.text.template_guard import DEFAULT_LIMITS, TemplateLimits, render_guarded
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -221,11 +227,16 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        request_template: str | None = None,
+        limits: TemplateLimits | None = None,
     ) -> str:
         """Chat messages (plus, by default, the assistant prompt), rendered with the
         model's template; with ``tools``, with `tool_template` when there is one;
         ``template_kwargs`` are further template variables (vLLM's
         ``chat_template_kwargs``, see `trio_llm.text.chat_template.render_chat`).
+        ``request_template`` (a request's ``chat_template``) replaces them all and is
+        rendered within ``limits`` (`trio_llm.text.template_guard.render_guarded`: run
+        it in a worker thread).
 
         With ``continue_final_message`` (vLLM's field; Anthropic's assistant prefill) the
         last message, an assistant's, is left open: the text ends right after its content
@@ -238,7 +249,7 @@ class Tokenizer:
         Raises:
             ChatTemplateError: the model has no chat template or rendering failed.
         """
-        if not self.chat_template:
+        if not self.chat_template and request_template is None:
             raise ChatTemplateError(
                 "this model has no chat template: send a plain prompt (/v1/completions), or "
                 "give it one with --chat-template (chat_template in the embedding API)"
@@ -252,24 +263,34 @@ class Tokenizer:
                 messages, add_generation_prompt = messages[:-1], True
             else:
                 add_generation_prompt = False
+        variables = template_variables(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
         try:
-            template = (tools and self.tool_template) or self.chat_template
-            text = render_chat(
-                template,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                special_tokens=self.special_tokens,
-                tools=tools,
-                template_kwargs=template_kwargs,
-            )
+            if request_template is not None:
+                text = render_guarded(request_template, variables, limits or DEFAULT_LIMITS)
+            else:
+                own = (tools and self.tool_template) or self.chat_template or ""
+                text = render_template(own, variables)
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
-        if prefill:
-            end = text.rfind(prefill)
-            if end < 0:
-                raise ChatTemplateError(
-                    "the chat template does not write the final assistant message as given, "
-                    "so it cannot be continued"
-                )
-            text = text[: end + len(prefill)]
-        return text
+        return _left_open(text, prefill) if prefill else text
+
+
+def _left_open(text: str, prefill: str) -> str:
+    """``text`` cut right after the final assistant message's content ``prefill``.
+
+    Raises:
+        ChatTemplateError: the template did not write ``prefill`` as given.
+    """
+    end = text.rfind(prefill)
+    if end < 0:
+        raise ChatTemplateError(
+            "the chat template does not write the final assistant message as given, "
+            "so it cannot be continued"
+        )
+    return text[: end + len(prefill)]
