@@ -9,7 +9,10 @@ short seeded sample in ``make test``). One trial:
    and clients that leave after their first token, each on a fresh connection;
 3. after a random delay inject one fault (`FAULTS`);
    (a batch fault, `tests.support.batch_chaos`, runs a batch instead of the load and
-   checks that it completes with every line exactly once);
+   checks that it completes with every line exactly once; a state fault,
+   `tests.support.state_faults`, is a hostile client of the store's routes: a poisoned
+   batch, a background flood, a conversation deleted under a background response, slow
+   and oversized uploads);
 4. wait for the consequence: the server exits, or (restart on) serves a normal request
    again, or (a harmless fault) goes on serving;
 5. stop the load; stop a surviving server with SIGTERM;
@@ -68,6 +71,7 @@ from tests.support.procfs import (
     wait_for_exit,
 )
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
+from tests.support.state_faults import STATE_FAULTS, inject_state_fault, state_server_args
 
 #: Server settings of every trial (seconds, counts), on top of `SMALL_SERVER_ARGS`. Steps
 #: stay short (a small token budget per step), so a legitimate step never comes near the
@@ -269,7 +273,10 @@ async def run_trial(spec: TrialSpec, log_dir: Path) -> TrialResult:
         result.seconds = time.monotonic() - began
         return result
     log_path = log_dir / f"trial-{spec.index:03d}.log"
-    server = ServerProcess(spec.server_args(), log_path=log_path)
+    args = spec.server_args()
+    if spec.fault in STATE_FAULTS:
+        args += state_server_args(_state_dir(spec, log_dir))
+    server = ServerProcess(args, log_path=log_path)
     tree: set[int] = set()
     try:
         await trio.to_thread.run_sync(server.start)
@@ -356,6 +363,9 @@ async def _load_and_fault(
             await opened.wait()
         elif spec.fault == "large-request-hangup":
             await large_request_hangups(int(server.url.rsplit(":", 1)[1]))
+        elif spec.fault in STATE_FAULTS:
+            state_dir = _state_dir(spec, server.log_path.parent)
+            await inject_state_fault(spec.fault, server.url, state_dir, result)
         else:
             target = fault_target(spec, server)
             name = spec.fault.split("-")[0].upper()
@@ -385,6 +395,13 @@ async def _load_and_fault(
         tree |= descendants(server.pid)
     deadline = END_DEADLINE + (SHUTDOWN_TIMEOUT if spec.fault == "sigterm-server" else 0)
     check_records(spec, load.records + burst_records, open_at_fault, fault_time, deadline, result)
+
+
+def _state_dir(spec: TrialSpec, log_dir: Path) -> Path:
+    """The folder of a state trial's store (`tests.support.state_faults`)."""
+    folder = log_dir / f"trial-{spec.index:03d}-state"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 async def _wait_exit(server: ServerProcess, seconds: float) -> int | None:

@@ -18,6 +18,7 @@ from tests.support.procfs import (
     engine_children,
 )
 from tests.support.server_process import ServerProcess
+from tests.support.state_faults import STATE_FAULTS
 
 if TYPE_CHECKING:
     from tests.support.chaos import TrialResult, TrialSpec
@@ -46,6 +47,10 @@ FAULTS = (
     # A server of two models (issue 35): kill -9 of the second model's engine while the
     # load runs on both; the first model's requests are untouched.
     "sigkill-engine-two-models",
+    # The server's state under hostile clients (issue 41, tests.support.state_faults): a
+    # poisoned batch line, a flood of background responses, a conversation deleted under
+    # a background response, slow and oversized chunked uploads.
+    *STATE_FAULTS,
 )
 
 #: The faults whose server serves two models (`tests.support.load.SECOND_MODEL` too).
