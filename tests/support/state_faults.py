@@ -44,10 +44,11 @@ STATE_FAULTS = (
 )
 
 #: The upload limits of a state trial's server: bytes of a file, seconds a body may stall,
-#: seconds a whole upload may take.
+#: the least average rate of an upload (bytes/s): its deadline is ``BODY_STALL_SECONDS +
+#: received / UPLOAD_MIN_RATE`` seconds, a few seconds for a drip of a byte a second.
 MAX_FILE_BYTES = 1 << 20
 BODY_STALL_SECONDS = 2.0
-UPLOAD_SECONDS = 6.0
+UPLOAD_MIN_RATE = 4096
 #: Background responses the flood sends; most may be queued at once on the trial's server.
 FLOOD = 40
 MAX_BACKGROUND = 12
@@ -56,7 +57,7 @@ MAX_BACKGROUND = 12
 #: oversized upload (past its own deadline).
 BATCH_DEADLINE = 180.0
 NEWCOMER_DEADLINE = 20.0
-BACKGROUND_END_DEADLINE = 30.0
+BACKGROUND_END_DEADLINE = 90.0
 UPLOAD_END_DEADLINE = 10.0
 
 
@@ -70,8 +71,8 @@ def state_server_args(folder: Path) -> list[str]:
         str(MAX_FILE_BYTES),
         "--request-body-timeout",
         f"{BODY_STALL_SECONDS:g}",
-        "--upload-timeout",
-        f"{UPLOAD_SECONDS:g}",
+        "--upload-min-rate",
+        str(UPLOAD_MIN_RATE),
         "--max-background-responses",
         str(MAX_BACKGROUND),
     ]
@@ -234,7 +235,7 @@ async def _newcomer_first_token(url: str) -> float | None:
 async def _conversation_deleted(url: str, folder: Path, result: TrialResult) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         conversation = (await client.post("/v1/conversations", json={})).json()["id"]
-        body = _background_body(conversation=conversation, max_output_tokens=400)
+        body = _background_body(conversation=conversation, max_output_tokens=96)
         created = await client.post("/v1/responses", json=body)
         if created.status_code != 200:
             result.failures.append(f"conversation trial: HTTP {created.status_code} {created.text}")
@@ -306,7 +307,7 @@ async def _slow_uploads(url: str, folder: Path, result: TrialResult) -> None:
     port = int(url.rsplit(":", 1)[1])
     ended: list[float] = []
     began = time.monotonic()
-    limit = UPLOAD_SECONDS + UPLOAD_END_DEADLINE
+    limit = BODY_STALL_SECONDS + 1.0 + UPLOAD_END_DEADLINE
     with trio.move_on_after(limit):
         async with trio.open_nursery() as nursery:
             for _ in range(SLOW_UPLOADS):
@@ -314,7 +315,8 @@ async def _slow_uploads(url: str, folder: Path, result: TrialResult) -> None:
     if len(ended) != SLOW_UPLOADS:
         result.failures.append(
             f"slow uploads: {SLOW_UPLOADS - len(ended)} of {SLOW_UPLOADS} still open "
-            f"after {limit:g} s (--upload-timeout {UPLOAD_SECONDS:g})"
+            f"after {limit:g} s (--request-body-timeout {BODY_STALL_SECONDS:g}, "
+            f"--upload-min-rate {UPLOAD_MIN_RATE})"
         )
     partial = list((folder / "files").glob("*.partial")) if (folder / "files").is_dir() else []
     if partial:
