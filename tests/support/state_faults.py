@@ -298,8 +298,8 @@ async def _drip(port: int, ended: list[float], began: float) -> None:
                 while await stream.receive_some(4096):
                     pass  # the answer (408), then the end of the connection
                 nursery.cancel_scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # closed by the server while sending: ended too
+        except* (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # closed by the server while sending (grouped by the nursery): ended too
     ended.append(time.monotonic() - began)
 
 
@@ -337,16 +337,19 @@ async def _oversized_upload(url: str, folder: Path, result: TrialResult) -> None
 
                     async def flood() -> None:
                         nonlocal sent
-                        while True:
-                            await stream.send_all(block)
-                            sent += len(block)
+                        try:
+                            while True:
+                                await stream.send_all(block)
+                                sent += len(block)
+                        except trio.BrokenResourceError:
+                            pass  # closed by the server while sending: read its answer
 
                     nursery.start_soon(flood)
                     while chunk := await stream.receive_some(4096):
                         answer += chunk
                     nursery.cancel_scope.cancel()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            except* (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # reset by the server: what it answered before is in ``answer``
     if timer.cancelled_caught:
         result.failures.append(
             f"oversized upload: the connection was still open {UPLOAD_END_DEADLINE:g} s "
