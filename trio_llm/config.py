@@ -36,6 +36,11 @@ DEFAULT_CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 
 DTYPES = ("auto", "float32", "bfloat16")
 
+#: ``--kv-cache-dtype`` values (vLLM's flag, its 16- and 32-bit ones): the dtype the KV
+#: cache stores keys and values in; ``auto`` is the model's, except for a float32 model
+#: on the GGUF path on a CPU with AVX-512-BF16 (`trio_llm.dtype_choice.explain_kv_cache_dtype`).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
 #: Where the engine runs the model (``--device``).
 DEVICES = ("cpu", "cuda")
 
@@ -149,6 +154,16 @@ class CacheConfig(CheckedFields):
             the same count is less memory and its tokens are not the cache's capacity.
         kv_cache_memory: bytes for the KV cache of all layers (keys and values); the block
             count is ``kv_cache_memory // bytes_per_block``. Default `DEFAULT_KV_CACHE_MEMORY`.
+        kv_cache_dtype: ``auto``, ``bfloat16``, ``float16`` or ``float32``
+            (`KV_CACHE_DTYPES`): the dtype of the cached keys and values (vLLM's flag).
+            ``auto`` is the model's dtype, except that a float32 model served with
+            ``quantization="gguf"`` on a CPU with AVX-512-BF16 keeps bfloat16 keys and
+            values (half the bytes a block: twice the blocks in ``kv_cache_memory``);
+            `trio_llm.dtype_choice.explain_kv_cache_dtype` decides. Attention reads them
+            back in the model's dtype and computes in it; a 16-bit cache rounds each key
+            and value once (a plain float32 model with ``auto`` keeps float32, so its
+            tokens stay those of transformers). float16 runs the decode attention on the
+            pure-torch path (the native kernel reads float32 and bfloat16 only).
         enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before
             (on by default, as in vLLM V1; see `trio_llm.engine.block_manager`).
         disable_hybrid_kv_cache_manager: keep every layer's keys and values for the whole
@@ -159,6 +174,7 @@ class CacheConfig(CheckedFields):
     block_size: int = setting(16, range=Range(1))
     num_kv_blocks: int | None = setting(None, range=Range(1))
     kv_cache_memory: int | None = setting(None, range=Range(1, unit="byte"))
+    kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
 
@@ -283,6 +299,7 @@ def engine_config(
     block_size: int = CacheConfig.block_size,
     num_kv_blocks: int | None = None,
     kv_cache_memory: int | None = None,
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
     disable_hybrid_kv_cache_manager: bool = CacheConfig.disable_hybrid_kv_cache_manager,
     max_num_seqs: int = SchedulerConfig.max_num_seqs,

@@ -1,5 +1,6 @@
 """The concrete dtype of ``--dtype auto``, decided by what the hardware has: bfloat16 on
-CUDA and on a CPU with native bf16 arithmetic, float32 on any other CPU.
+CUDA and on a CPU with native bf16 arithmetic, float32 on any other CPU; and that of
+``--kv-cache-dtype auto`` (`explain_kv_cache_dtype`): the model's, except on the GGUF path.
 
 The answer depends only on the CPU's flags, never on a timing, so every engine of one
 model on one machine (data-parallel engines, restarted engines, two servers) serves the
@@ -20,6 +21,10 @@ logger = logging.getLogger(__name__)
 #: CPU flags (``/proc/cpuinfo``) of native bf16 matrix arithmetic. Without them torch
 #: emulates bf16 GEMMs, about 10x slower than float32 on an AVX2-only CPU (docs/benchmarks.md).
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+#: The CPU flag with which ``--kv-cache-dtype auto`` keeps a float32 GGUF-path model's
+#: keys and values in bfloat16 (`explain_kv_cache_dtype`).
+KV_BF16_CPU_FLAG = "avx512_bf16"
 
 #: Below this bfloat16 / float32 speed ratio of the timing, the log suggests float32.
 BF16_ADVICE_SPEEDUP = 1.0
@@ -81,6 +86,46 @@ def explain_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) 
         return "bfloat16", f"--dtype auto: the CPU has native bf16 ({', '.join(native)})"
     wanted = " or ".join(sorted(NATIVE_BF16_CPU_FLAGS))
     return "float32", f"--dtype auto: the CPU has no native bf16 (no {wanted} flag)"
+
+
+def explain_kv_cache_dtype(
+    kv_cache_dtype: str,
+    model_dtype: str,
+    quantization: str | None,
+    flags: frozenset[str] | None = None,
+) -> tuple[str, str]:
+    """``(concrete KV cache dtype, why)`` for ``--kv-cache-dtype``.
+
+    ``auto`` is ``model_dtype``, except for a float32 model with ``quantization="gguf"``
+    on a CPU whose ``flags`` (default: this machine's ``/proc/cpuinfo``) include
+    `KV_BF16_CPU_FLAG`: bfloat16 there. That path's outputs are already approximate (its
+    products take int8 activations), and the cache is what bounds its concurrency, so
+    half the bytes a block is twice the blocks. A plain float32 model keeps float32 keys
+    and values: its greedy tokens stay those of transformers. A value other than ``auto``
+    is kept.
+
+    Args:
+        kv_cache_dtype: one of `trio_llm.config.KV_CACHE_DTYPES`.
+        model_dtype: the loaded model's dtype (``float32``, ``bfloat16``, ...).
+        quantization: ``--quantization`` (``int8``, ``int4``, ``gguf``) or None.
+        flags: the CPU's feature flags; None reads them (`cpu_flags`).
+
+    Returns:
+        The dtype's name (``float32``, ``bfloat16`` or ``float16``) and one phrase saying
+        why, for the start-up log.
+    """
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype, f"--kv-cache-dtype {kv_cache_dtype} given"
+    if quantization != "gguf" or model_dtype != "float32":
+        return model_dtype, "--kv-cache-dtype auto: the model's dtype"
+    flags = cpu_flags() if flags is None else flags
+    if KV_BF16_CPU_FLAG in flags:
+        return "bfloat16", (
+            f"--kv-cache-dtype auto: float32 model on the GGUF path, the CPU has {KV_BF16_CPU_FLAG}"
+        )
+    return model_dtype, (
+        f"--kv-cache-dtype auto: the model's dtype (GGUF path, the CPU has no {KV_BF16_CPU_FLAG})"
+    )
 
 
 def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> str:

@@ -170,6 +170,13 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
         "block_size": Flag(),
         "num_kv_blocks": Flag(exclusive="kv"),
         "kv_cache_memory": Flag(type=parse.parse_bytes, metavar="BYTES", exclusive="kv"),
+        "kv_cache_dtype": Flag(
+            "the dtype of the cached keys and values; auto: the model's, except a float32 "
+            "model with --quantization gguf on a CPU with AVX-512-BF16 keeps bfloat16 "
+            "(twice the blocks in the same memory); a 16-bit cache rounds each key and "
+            "value once, so outputs move slightly from the model's float32 ones "
+            "(default %(default)s)"
+        ),
         "enable_prefix_caching": Flag(
             "reuse the KV blocks of prompt prefixes computed before (default on)"
         ),

@@ -16,6 +16,13 @@ writes the layer's new keys and values into the cache at ``slot_mapping``, then 
   context (straight from the new keys when there is no earlier context; in a
   sliding-window layer, from the first key the chunk's first query sees).
 
+The cache may hold another dtype than the model's (``--kv-cache-dtype``, e.g. bfloat16
+keys and values of a float32 model): new keys and values are cast to the cache's dtype as
+they are written, and every path that reads them back casts what it read to the query's
+dtype, so the products and the softmax run in the model's dtype as they would without the
+cast (the native kernel reads float32 and bfloat16 caches itself and computes in float32;
+a float16 cache takes the reference path, `use_native_attention`).
+
 Each layer's own attention is kept: its softmax ``scaling``, its ``sliding_window`` (a
 query at position ``p`` sees the keys at positions ``p - window + 1 .. p``, as transformers'
 sliding-window masks do) and its logit ``softcap`` (``tanh(s / cap) * cap`` before the
@@ -52,6 +59,9 @@ ATTENTION_NAME = "trio_llm_paged"
 
 #: Bytes of gathered keys and values per decode chunk (sized to stay in the L2/L3 cache).
 GATHER_CHUNK_BYTES = 4 * 1024 * 1024
+
+#: KV cache dtypes the native decode kernel reads (``paged_attention.cpp``).
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -142,11 +152,13 @@ def paged_attention(
 
 
 def _write_new_keys(layer: _Layer, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Write the layer's new keys and values (``[1, H_kv, T, D]``) into its cache at the
-    step's ``slot_mapping``."""
+    """Write the layer's new keys and values (``[1, H_kv, T, D]``, the model's dtype) into
+    its cache at the step's ``slot_mapping``, cast to the cache's dtype (``index_copy_``
+    takes one dtype; the cast is a no-op where they are equal)."""
     slots = layer.paged.slot_mapping[layer.group]
-    layer.keys.index_copy_(0, slots, key[0].transpose(0, 1))  # [T, H_kv, D]
-    layer.values.index_copy_(0, slots, value[0].transpose(0, 1))
+    dtype = layer.keys.dtype
+    layer.keys.index_copy_(0, slots, key[0].transpose(0, 1).to(dtype))  # [T, H_kv, D]
+    layer.values.index_copy_(0, slots, value[0].transpose(0, 1).to(dtype))
 
 
 # ------------------------------------------------------------------ decode
@@ -188,11 +200,11 @@ def _native_decode(layer: _Layer, q: torch.Tensor, out: torch.Tensor) -> None:
 
 def _decode_one(layer: _Layer, q: torch.Tensor, out: torch.Tensor) -> None:
     """One request decoding (``q`` ``[1, H, D]``), no window, no softcap: over its
-    context's keys without padding, so no mask."""
+    context's keys (read back in ``q``'s dtype) without padding, so no mask."""
     length = layer.paged.decode_context_lens[0]
     slots = layer.paged.decode_slots(layer.group, length)
-    keys = layer.keys.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-    values = layer.values.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    keys = layer.keys.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+    values = layer.values.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), keys, values, scale=layer.scaling, enable_gqa=True
     )
@@ -201,7 +213,8 @@ def _decode_one(layer: _Layer, q: torch.Tensor, out: torch.Tensor) -> None:
 
 def _decode_gathered(layer: _Layer, q: torch.Tensor, out: torch.Tensor) -> None:
     """The decode queries ``q`` ``[num_decode, H, D]`` over their blocks gathered a few
-    requests at a time, masked past each request's length and outside its window."""
+    requests at a time (in ``q``'s dtype), masked past each request's length and outside
+    its window."""
     k_cache, v_cache, paged = layer.keys, layer.values, layer.paged
     num_decode, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -213,14 +226,18 @@ def _decode_gathered(layer: _Layer, q: torch.Tensor, out: torch.Tensor) -> None:
     q_decode = q.reshape(num_decode, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # Gather a few requests at a time so their keys and values are still in the CPU
     # cache when attention reads them (one pass over DRAM instead of three).
-    row_bytes = 2 * context * num_kv_heads * head_dim * k_cache.element_size()
+    # (A cache of another dtype is gathered, then cast into a second buffer: both count.)
+    item_bytes = k_cache.element_size()
+    if k_cache.dtype != q.dtype:
+        item_bytes += q.element_size()
+    row_bytes = 2 * context * num_kv_heads * head_dim * item_bytes
     # On a GPU one gather of every request beats many small launches.
     chunk = num_decode if k_cache.is_cuda else max(1, GATHER_CHUNK_BYTES // row_bytes)
     for start in range(0, num_decode, chunk):
         end = min(num_decode, start + chunk)
         ids = blocks[start:end].reshape(-1)
-        keys = _gather_blocks(k_cache, ids, block_size, "k", paged.workspace)
-        values = _gather_blocks(v_cache, ids, block_size, "v", paged.workspace)
+        keys = _gather_blocks(k_cache, ids, block_size, "k", paged.workspace, q.dtype)
+        values = _gather_blocks(v_cache, ids, block_size, "v", paged.workspace, q.dtype)
         keys = keys.view(end - start, context, num_kv_heads, head_dim).transpose(1, 2)
         values = values.view(end - start, context, num_kv_heads, head_dim).transpose(1, 2)
         o = attend(q_decode[start:end], keys, values, mask[start:end], layer.scaling, layer.softcap)
@@ -228,18 +245,37 @@ def _decode_gathered(layer: _Layer, q: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _gather_blocks(
-    cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out_name: str, ws: dict
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    out_name: str,
+    ws: dict[str, torch.Tensor],
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Copy whole blocks ``cache[blocks]`` into a reused buffer: ``[len(blocks) * bs, H, D]``."""
+    """Copy whole blocks ``cache[blocks]`` into a reused buffer of ``dtype``: ``[len(blocks)
+    * bs, H, D]``. A cache of another dtype is gathered into a buffer of its own dtype
+    first, then cast into the ``dtype`` one (both kept in ``ws``)."""
     row = block_size * cache.shape[1] * cache.shape[2]
     numel = blocks.numel() * row
-    buffer = ws.get(out_name)
-    if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype:
-        buffer = torch.empty(numel, dtype=cache.dtype, device=cache.device)
-        ws[out_name] = buffer
-    out = buffer[:numel].view(blocks.numel(), row)
+    gathered = _workspace(ws, out_name, numel, cache.dtype, cache.device)
+    out = gathered.view(blocks.numel(), row)
     torch.index_select(cache.view(-1, row), 0, blocks, out=out)
+    if dtype != cache.dtype:
+        cast = _workspace(ws, f"{out_name}:{dtype}", numel, dtype, cache.device)
+        out = cast.view(blocks.numel(), row).copy_(out)
     return out.view(blocks.numel() * block_size, cache.shape[1], cache.shape[2])
+
+
+def _workspace(
+    ws: dict[str, torch.Tensor], name: str, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The first ``numel`` elements of the reused 1-D buffer ``ws[name]`` (``dtype``),
+    grown (or made anew for another dtype) when too small."""
+    buffer = ws.get(name)
+    if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        ws[name] = buffer
+    return buffer[:numel]
 
 
 # ------------------------------------------------------------------ prefill
@@ -249,12 +285,13 @@ def _prefill_batched(
     layer: _Layer, batch: PrefillBatch, q: torch.Tensor, out: torch.Tensor
 ) -> None:
     """Every prefill chunk of the step in one call (no softcap): queries ``q`` ``[T, H,
-    D]`` over each chunk's context read from the cache, into ``out`` ``[T + 1, H, D]``."""
+    D]`` over each chunk's context read from the cache (in ``q``'s dtype), into ``out``
+    ``[T + 1, H, D]``."""
     slots = batch.key_slots[layer.group]
     o = F.scaled_dot_product_attention(
         q[batch.query_rows].transpose(1, 2),  # [C, H, n_max, D]
-        layer.keys[slots].transpose(1, 2),  # [C, H_kv, L_max, D]
-        layer.values[slots].transpose(1, 2),
+        layer.keys[slots].to(q.dtype).transpose(1, 2),  # [C, H_kv, L_max, D]
+        layer.values[slots].to(q.dtype).transpose(1, 2),
         attn_mask=batch.mask(layer.window),
         scale=layer.scaling,
         enable_gqa=True,
@@ -272,7 +309,8 @@ def _prefill_chunk(
 ) -> None:
     """One prefill chunk's queries (rows ``span.start ..`` of ``q`` ``[T, H, D]``), causal
     over its context: the new keys (``key``/``value`` ``[1, H_kv, T, D]``) when it has no
-    earlier context, else its keys read from the cache."""
+    earlier context, else its keys read from the cache (in ``q``'s dtype: with a 16-bit
+    cache, rounded once, as a decode reads them)."""
     end = span.start + span.num_new
     q_span = q[span.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if span.slots is None:
@@ -285,8 +323,8 @@ def _prefill_chunk(
         if layer.window is not None:
             first_key = max(0, span.context_len - span.num_new - layer.window + 1)
         slots = span.slots[layer.group][first_key:]
-        k_span = layer.keys.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        v_span = layer.values.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        k_span = layer.keys.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        v_span = layer.values.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
     if span.slots is None and layer.window is None and layer.softcap is None:
         o = F.scaled_dot_product_attention(
             q_span, k_span, v_span, is_causal=True, scale=layer.scaling, enable_gqa=True
@@ -361,20 +399,25 @@ def chunk_mask(
 # ------------------------------------------------------------------ start-up
 
 
-def use_native_attention(backend: str, device: torch.device) -> bool:
+def use_native_attention(
+    backend: str, device: torch.device, kv_dtype: torch.dtype = torch.float32
+) -> bool:
     """Whether the decode attention runs the native kernel, for ``--attention-backend``;
     loads (building if missing) the kernels and logs once which path runs. Call it at
     start-up, never per step.
 
     Args:
-        backend: one of `ATTENTION_BACKENDS`: ``auto`` (the native kernel where it loads
-            and the cache is on the CPU), ``CPU_ATTN`` (require it), ``TORCH_SDPA`` (the
-            pure-torch reference path).
+        backend: one of `ATTENTION_BACKENDS`: ``auto`` (the native kernel where it loads,
+            the cache is on the CPU and of a dtype it reads), ``CPU_ATTN`` (require it),
+            ``TORCH_SDPA`` (the pure-torch reference path).
         device: where the KV cache lives (the kernels are CPU only).
+        kv_dtype: the KV cache's dtype (``--kv-cache-dtype``); the kernel reads
+            `NATIVE_KV_DTYPES` (float32, bfloat16), so a float16 cache takes the
+            reference path.
 
     Raises:
-        ValueError: ``CPU_ATTN`` where the kernels did not load or the cache is on a GPU,
-            or an unknown ``backend``.
+        ValueError: ``CPU_ATTN`` where the kernels did not load, the cache is on a GPU or
+            of a dtype the kernel does not read, or an unknown ``backend``.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
@@ -384,6 +427,17 @@ def use_native_attention(backend: str, device: torch.device) -> bool:
     if device.type != "cpu":
         if backend == "CPU_ATTN":
             raise ValueError("--attention-backend CPU_ATTN runs on the CPU only")
+        return False
+    if kv_dtype not in NATIVE_KV_DTYPES:
+        name = str(kv_dtype).removeprefix("torch.")
+        if backend == "CPU_ATTN":
+            raise ValueError(
+                f"--attention-backend CPU_ATTN reads a float32 or bfloat16 KV cache, not "
+                f"{name} (--kv-cache-dtype)"
+            )
+        logger.info(
+            f"attention: pure-torch reference path (the native kernel reads no {name} KV cache)"
+        )
         return False
     status = kernels.load()
     if backend == "CPU_ATTN" and not status.loaded:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from trio_llm.config import EngineConfig
+from trio_llm.dtype_choice import explain_kv_cache_dtype
 from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.attention_probe import probe_model
 from trio_llm.engine.block_manager import BlockManager
@@ -79,8 +80,20 @@ class EngineCore:
         layers = probe_model(model)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
+        kv_name, kv_why = explain_kv_cache_dtype(
+            config.cache.kv_cache_dtype,
+            str(dtype).removeprefix("torch."),
+            config.model.quantization,
+        )
+        #: The dtype of the cached keys and values (``--kv-cache-dtype``), and why.
+        self.kv_cache_dtype: torch.dtype = getattr(torch, kv_name)
+        self._kv_dtype_reason = kv_why
         size = size_kv_cache(
-            layers, config.cache, max_model_len, config.scheduler.max_num_batched_tokens, dtype
+            layers,
+            config.cache,
+            max_model_len,
+            config.scheduler.max_num_batched_tokens,
+            self.kv_cache_dtype,
         )
         self.info = ModelInfo(
             model_dir=model_dir,
@@ -99,7 +112,7 @@ class EngineCore:
         #: max_model_len tokens.
         self.min_num_kv_blocks = size.min_num_blocks
         self.kv_cache = KVCache(
-            layers, size.groups, size.num_blocks, size.block_size, dtype, device
+            layers, size.groups, size.num_blocks, size.block_size, self.kv_cache_dtype, device
         )
         self.block_manager = BlockManager(
             size.num_blocks,
@@ -131,15 +144,18 @@ class EngineCore:
         self.on_grammar_event: Callable[[], None] | None = None
 
     def _log_model(self, mconf: object, size: KVCacheSize) -> None:
-        """Log once how the model runs: its forward, attention layers, cache and head."""
+        """Log once how the model runs: its forward, attention layers, cache (and the
+        dtype of its keys and values, with why) and head."""
         quantization = self.config.model.quantization
         logger.info(
-            "%s (%s%s): %s; %s; logits from %s",
+            "%s (%s%s): %s; %s in %s (%s); logits from %s",
             describe(mconf),
             "trio_llm's forward" if self.runner.native is not None else "transformers' modules",
             f", {quantization}" if quantization else "",
             describe_layers(self.layers),
             describe_groups(size.groups, size.num_blocks, size.block_size),
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            self._kv_dtype_reason,
             "the output projection" if self.runner.lm_head_weight is not None else "its own head",
         )
 

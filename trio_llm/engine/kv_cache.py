@@ -108,6 +108,8 @@ class KVCache:
     block table. One more block past the pool, never in a block table, is scratch space:
     the padding rows of a CUDA graph's batch write their keys there (`scratch_slot`).
     Memory: `bytes_per_block` ``* (num_blocks + 1)`` bytes, allocated once on ``device``.
+    The tensors' dtype (``--kv-cache-dtype``) may differ from the model's: writers cast
+    new keys to it and readers cast what they read back to the query's dtype.
     """
 
     def __init__(
@@ -126,7 +128,9 @@ class KVCache:
             num_blocks: blocks in the pool (each ``block_size`` tokens of one group's
                 layers).
             block_size: tokens per block.
-            dtype: of the keys and values (the model's).
+            dtype: of the keys and values (``--kv-cache-dtype``: the model's, or a
+                16-bit one for a float32 model; `trio_llm.engine.attention` casts on
+                write and read).
             device: where the tensors live.
         """
         self.num_blocks = num_blocks
@@ -154,7 +158,8 @@ class KVCache:
     def bytes_per_block(
         layers: Sequence[LayerSpec], groups: KVGroups, block_size: int, dtype: torch.dtype
     ) -> int:
-        """Bytes one block takes: keys and values of one group's layers."""
+        """Bytes one block takes: keys and values of one group's layers, each element
+        ``dtype``'s item size (2 for bfloat16 and float16, 4 for float32)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         slots = [layers[i] for i in groups.layers[0]]
         per_token = sum(spec.num_kv_heads * spec.head_dim for spec in slots)
@@ -201,7 +206,9 @@ def size_kv_cache(
         cache: the cache configuration (block size, size, hybrid grouping).
         max_model_len: tokens of the longest request.
         max_step_tokens: tokens one step may schedule (``max_num_batched_tokens``).
-        dtype: of the keys and values (the model's).
+        dtype: of the keys and values (``--kv-cache-dtype``): its item size sets the
+            bytes a block takes, so a 16-bit cache holds twice the blocks of a float32 one
+            in the same ``kv_cache_memory``.
 
     Raises:
         EngineConfigError: the blocks cannot hold one request of ``max_model_len`` tokens.

@@ -105,9 +105,10 @@ class ModelRunner:
     Raises:
         EngineConfigError: ``model_impl`` is ``trio_llm`` and the model has no native
             implementation; ``attention_backend`` is ``CPU_ATTN`` and the native
-            kernels cannot run; or ``gguf`` cannot serve this model (no GGUF file, not a
-            Llama file, a tensor type without a kernel, no native kernels, or the file's
-            weights differ from the model's).
+            kernels cannot run (or cannot read the cache's dtype: float16); or ``gguf``
+            cannot serve this model (no GGUF file, not a Llama file, a tensor type
+            without a kernel, no native kernels, or the file's weights differ from the
+            model's).
     """
 
     def __init__(
@@ -136,7 +137,9 @@ class ModelRunner:
         self.batched_prefill = self.device.type == "cuda"
         try:
             #: Decodes attend through the native kernel (`PagedAttentionMetadata`).
-            self.native_attention = use_native_attention(attention_backend, self.device)
+            self.native_attention = use_native_attention(
+                attention_backend, self.device, kv_cache.keys[0].dtype
+            )
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from exc
         self._head = OwnHead(model)
