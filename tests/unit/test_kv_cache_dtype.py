@@ -4,10 +4,11 @@ and attention over a cache whose dtype differs from the model's.
 Tolerances: the attention of float32 queries over a bfloat16 cache equals softmax
 attention over the keys and values rounded to bfloat16 within float32 rounding
 (``1e-5``), and stays within ``2e-2`` of the float32 cache's (bfloat16 keeps 8 bits);
-SmolLM2-135M in float32 with a bfloat16 cache gives the float32 cache's greedy tokens,
-with logprobs within `LOGPROB_TOLERANCE` nats (measured on an AMD EPYC with
-AVX-512-BF16: at most 0.006 for generated tokens and 0.013 for prompt tokens, mean
-0.002; float16 keys and values: at most 0.003).
+SmolLM2-135M in float32 with a bfloat16 cache gives the float32 cache's greedy tokens
+up to a near tie, with logprobs within `LOGPROB_TOLERANCE` nats (measured on an AMD EPYC
+with AVX-512-BF16: at most 0.006 for generated tokens and 0.013 for prompt tokens, mean
+0.002; 0.037 for prompt tokens with the prefill chunks attended in one call, which reads
+even a first chunk's keys back from the cache; float16 keys and values: at most 0.003).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from trio_llm.engine.attention_metadata import PagedAttentionMetadata
 from trio_llm.engine.kv_cache import KVCache, KVGroups, LayerSpec, size_kv_cache
 
 #: Largest |logprob difference| (nats) between a bfloat16 and a float32 KV cache allowed
-#: for SmolLM2's greedy and prompt tokens (measured: 0.013; module docstring).
+#: for SmolLM2's greedy and prompt tokens (measured: up to 0.037; module docstring).
 LOGPROB_TOLERANCE = 0.05
 
 AVX512_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
@@ -312,14 +313,31 @@ def test_a_16_bit_cache_stays_near_the_float32_one(
     for name in PROMPTS:
         tokens, logprobs, prompt = out[name]
         exact_tokens, exact_logprobs, exact_prompt = exact[name]
-        assert tokens == exact_tokens, name
+        _same_greedy_up_to_a_near_tie(tokens, logprobs, exact_tokens, exact_logprobs)
         assert len(prompt) == len(PROMPTS[name]) - 1
-        torch.testing.assert_close(
-            torch.tensor(logprobs), torch.tensor(exact_logprobs), rtol=0, atol=LOGPROB_TOLERANCE
-        )
         torch.testing.assert_close(
             torch.tensor(prompt), torch.tensor(exact_prompt), rtol=0, atol=LOGPROB_TOLERANCE
         )
+
+
+def _same_greedy_up_to_a_near_tie(
+    tokens: list[int], logprobs: list[float], exact_tokens: list[int], exact_logprobs: list[float]
+) -> None:
+    """Greedy tokens equal, each logprob within `LOGPROB_TOLERANCE`, up to the first token
+    that differs, if any: there the float32 cache's top token and the 16-bit one's must
+    be a near tie (if every logprob moves by at most the tolerance, the two top
+    logprobs are within it). After it the contexts differ: nothing more is compared.
+    (Measured: with the prefill chunks in one call, a bfloat16 cache turns SmolLM2's
+    third token of "short" from 4649 at -1.371 to 260 at -1.368.)"""
+    assert len(tokens) == len(exact_tokens)
+    for i, (token, exact_token) in enumerate(zip(tokens, exact_tokens, strict=True)):
+        assert abs(logprobs[i] - exact_logprobs[i]) <= LOGPROB_TOLERANCE, (i, tokens, exact_tokens)
+        if token != exact_token:
+            print(
+                f"near tie at token {i}: {token} ({logprobs[i]:.3f}) for {exact_token} "
+                f"({exact_logprobs[i]:.3f})"
+            )
+            return
 
 
 @pytest.mark.slow

@@ -47,9 +47,11 @@ def _decode_step(
     native: bool,
     exact_single: bool = True,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One layer's decode attention of ``len(lengths)`` requests over a cache of random
-    keys and values in shuffled blocks, by either path; returns ``[N, H, D]``.
+    keys and values in shuffled blocks, by either path; returns ``[N, H, D]``. The
+    queries are ``dtype``, the cache ``kv_dtype`` (default ``dtype``).
 
     With a window, the block-table entries wholly behind it are block 0 (as a
     sliding-window group leaves them): neither path may read them.
@@ -58,7 +60,7 @@ def _decode_step(
     columns = [math.ceil(length / block_size) for length in lengths]
     num_blocks = sum(columns) + 2
     spec = LayerSpec(num_kv_heads=num_kv_heads, head_dim=head_dim, sliding_window=window)
-    cache = KVCache([spec], KVGroups(((0,),), (window,)), num_blocks, block_size, dtype)
+    cache = KVCache([spec], KVGroups(((0,),), (window,)), num_blocks, block_size, kv_dtype or dtype)
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=gen))
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=gen))
     # Block 0 is never in a table; shuffled blocks 1.. for the requests.
@@ -194,6 +196,34 @@ def test_other_head_sizes_match_reference(head_dim: int, native_calls: list[int]
     reference = _decode_step(**case, native=False, exact_single=False)
     native = _decode_step(**case, native=True, exact_single=False)
     assert native_calls == [1]
+    torch.testing.assert_close(native, reference, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (None, 30.0), (20, None)])
+@pytest.mark.parametrize("exact_single", [True, False])
+def test_float32_queries_over_a_bfloat16_cache_match_reference(
+    window: int | None, softcap: float | None, exact_single: bool, native_calls: list[int]
+) -> None:
+    """``--kv-cache-dtype bfloat16`` with a float32 model: the kernel reads the bfloat16
+    cache as the reference path does (cast to float32 on read; the new keys rounded on
+    write), so both agree to float32's tolerance."""
+    lengths = [37] if exact_single else [1, 17, 300]
+    case = dict(
+        lengths=lengths,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        kv_dtype=torch.bfloat16,
+        window=window,
+        softcap=softcap,
+        exact_single=exact_single,
+    )
+    reference = _decode_step(**case, native=False)
+    native = _decode_step(**case, native=True)
+    assert native_calls == [1]
+    assert native.dtype == torch.float32
     torch.testing.assert_close(native, reference, **TOLERANCE[torch.float32])
 
 
