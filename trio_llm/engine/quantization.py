@@ -10,10 +10,10 @@ Two modes, both through torch's own CPU kernels:
 
 Both kernels read bfloat16 activations (their float32 paths are unvectorised, 5-30x
 slower): a float32 model's activations are rounded to bfloat16 on the way in and the
-bfloat16 result is turned back to the model's dtype. Activations and the KV cache keep
-the model's dtype everywhere else. Quantization changes the outputs: the model's float32
-weights stay the reference (`bench/quantization.py` reports perplexity and greedy
-agreement per mode).
+bfloat16 result is turned back to the model's dtype. Activations keep the model's dtype
+everywhere else, and so does the KV cache unless ``--kv-cache-dtype`` names another.
+Quantization changes the outputs: the model's float32 weights stay the reference
+(`bench/quantization.py` reports perplexity and greedy agreement per mode).
 
 The kernels pay off when a step streams the weights from memory (a few sequences per
 step: 4x or 8x fewer bytes than float32); at large batches they compute more slowly than
