@@ -230,11 +230,15 @@ PROMPTS = {
 MAX_TOKENS = {"long": 12, "short": 5}
 
 
-def _run(model, model_dir, *, batched_prefill: bool = False, **engine_args):
+def _run(model, model_dir, *, gpu_paths: bool = False, **engine_args):
     """The two prompts decoding together (then the long one alone) on an in-process
-    engine; returns the core and, per request, (tokens, logprobs, prompt logprobs)."""
+    engine; returns the core and, per request, (tokens, logprobs, prompt logprobs).
+    ``gpu_paths``: the paths a GPU takes, on the CPU: the prefill chunks attended in one
+    call, and the decode steps padded into the static buffers of the CUDA graphs
+    (`DecodeGraphs` without capturing)."""
     from trio_llm.config import DEFAULT_MODEL
     from trio_llm.engine.core import EngineCore
+    from trio_llm.engine.cuda_graphs import DecodeGraphs
     from trio_llm.messages import AddRequest, SamplingParams
 
     config = engine_config(
@@ -246,7 +250,9 @@ def _run(model, model_dir, *, batched_prefill: bool = False, **engine_args):
         **engine_args,
     )
     core = EngineCore(model, config, str(model_dir))
-    core.runner.batched_prefill = batched_prefill
+    if gpu_paths:
+        core.runner.batched_prefill = True
+        core.runner.graphs = DecodeGraphs(core.runner, max_num_seqs=8, capture=False)
     for name, prompt in PROMPTS.items():
         params = SamplingParams(
             max_tokens=MAX_TOKENS[name],
@@ -284,27 +290,30 @@ def test_auto_keeps_float32_for_a_float32_model(float32_kv) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kv_dtype", "backend", "batched_prefill"),
+    ("kv_dtype", "backend", "gpu_paths"),
     [
         ("bfloat16", "auto", False),  # the native kernel where it loaded
         ("bfloat16", "TORCH_SDPA", False),  # reference: gathered and single decodes
-        ("bfloat16", "TORCH_SDPA", True),  # reference: prefill chunks in one call
+        # A GPU's: prefill chunks in one call, decodes in the CUDA graphs' buffers.
+        ("bfloat16", "TORCH_SDPA", True),
         ("float16", "auto", False),  # always the reference path
     ],
 )
 def test_a_16_bit_cache_stays_near_the_float32_one(
-    smollm2, float32_kv, kv_dtype: str, backend: str, batched_prefill: bool
+    smollm2, float32_kv, kv_dtype: str, backend: str, gpu_paths: bool
 ) -> None:
     exact_core, exact = float32_kv
     core, out = _run(
         *smollm2,
         kv_cache_dtype=kv_dtype,
         attention_backend=backend,
-        batched_prefill=batched_prefill,
+        gpu_paths=gpu_paths,
     )
     assert core.kv_cache.keys[0].dtype == getattr(torch, kv_dtype)
     if kv_dtype == "float16":
         assert core.runner.native_attention is False
+    if gpu_paths:
+        assert core.runner.graphs is not None and core.runner.graphs.num_runs > 0
     # The same 64 MiB hold twice the blocks.
     assert core.info.num_kv_blocks in (
         2 * exact_core.info.num_kv_blocks,
