@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from trio_llm.config import EngineConfig
-from trio_llm.dtype_choice import explain_kv_cache_dtype
 from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.attention_probe import probe_model
 from trio_llm.engine.block_manager import BlockManager
@@ -21,6 +20,7 @@ from trio_llm.engine.kv_cache import (
     KVCacheSize,
     describe_groups,
     describe_layers,
+    kv_cache_dtype,
     size_kv_cache,
 )
 from trio_llm.engine.logprobs import gather_logprobs
@@ -80,21 +80,12 @@ class EngineCore:
         layers = probe_model(model)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
-        kv_name, kv_why = explain_kv_cache_dtype(
-            config.cache.kv_cache_dtype,
-            str(dtype).removeprefix("torch."),
-            config.model.quantization,
-        )
         #: The dtype of the cached keys and values (``--kv-cache-dtype``), and why.
-        self.kv_cache_dtype: torch.dtype = getattr(torch, kv_name)
-        self._kv_dtype_reason = kv_why
-        size = size_kv_cache(
-            layers,
-            config.cache,
-            max_model_len,
-            config.scheduler.max_num_batched_tokens,
-            self.kv_cache_dtype,
+        self.kv_cache_dtype, self._kv_dtype_reason = kv_cache_dtype(
+            config.cache, dtype, config.model.quantization
         )
+        step_tokens = config.scheduler.max_num_batched_tokens
+        size = size_kv_cache(layers, config.cache, max_model_len, step_tokens, self.kv_cache_dtype)
         self.info = ModelInfo(
             model_dir=model_dir,
             max_model_len=max_model_len,

@@ -3,7 +3,8 @@ tensors, and how many blocks a model and configuration get.
 
 `LayerSpec` (one per layer, from `trio_llm.engine.attention_probe.probe_layers`) says what
 a layer keeps; `KVGroups` splits the layers into groups that share block tables (vLLM's
-hybrid KV cache manager); `KVCache` holds the tensors; `size_kv_cache` counts the blocks
+hybrid KV cache manager); `kv_cache_dtype` picks the dtype of the keys and values
+(``--kv-cache-dtype``); `KVCache` holds the tensors; `size_kv_cache` counts the blocks
 that fit in ``--kv-cache-memory`` (or takes ``--num-kv-blocks``) and refuses a cache that
 cannot hold one request of ``max_model_len`` tokens.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig
+from trio_llm.dtype_choice import explain_kv_cache_dtype
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.errors import EngineConfigError
 
@@ -189,6 +191,19 @@ class KVCacheSize:
     num_blocks: int
     block_size: int
     min_num_blocks: int
+
+
+def kv_cache_dtype(
+    cache: CacheConfig, model_dtype: torch.dtype, quantization: str | None
+) -> tuple[torch.dtype, str]:
+    """The dtype of the cached keys and values for ``cache.kv_cache_dtype`` and a model of
+    ``model_dtype`` run with ``quantization``, and why (for the start-up log); see
+    `trio_llm.dtype_choice.explain_kv_cache_dtype` (``auto``: the model's dtype, bfloat16
+    for a float32 model on the GGUF path on a CPU with AVX-512-BF16)."""
+    name, why = explain_kv_cache_dtype(
+        cache.kv_cache_dtype, str(model_dtype).removeprefix("torch."), quantization
+    )
+    return getattr(torch, name), why
 
 
 def size_kv_cache(
