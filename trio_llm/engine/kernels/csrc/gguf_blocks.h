@@ -14,6 +14,9 @@
 namespace trio_llm {
 namespace gguf_blocks {
 
+// GGML type ids of the formats below.
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);

@@ -33,6 +33,7 @@
 
 #include "common.h"
 #include "gguf_blocks.h"
+#include "gguf_tiles.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -40,8 +41,6 @@
 
 namespace trio_llm {
 namespace {
-
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 
 using namespace gguf_blocks;
 
@@ -181,6 +180,10 @@ inline void row_dot(const uint8_t* __restrict__ wrow, const Acts& a, int64_t m0,
   for (int r = 0; r < R; ++r) out[r] = acc_sum(acc0[r], acc1[r]) + off0[r] + off1[r];
 }
 
+// From this many activation rows on, the product runs on AMX tiles where the CPU and the
+// kernel allow (gguf_tiles.cpp): the int8 row kernel below costs M times its M = 1 time.
+constexpr int64_t kTileMinRows = 4;
+
 constexpr int64_t kRowsPerTask = 4;   // output channels per parallel work item, at least
 constexpr int64_t kMTile = 64;        // activation rows per work item (prefill)
 
@@ -280,8 +283,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tens
 }
 
 // y float32 [M, N] = x [M, K] @ dequantize(w).T, w uint8 [N, K / values * bytes] of GGML
-// type `type`; x float32 or bfloat16, quantized to int8 per 32-value block first.
-at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type) {
+// type `type`; x float32 or bfloat16. With `tiles` and M >= kTileMinRows on AMX tiles where
+// available (weights and x rounded to bfloat16), else x quantized to int8 per 32-value block.
+static at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t type, bool tiles) {
   TRIO_LLM_CHECK(x.dim() == 2 && w.dim() == 2, "gguf_matmul: x [M, K] and w [N, row_bytes]");
   TRIO_LLM_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gguf_matmul: CPU tensors only");
   TRIO_LLM_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -294,10 +298,11 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type) {
                  " bytes; K=", K, " of type ", type, " needs ", row_bytes);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
-  auto [q, d, ds] = quantize(x);
-  const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>(), K, K / 32};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  if (tiles && M >= kTileMinRows && gguf_matmul_tiles(x, wp, row_bytes, type, N, yp)) return y;
+  auto [q, d, ds] = quantize(x);
+  const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>(), K, K / 32};
   switch (type) {
     case kQ4_0:
       matmul<FQ4_0>(wp, row_bytes, a, M, N, yp);
@@ -318,10 +323,22 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type) {
   return y;
 }
 
+// The product as the engine takes it: on tiles from kTileMinRows rows where available.
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type) {
+  return product(x, w, type, true);
+}
+
+// The int8 row kernel alone, whatever M (the tiles' fallback; for tests and benchmarks).
+at::Tensor gguf_matmul_int8(const at::Tensor& x, const at::Tensor& w, int64_t type) {
+  return product(x, w, type, false);
+}
+
 }  // namespace trio_llm
 
 TORCH_LIBRARY_FRAGMENT(trio_llm, m) {
   m.def("gguf_quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)",
         &trio_llm::gguf_quantize_rows);
   m.def("gguf_matmul(Tensor x, Tensor w, int type) -> Tensor", &trio_llm::gguf_matmul);
+  m.def("gguf_matmul_int8(Tensor x, Tensor w, int type) -> Tensor", &trio_llm::gguf_matmul_int8);
+  m.def("gguf_tiles_available() -> bool", &trio_llm::gguf_tiles_available);
 }
