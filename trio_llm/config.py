@@ -45,9 +45,11 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("cpu", "cuda")
 
 #: ``--quantization`` values: weight-only modes made at load time
-#: (`trio_llm.engine.quantization`), and ``gguf``: a GGUF model's own quantized blocks
-#: (`trio_llm.engine.gguf_linear`).
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+#: (`trio_llm.engine.quantization`), ``gguf``: a GGUF model's own quantized blocks
+#: (`trio_llm.engine.gguf_linear`), and ``none``: the weights de-quantized. Not given
+#: (None), the engine picks (`trio_llm.dtype_choice.explain_quantization`): ``gguf`` for a
+#: GGUF file it can serve that way, else none.
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", "none")
 
 #: ``--model-impl`` values (vLLM's flag): ``auto`` runs the engine's own forward pass where
 #: a family has one (`trio_llm.engine.native`), ``trio_llm`` requires it, ``transformers``
@@ -113,7 +115,11 @@ class ModelConfig(CheckedFields):
         quantization: ``int8`` or ``int4`` weight-only quantization of the linear layers,
             made at load time (`trio_llm.engine.quantization`; CPU only); ``gguf``: a GGUF
             model's own quantized blocks, multiplied by the native kernels
-            (`trio_llm.engine.gguf_linear`; CPU, Llama GGUF files); or None.
+            (`trio_llm.engine.gguf_linear`; CPU, Llama GGUF files); ``none``: the weights
+            de-quantized to ``dtype``; None (not given): `EngineCore.from_config` picks
+            ``gguf`` for a GGUF file it can serve so unless ``dtype`` is ``float32``
+            (`trio_llm.dtype_choice.explain_quantization`), else none. An `EngineCore`
+            built from a loaded model takes None as none (`weight_quantization`).
         model_impl: ``auto`` (the engine's own forward pass where the family has one,
             `trio_llm.engine.native`), ``trio_llm`` (require it) or ``transformers``.
         attention_backend: ``auto``, ``CPU_ATTN`` or ``TORCH_SDPA`` (`ATTENTION_BACKENDS`):
@@ -137,10 +143,16 @@ class ModelConfig(CheckedFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.quantization is not None and self.device != "cpu":
+        if self.quantization not in (None, "none") and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization!r} runs on the CPU only")
         if self.attention_backend == "CPU_ATTN" and self.device != "cpu":
             raise ValueError("attention_backend CPU_ATTN runs on the CPU only")
+
+    @property
+    def weight_quantization(self) -> str | None:
+        """The quantization method in effect (``int8``, ``int4``, ``gguf``) or None for
+        de-quantized weights: ``quantization`` with ``none`` and not given both None."""
+        return None if self.quantization == "none" else self.quantization
 
 
 @dataclass(frozen=True)

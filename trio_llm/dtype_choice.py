@@ -1,6 +1,8 @@
 """The concrete dtype of ``--dtype auto``, decided by what the hardware has: bfloat16 on
-CUDA and on a CPU with native bf16 arithmetic, float32 on any other CPU; and that of
-``--kv-cache-dtype auto`` (`explain_kv_cache_dtype`): the model's, except on the GGUF path.
+CUDA and on a CPU with native bf16 arithmetic, float32 on any other CPU; that of
+``--kv-cache-dtype auto`` (`explain_kv_cache_dtype`): the model's, except on the GGUF path;
+and the quantization of a model given none (`explain_quantization`): a GGUF file's own
+blocks where the engine can multiply them.
 
 The answer depends only on the CPU's flags, never on a timing, so every engine of one
 model on one machine (data-parallel engines, restarted engines, two servers) serves the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,47 @@ def explain_kv_cache_dtype(
     return model_dtype, (
         f"--kv-cache-dtype auto: the model's dtype (GGUF path, the CPU has no {KV_BF16_CPU_FLAG})"
     )
+
+
+def explain_quantization(
+    quantization: str | None,
+    dtype: str,
+    device: str,
+    gguf_file: Path | None,
+    gguf_problem: Callable[[Path], str | None],
+) -> tuple[str | None, str]:
+    """``(quantization method or None, why)`` for ``--quantization`` (None: not given).
+
+    Not given, a GGUF file on the CPU is served from its own quantized blocks (``gguf``)
+    unless ``dtype`` is ``float32`` (de-quantized float32 weights: the path whose greedy
+    tokens are transformers') or ``gguf_problem(gguf_file)`` names why it cannot be (no
+    native kernels, not a Llama file, a block type without a kernel); everything else is
+    served de-quantized (None). ``none`` is None; another method is kept.
+
+    Args:
+        quantization: ``--quantization`` (`trio_llm.config.QUANTIZATION_METHODS`) or None.
+        dtype: ``--dtype`` as given (``auto``, ``float32``, ``bfloat16``).
+        device: ``cpu`` or ``cuda``.
+        gguf_file: the model's GGUF file, None for a Hugging Face folder.
+        gguf_problem: why a GGUF file cannot be served from its blocks, None if it can
+            (`trio_llm.engine.gguf_linear.gguf_problem`).
+
+    Returns:
+        ``int8``, ``int4``, ``gguf`` or None, and one phrase for the start-up log.
+    """
+    if quantization is not None:
+        method = None if quantization == "none" else quantization
+        return method, f"--quantization {quantization} given"
+    if gguf_file is None:
+        return None, "--quantization auto: none (the model is not a GGUF file)"
+    if device != "cpu":
+        return None, "--quantization auto: none (GGUF blocks are multiplied on the CPU only)"
+    if dtype == "float32":
+        return None, "--quantization auto: none (--dtype float32 de-quantizes the GGUF weights)"
+    problem = gguf_problem(gguf_file)
+    if problem is not None:
+        return None, f"--quantization auto: none, the GGUF weights de-quantized ({problem})"
+    return "gguf", f"--quantization auto: gguf, the decoder multiplies {gguf_file.name}'s blocks"
 
 
 def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> str:

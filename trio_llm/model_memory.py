@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from trio_llm.dtype_choice import resolve_dtype
+from trio_llm.dtype_choice import explain_quantization, resolve_dtype
 from trio_llm.named_models import NAMED_MODELS
 from trio_llm.weight_headers import read_gguf_header, safetensors_weights
 
@@ -75,9 +75,24 @@ def estimate(config: EngineConfig, kind: str, engines: int = 1) -> MemoryNeed:
     # An embedding model's auto is float32 (`trio_llm.engine.pooling`).
     dtype = "float32" if pooling and model.dtype == "auto" else model.dtype
     per_weight = _DTYPE_BYTES[resolve_dtype(dtype, model.device)]
-    weights = weight_bytes(model.model, per_weight, model.quantization == "gguf")
+    weights = weight_bytes(model.model, per_weight, _keeps_gguf_blocks(config))
     kv = 0 if pooling else (config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
     return MemoryNeed(weights * engines, kv * engines, ENGINE_OVERHEAD * engines, engines)
+
+
+def _keeps_gguf_blocks(config: EngineConfig) -> bool:
+    """Whether the engine will keep the GGUF blocks (``--quantization gguf``, given or
+    picked: `trio_llm.dtype_choice.explain_quantization`, here without loading the
+    kernels, so a machine without them is estimated as if it had them)."""
+    model = config.model
+    if model.quantization is not None:
+        return model.quantization == "gguf"
+    named = NAMED_MODELS.get(model.model)
+    gguf = Path(named.file_name if named is not None else model.model)
+    if gguf.suffix != ".gguf":
+        return False
+    method, _ = explain_quantization(None, model.dtype, model.device, gguf, lambda path: None)
+    return method == "gguf"
 
 
 def weight_bytes(model: str, per_weight: int, keep_gguf_blocks: bool = False) -> int:

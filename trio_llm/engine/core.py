@@ -5,12 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from trio_llm.config import EngineConfig
-from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.attention_probe import probe_model
 from trio_llm.engine.block_manager import BlockManager
 from trio_llm.engine.grammar_compiler import GrammarCompiler
@@ -25,13 +23,19 @@ from trio_llm.engine.kv_cache import (
 )
 from trio_llm.engine.logprobs import gather_logprobs
 from trio_llm.engine.model_info import ModelInfo, eos_token_ids_of, max_model_len_of
-from trio_llm.engine.model_runner import PROMPT_LOGITS_ROWS, ModelOutput, ModelRunner, PromptHidden
+from trio_llm.engine.model_runner import (
+    PROMPT_LOGITS_ROWS,
+    ModelOutput,
+    ModelRunner,
+    PromptHidden,
+    gguf_file,
+    load_quantized,
+)
 from trio_llm.engine.request import Request
 from trio_llm.engine.sampler import Sampler
 from trio_llm.engine.scheduled_batch import ScheduledBatch
 from trio_llm.engine.scheduler import Scheduler
 from trio_llm.engine.support import check_supported, describe
-from trio_llm.errors import ModelNotFoundError
 from trio_llm.messages import (
     AddRequest,
     EngineReady,
@@ -41,7 +45,6 @@ from trio_llm.messages import (
     StepStats,
     TokenLogprobs,
 )
-from trio_llm.model_loader import gguf_file_of
 from trio_llm.structured_output.errors import internal_error_text, matcher_error
 
 logger = logging.getLogger(__name__)
@@ -82,7 +85,7 @@ class EngineCore:
         device = next(model.parameters()).device
         #: The dtype of the cached keys and values (``--kv-cache-dtype``), and why.
         self.kv_cache_dtype, self._kv_dtype_reason = kv_cache_dtype(
-            config.cache, dtype, config.model.quantization
+            config.cache, dtype, config.model.weight_quantization
         )
         step_tokens = config.scheduler.max_num_batched_tokens
         size = size_kv_cache(layers, config.cache, max_model_len, step_tokens, self.kv_cache_dtype)
@@ -137,7 +140,7 @@ class EngineCore:
     def _log_model(self, mconf: object, size: KVCacheSize) -> None:
         """Log once how the model runs: its forward, attention layers, cache (and the
         dtype of its keys and values, with why) and head."""
-        quantization = self.config.model.quantization
+        quantization = self.config.model.weight_quantization
         logger.info(
             "%s (%s%s): %s; %s in %s (%s); logits from %s",
             describe(mconf),
@@ -160,7 +163,7 @@ class EngineCore:
             EngineConfigError: the model is one the engine would serve wrongly, or the
                 cache and context settings do not fit it.
         """
-        from trio_llm.model_loader import load_config, load_model, resolve_model_dir
+        from trio_llm.model_loader import load_config, resolve_model_dir
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -174,7 +177,7 @@ class EngineCore:
         # Refuse an unsupported family before reading its weights (some cannot even be
         # loaded with the paged attention).
         check_supported(load_config(model_dir))
-        model = load_model(model_dir, config.model.dtype, ATTENTION_NAME, config.model.device)
+        model, config = load_quantized(model_dir, config)
         return cls(model, config, str(model_dir))
 
     def ready_message(self, pid: int) -> EngineReady:
@@ -427,17 +430,8 @@ def _model_runner(model: torch.nn.Module, kv_cache: KVCache, config: EngineConfi
         kv_cache,
         model_impl=model_config.model_impl,
         attention_backend=model_config.attention_backend,
-        quantization=model_config.quantization,
+        quantization=model_config.weight_quantization,
         cuda_graphs=not model_config.enforce_eager,
         max_num_seqs=config.scheduler.max_num_seqs,
-        gguf_file=_gguf_file(config) if model_config.quantization == "gguf" else None,
+        gguf_file=gguf_file(config) if model_config.weight_quantization == "gguf" else None,
     )
-
-
-def _gguf_file(config: EngineConfig) -> Path | None:
-    """The GGUF file ``config.model`` names (a named GGUF model or a ``.gguf`` path), or
-    None (a Hugging Face folder; ``--quantization gguf`` refuses it)."""
-    try:
-        return gguf_file_of(config.model.model, config.cache_dir())
-    except ModelNotFoundError:
-        return None

@@ -180,18 +180,7 @@ class GGUFWeights:
                 from ``config``'s, or a projection's type has no kernel (the message
                 says which).
         """
-        from gguf import GGUFReader
-
-        try:  # every size its header declares, checked before GGUFReader reads it
-            read_gguf_header(path)
-        except WeightFileError as exc:
-            raise ValueError(str(exc)) from None
-        reader = GGUFReader(str(path))
-        field = reader.fields.get("general.architecture")
-        architecture = bytes(field.parts[field.data[0]]).decode() if field else None
-        if architecture != "llama":
-            raise ValueError(f"{path.name}: architecture {architecture!r} (gguf serves llama)")
-        tensors = {t.name: t for t in reader.tensors}
+        tensors = _llama_tensors(path)
         n_layers = config.num_hidden_layers
         n_head = config.num_attention_heads
         n_kv = getattr(config, "num_key_value_heads", None) or n_head
@@ -238,6 +227,45 @@ class GGUFWeights:
                     f"layer 0's {role} projection in the GGUF file differs from the model's "
                     "weight (not the file the model was converted from?)"
                 )
+
+
+def _llama_tensors(path: Path) -> dict[str, object]:
+    """The tensors of a Llama GGUF file by name (gguf's ``ReaderTensor``, memory-mapped).
+
+    Raises:
+        ValueError: a header that does not hold, or another architecture.
+    """
+    from gguf import GGUFReader
+
+    try:  # every size its header declares, checked before GGUFReader reads it
+        read_gguf_header(path)
+    except WeightFileError as exc:
+        raise ValueError(str(exc)) from None
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    architecture = bytes(field.parts[field.data[0]]).decode() if field else None
+    if architecture != "llama":
+        raise ValueError(f"{path.name}: architecture {architecture!r} (gguf serves llama)")
+    return {t.name: t for t in reader.tensors}
+
+
+def gguf_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be served from its own blocks (``--quantization auto``): the
+    native kernels are not loaded, the file is not a Llama GGUF, or a decoder projection
+    has a block type without a kernel; None where it can be. Never raises."""
+    reason = kernel_available()
+    if reason is not None:
+        return reason
+    try:
+        tensors = _llama_tensors(path)
+    except (ValueError, OSError) as exc:
+        return str(exc)
+    parts = tuple(f".{part}.weight" for part in LLAMA_PROJECTIONS)
+    for name, tensor in tensors.items():
+        if name.startswith("blk.") and name.endswith(parts):
+            if int(tensor.tensor_type) not in GGUF_TYPES:
+                return f"{name} is {tensor.tensor_type.name}, which has no kernel"
+    return None
 
 
 def _linear(tensor: object, file_name: str) -> GGUFLinear:

@@ -14,6 +14,7 @@ a token this step), through the model's own head or an equal, faster product
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,22 +22,25 @@ from pathlib import Path
 
 import torch
 
-from trio_llm.engine.attention import use_native_attention
+from trio_llm.config import EngineConfig
+from trio_llm.dtype_choice import explain_quantization
+from trio_llm.engine.attention import ATTENTION_NAME, use_native_attention
 from trio_llm.engine.attention_metadata import (
     PagedAttentionMetadata,
     step_metadata,
 )
 from trio_llm.engine.cuda_graphs import DecodeGraphs
-from trio_llm.engine.gguf_linear import read_gguf_weights
+from trio_llm.engine.gguf_linear import gguf_problem, read_gguf_weights
 from trio_llm.engine.kv_cache import KVCache
-from trio_llm.engine.native import native_decoder
+from trio_llm.engine.native import native_decoder, native_unsupported
 from trio_llm.engine.output_head import OwnHead, plain_head_weight, quantized_head
 from trio_llm.engine.quantization import quantize_linears
 from trio_llm.engine.request import Request
 from trio_llm.engine.scheduled_batch import ScheduledBatch
 from trio_llm.engine.step_inputs import StepBuilder, StepInputs
 from trio_llm.engine.support import describe
-from trio_llm.errors import EngineConfigError
+from trio_llm.errors import EngineConfigError, ModelNotFoundError
+from trio_llm.model_loader import gguf_file_of, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -240,3 +244,53 @@ class ModelRunner:
         # logits^T = W @ h^T: with torch's BLAS this orientation runs 1.3-1.7x as fast as
         # h @ W^T for 4-32 rows against the 49k-row vocabulary matrix.
         return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous().float()
+
+
+def load_quantized(model_dir: Path, config: EngineConfig) -> tuple[torch.nn.Module, EngineConfig]:
+    """Load ``config``'s model from ``model_dir`` with ``--quantization`` decided
+    (`trio_llm.dtype_choice.explain_quantization`, logged when not given): a GGUF file is
+    served from its own blocks where the engine can (the native forward pass included),
+    else de-quantized (``none``). On the GGUF path ``--dtype auto`` loads float32: the
+    products multiply the blocks whatever the dtype, and float32 activations are the
+    closer to the de-quantized float32 model (docs/benchmarks.md, issue 42).
+
+    Returns:
+        The model (eval mode) and ``config`` with ``quantization`` set (never None).
+
+    Raises:
+        As `trio_llm.model_loader.load_model`.
+    """
+    model_config = config.model
+    asked = model_config.quantization
+    gguf = gguf_file(config) if asked is None else None
+
+    def problem(path: Path) -> str | None:
+        if model_config.model_impl == "transformers":
+            return "--model-impl transformers"
+        return gguf_problem(path)
+
+    method, why = explain_quantization(
+        asked, model_config.dtype, model_config.device, gguf, problem
+    )
+    dtype = model_config.dtype
+    if asked is None and method == "gguf" and dtype == "auto":
+        dtype, why = "float32", f"{why}; --dtype auto: float32 activations on the GGUF path"
+    model = load_model(model_dir, dtype, ATTENTION_NAME, model_config.device)
+    reason = native_unsupported(model) if asked is None and method == "gguf" else None
+    if reason is not None:
+        method, why = None, f"--quantization auto: none ({reason})"
+        if dtype != model_config.dtype:
+            model = load_model(model_dir, model_config.dtype, ATTENTION_NAME, model_config.device)
+    if asked is None:
+        logger.info(why)
+    quantized = dataclasses.replace(model_config, quantization=method or "none")
+    return model, dataclasses.replace(config, model=quantized)
+
+
+def gguf_file(config: EngineConfig) -> Path | None:
+    """The GGUF file ``config.model`` names (a named GGUF model or a ``.gguf`` path), or
+    None (a Hugging Face folder; ``--quantization gguf`` refuses it)."""
+    try:
+        return gguf_file_of(config.model.model, config.cache_dir())
+    except ModelNotFoundError:
+        return None

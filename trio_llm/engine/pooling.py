@@ -124,7 +124,7 @@ class PoolingCore:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if config.model.quantization is not None:
+        if config.model.weight_quantization is not None:
             raise EngineConfigError("--quantization applies to generating models only")
         model_dir = resolve_model_dir(config.model.model, config.cache_dir())
         spec = PoolingSpec.from_folder(model_dir)
