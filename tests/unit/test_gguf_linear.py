@@ -132,6 +132,46 @@ def test_tiles_are_the_bfloat16_rounded_product(
     assert np.abs(int8 - want).max() <= 0.05 * np.abs(want).max()
 
 
+PACKS = REASON is None and torch.ops.trio_llm.gguf_packed_type(int(T.Q4_1)) >= 0
+
+
+@pytest.mark.skipif(not PACKS, reason="no AVX-512 VNNI: blocks are not repacked on this CPU")
+@pytest.mark.parametrize("m", [1, 3, 6, 15, 16, 33])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_packed_blocks_give_the_same_products(qtype: GGMLQuantizationType, m: int) -> None:
+    """Blocks repacked 16 rows at a time (`GGUFLinear.packed`): below 16 rows the VNNI
+    kernel takes the same integer dot products as the row kernel (only float32 summation
+    order differs); from 16 rows, where the CPU has AMX, the tiles' bfloat16 product."""
+    k, n = 256, 48
+    raw = torch.from_numpy(_random_blocks(qtype, n, k, seed=m))
+    layer = GGUFLinear(raw, int(qtype), k)
+    packed = layer.packed()
+    assert packed.kernel_type != int(qtype) and packed.out_features == n
+    with pytest.raises(ValueError, match="packed"):
+        packed.dequantized()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    row = torch.ops.trio_llm.gguf_matmul_int8(x, raw, int(qtype))
+    scale = row.abs().max()
+    ops = torch.ops.trio_llm
+    vnni = ops.gguf_matmul_int8(x, packed.blocks, packed.kernel_type)
+    assert (vnni - row).abs().max() <= 1e-5 * scale
+    y = packed(x)
+    if m >= 16 and ops.gguf_tiles_available():
+        weight = dequantize(raw.numpy(), qtype).reshape(n, k)
+        want = _bfloat16(x.numpy()) @ _bfloat16(weight).T
+        assert np.abs(y.numpy() - want).max() <= 1e-5 * np.abs(want).max()
+    else:
+        assert (y - row).abs().max() <= 1e-5 * scale
+
+
+def test_types_without_a_packing_stay_as_they_are() -> None:
+    raw = torch.from_numpy(_random_blocks(T.Q6_K, 16, 256, seed=0))
+    layer = GGUFLinear(raw, int(T.Q6_K), 256)
+    assert layer.packed() is layer
+    odd = GGUFLinear(torch.from_numpy(_random_blocks(T.Q4_1, 5, 32, seed=0)), int(T.Q4_1), 32)
+    assert odd.packed() is odd  # 5 output channels: not a multiple of 16
+
+
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
 def test_kernel_with_one_block_per_row_and_bfloat16_input(qtype: GGMLQuantizationType) -> None:
     raw = _random_blocks(qtype, 5, 32, seed=1)

@@ -79,6 +79,10 @@ class GGUFLinear(torch.nn.Module):
     ``forward(x)`` takes float32 or bfloat16 ``[..., in_features]`` on the CPU and returns
     ``[..., out_features]`` in ``x``'s dtype (float32 when ``out_dtype`` is given as such).
 
+    `packed` returns the same layer with its blocks repacked for the AVX-512 kernels
+    (``gguf_repack``: 16 output channels interleaved) where the native library packs the
+    type (Q4_0, Q4_1, Q8_0 on a CPU with AVX-512 VNNI).
+
     Raises:
         ValueError: an unsupported type, or blocks whose shape does not fit ``in_features``.
     """
@@ -104,11 +108,29 @@ class GGUFLinear(torch.nn.Module):
                 f"got {blocks.dtype} {tuple(blocks.shape)}"
             )
         self.ggml_type = ggml_type
+        #: The type id the kernel is called with: ``ggml_type``, or its packed id.
+        self.kernel_type = ggml_type
         self.type_name = name
         self.in_features = in_features
         self.out_features = blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = bias
+
+    def packed(self) -> GGUFLinear:
+        """This layer with its blocks repacked (``gguf_repack``) where the native library
+        packs its type and ``out_features`` is a multiple of 16, else itself. A packed
+        layer multiplies the same numbers (the products equal the unpacked kernel's up to
+        float32 summation order) and has no `dequantized`."""
+        ops = torch.ops.trio_llm
+        kernel_type = ops.gguf_packed_type(self.ggml_type)
+        if kernel_type < 0 or self.out_features % 16:
+            return self
+        blocks = ops.gguf_repack(self.blocks, self.ggml_type, self.in_features)
+        layer = GGUFLinear(self.blocks[:0], self.ggml_type, self.in_features, self.bias)
+        layer.blocks = blocks
+        layer.kernel_type = kernel_type
+        layer.out_features = self.out_features
+        return layer
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (``out_dtype``, else ``x``'s)."""
@@ -116,7 +138,7 @@ class GGUFLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
-        y = torch.ops.trio_llm.gguf_matmul(x2, self.blocks, self.ggml_type)
+        y = torch.ops.trio_llm.gguf_matmul(x2, self.blocks, self.kernel_type)
         if self.bias is not None:
             y = y + self.bias
         y = y.to(out_dtype or x.dtype)
@@ -127,7 +149,13 @@ class GGUFLinear(torch.nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight these blocks encode (the
-        gguf package's de-quantization; for tests and the load-time check)."""
+        gguf package's de-quantization; for tests and the load-time check).
+
+        Raises:
+            ValueError: a `packed` layer (its blocks are no longer the file's).
+        """
+        if self.kernel_type != self.ggml_type:
+            raise ValueError("a packed GGUFLinear has no de-quantized view")
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -139,14 +167,15 @@ class GGUFLinear(torch.nn.Module):
     @staticmethod
     def concat(parts: list[GGUFLinear]) -> Callable[[torch.Tensor], torch.Tensor]:
         """One product over several layers' output channels, concatenated in order:
-        one `GGUFLinear` over the stacked blocks where all parts share a type, else the
-        parts' products concatenated (``[..., sum(out_features)]``)."""
+        one `packed` `GGUFLinear` over the stacked blocks where all parts share a type,
+        else the parts' packed products concatenated (``[..., sum(out_features)]``)."""
         if len({p.ggml_type for p in parts}) == 1 and all(p.bias is None for p in parts):
             blocks = torch.cat([p.blocks for p in parts], dim=0)
-            return GGUFLinear(blocks, parts[0].ggml_type, parts[0].in_features).forward
+            return GGUFLinear(blocks, parts[0].ggml_type, parts[0].in_features).packed().forward
+        packed = [p.packed() for p in parts]
 
         def product(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([p(x) for p in parts], dim=-1)
+            return torch.cat([p(x) for p in packed], dim=-1)
 
         return product
 

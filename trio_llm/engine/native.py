@@ -110,9 +110,9 @@ class _Layer:
             for role, module in zip(gguf, _projections(layer), strict=True):
                 gguf[role].bias = None if module.bias is None else module.bias.detach()
             self.qkv = GGUFLinear.concat([gguf["q"], gguf["k"], gguf["v"]])
-            self.o = gguf["o"].forward
+            self.o = gguf["o"].packed().forward
             self.gate_up = GGUFLinear.concat([gguf["gate"], gguf["up"]])
-            self.down = gguf["down"].forward
+            self.down = gguf["down"].packed().forward
             return
         self.qkv = _projection(*_concat([attn.q_proj, attn.k_proj, attn.v_proj]), quantization)
         self.o = _projection(attn.o_proj.weight, attn.o_proj.bias, quantization)

@@ -163,7 +163,7 @@ def quantized_head(
             and weight is not None
             and torch.equal(head.dequantized().to(dtype), weight)
         ):
-            return functools.partial(head.forward, out_dtype=torch.float32)
+            return functools.partial(head.packed().forward, out_dtype=torch.float32)
         logger.info("--quantization gguf: the output projection stays in float")
         return None
     if quantization is None or weight is None:

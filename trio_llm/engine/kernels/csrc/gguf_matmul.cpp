@@ -33,6 +33,7 @@
 
 #include "common.h"
 #include "gguf_blocks.h"
+#include "gguf_packed.h"
 #include "gguf_tiles.h"
 
 #if defined(__AVX2__)
@@ -183,6 +184,9 @@ inline void row_dot(const uint8_t* __restrict__ wrow, const Acts& a, int64_t m0,
 // From this many activation rows on, the product runs on AMX tiles where the CPU and the
 // kernel allow (gguf_tiles.cpp): the int8 row kernel below costs M times its M = 1 time.
 constexpr int64_t kTileMinRows = 4;
+// The same for repacked blocks, whose VNNI kernel (gguf_packed.cpp) stays ahead of the tiles
+// up to about 16 rows (SmolLM2's layers, Intel Xeon with AMX: 227 against 342 us at 8 rows).
+constexpr int64_t kPackedTileMinRows = 16;
 
 constexpr int64_t kRowsPerTask = 4;   // output channels per parallel work item, at least
 constexpr int64_t kMTile = 64;        // activation rows per work item (prefill)
@@ -282,6 +286,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tens
   return quantize(x);
 }
 
+// As `product` for w repacked by gguf_repack (type kPacked + its GGML type).
+static at::Tensor packed_product(const at::Tensor& x, const at::Tensor& w, int64_t type,
+                                 bool tiles) {
+  TRIO_LLM_CHECK(gguf_packed_type(type - kPacked) == type, "gguf_matmul: packed type ", type,
+                 " is not one this library packs");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
+  TRIO_LLM_CHECK(K % 32 == 0, "gguf_matmul: K=", K, " is not a multiple of 32");
+  const int64_t group = type - kPacked == kQ8_0 ? 576 : 320;
+  TRIO_LLM_CHECK(w.size(1) == K / 32 * group, "gguf_matmul: packed rows of ", w.size(1),
+                 " bytes; K=", K, " needs ", K / 32 * group);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y;
+  float* yp = y.data_ptr<float>();
+  if (tiles && M >= kPackedTileMinRows && gguf_packed_tiles(x, w, type, yp)) return y;
+  auto [q, d, ds] = quantize(x);
+  gguf_packed_vnni(q.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>(), M, K, w,
+                   type, yp);
+  return y;
+}
+
 // y float32 [M, N] = x [M, K] @ dequantize(w).T, w uint8 [N, K / values * bytes] of GGML
 // type `type`; x float32 or bfloat16. With `tiles` and M >= kTileMinRows on AMX tiles where
 // available (weights and x rounded to bfloat16), else x quantized to int8 per 32-value block.
@@ -290,6 +314,9 @@ static at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t type
   TRIO_LLM_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gguf_matmul: CPU tensors only");
   TRIO_LLM_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(),
                  "gguf_matmul: w must be a contiguous uint8 tensor of GGUF blocks");
+  TRIO_LLM_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                 "gguf_matmul: x must be float32 or bfloat16");
+  if (type >= kPacked) return packed_product(x, w, type, tiles);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const int64_t values = values_per_block(type);
   TRIO_LLM_CHECK(K % values == 0, "gguf_matmul: K=", K, " is not a multiple of ", values);
@@ -341,4 +368,6 @@ TORCH_LIBRARY_FRAGMENT(trio_llm, m) {
   m.def("gguf_matmul(Tensor x, Tensor w, int type) -> Tensor", &trio_llm::gguf_matmul);
   m.def("gguf_matmul_int8(Tensor x, Tensor w, int type) -> Tensor", &trio_llm::gguf_matmul_int8);
   m.def("gguf_tiles_available() -> bool", &trio_llm::gguf_tiles_available);
+  m.def("gguf_packed_type(int type) -> int", &trio_llm::gguf_packed_type);
+  m.def("gguf_repack(Tensor w, int type, int K) -> Tensor", &trio_llm::gguf_repack);
 }

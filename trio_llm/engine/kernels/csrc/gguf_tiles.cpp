@@ -26,8 +26,7 @@
 #include "common.h"
 #include "gguf_blocks.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define TRIO_LLM_TILES 1
+#if defined(TRIO_LLM_TILES)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -51,15 +50,6 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// All 8 tiles: 16 rows of 64 bytes (32 bfloat16, or 16 float32 / bfloat16 pairs).
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
 
 // 4-bit formats: a block's 16 possible values (s * q + m, q = 0..15; Q4_0's q - 8 read as
 // q with m = -8 s) rounded to bfloat16 once, then looked up per value (vpermw).
@@ -179,7 +169,7 @@ void matmul_tiles(const uint8_t* w, int64_t row_bytes, const uint16_t* xv, int64
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> wbuf(32 * K);
-    configure_tiles();
+    gguf_configure_tiles();
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
         dequantize_rows<F>(w, row_bytes, K, t * 32, wbuf.data());
@@ -195,6 +185,21 @@ bool request_tiles() {
 }
 
 }  // namespace
+
+// All 8 tiles: 16 rows of 64 bytes (32 bfloat16, or 16 float32 / bfloat16 pairs). The
+// configuration is a static object: GCC's _tile_loadconfig tells the compiler it reads only
+// the first 8 bytes, so the stores of a local one can be dropped (ldtilecfg then faults).
+void gguf_configure_tiles() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
 
 bool gguf_tiles_available() {
   static const bool granted = request_tiles();
