@@ -16,12 +16,10 @@ writes the layer's new keys and values into the cache at ``slot_mapping``, then 
   context (straight from the new keys when there is no earlier context; in a
   sliding-window layer, from the first key the chunk's first query sees).
 
-The cache may hold another dtype than the model's (``--kv-cache-dtype``, e.g. bfloat16
-keys and values of a float32 model): new keys and values are cast to the cache's dtype as
-they are written, and every path that reads them back casts what it read to the query's
-dtype, so the products and the softmax run in the model's dtype as they would without the
-cast (the native kernel reads float32 and bfloat16 caches itself and computes in float32;
-a float16 cache takes the reference path, `use_native_attention`).
+The cache may hold another dtype than the model's (``--kv-cache-dtype``): keys and values
+are cast to it as they are written and back to the query's dtype as they are read (the
+native kernel reads float32 and bfloat16 caches and computes in float32; float16 takes the
+reference path), except a prefill chunk's context on a CPU with native bf16 (`context_dtype`).
 
 Each layer's own attention is kept: its softmax ``scaling``, its ``sliding_window`` (a
 query at position ``p`` sees the keys at positions ``p - window + 1 .. p``, as transformers'
@@ -44,6 +42,7 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 
 from trio_llm.config import ATTENTION_BACKENDS
+from trio_llm.dtype_choice import context_dtype
 from trio_llm.engine import kernels
 from trio_llm.engine.attention_metadata import (
     LayerProbe,
@@ -309,8 +308,8 @@ def _prefill_chunk(
 ) -> None:
     """One prefill chunk's queries (rows ``span.start ..`` of ``q`` ``[T, H, D]``), causal
     over its context: the new keys (``key``/``value`` ``[1, H_kv, T, D]``) when it has no
-    earlier context, else its keys read from the cache (in ``q``'s dtype: with a 16-bit
-    cache, rounded once, as a decode reads them)."""
+    earlier context, else its keys read from the cache (in `context_dtype`: ``q``'s, or
+    bfloat16 for float32 queries over a bfloat16 cache on a CPU with native bf16)."""
     end = span.start + span.num_new
     q_span = q[span.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if span.slots is None:
@@ -323,8 +322,10 @@ def _prefill_chunk(
         if layer.window is not None:
             first_key = max(0, span.context_len - span.num_new - layer.window + 1)
         slots = span.slots[layer.group][first_key:]
-        k_span = layer.keys.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-        v_span = layer.values.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        dtype = context_dtype(q.dtype, layer.keys.dtype, q.device)
+        q_span = q_span.to(dtype)
+        k_span = layer.keys.index_select(0, slots).to(dtype).transpose(0, 1).unsqueeze(0)
+        v_span = layer.values.index_select(0, slots).to(dtype).transpose(0, 1).unsqueeze(0)
     if span.slots is None and layer.window is None and layer.softcap is None:
         o = F.scaled_dot_product_attention(
             q_span, k_span, v_span, is_causal=True, scale=layer.scaling, enable_gqa=True
