@@ -45,6 +45,25 @@ class WeightFileError(OSError):
 
 
 @dataclass(frozen=True)
+class GGUFTensor:
+    """One entry of a GGUF file's tensor table (checked by `read_gguf_header`).
+
+    Attributes:
+        name: the tensor's name (``blk.0.attn_q.weight``).
+        ggml_type: its GGML type id.
+        dims: its dimensions as GGUF lists them (innermost first: ``[K, N]``).
+        offset: where its data starts, bytes from the data section's start.
+        nbytes: its data's size in bytes.
+    """
+
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class GGUFHeader:
     """What `read_gguf_header` found.
 
@@ -55,6 +74,8 @@ class GGUFHeader:
         data_start: where the data section starts (bytes from the file's start).
         data_bytes: the bytes of the data section the tensors span (to the end of the
             last one).
+        architecture: ``general.architecture`` (``llama``, ``gemma3``), or None.
+        tensors: the tensor table, in the file's order.
     """
 
     version: int
@@ -62,6 +83,8 @@ class GGUFHeader:
     num_weights: int
     data_start: int
     data_bytes: int
+    architecture: str | None = None
+    tensors: tuple[GGUFTensor, ...] = ()
 
 
 class _Reader:
@@ -161,26 +184,35 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
         num_tensors = reader.count("<Q", "tensors", _MIN_TENSOR_BYTES)
         num_pairs = reader.count("<Q", "metadata pairs", _MIN_PAIR_BYTES)
         alignment = _DEFAULT_ALIGNMENT
+        architecture = None
         for _ in range(num_pairs):
             key = reader.string("a metadata key", keep=64)
-            value = reader.value(int(reader.unpack("<I")))
+            kind = int(reader.unpack("<I"))
+            if key == b"general.architecture" and kind == _STRING:
+                architecture = reader.string("the architecture", keep=64).decode(errors="replace")
+                continue
+            value = reader.value(kind)
             if key == b"general.alignment":
                 if value is None or value <= 0 or value & (value - 1):
                     raise reader.fail(f"general.alignment {value} is not a power of two")
                 alignment = value
         num_weights = data_bytes = 0
         sizes = _block_sizes()
+        tensors = []
         for _ in range(num_tensors):
-            elements, end = _tensor(reader, sizes, alignment)
-            num_weights += elements
-            data_bytes = max(data_bytes, end)
+            tensor = _tensor(reader, sizes, alignment)
+            tensors.append(tensor)
+            num_weights += math.prod(tensor.dims)
+            data_bytes = max(data_bytes, tensor.offset + tensor.nbytes)
         data_start = -(-handle.tell() // alignment) * alignment
     if data_start + data_bytes > reader.size:
         raise WeightFileError(
             f"{path}: its tensors span {data_bytes} bytes of data, more than the "
             f"{max(0, reader.size - data_start)} the file holds"
         )
-    return GGUFHeader(version, num_tensors, num_weights, data_start, data_bytes)
+    return GGUFHeader(
+        version, num_tensors, num_weights, data_start, data_bytes, architecture, tuple(tensors)
+    )
 
 
 def _block_sizes() -> dict[int, tuple[int, int]]:
@@ -191,10 +223,9 @@ def _block_sizes() -> dict[int, tuple[int, int]]:
     return {int(kind): size for kind, size in GGML_QUANT_SIZES.items()}
 
 
-def _tensor(reader: _Reader, sizes: dict[int, tuple[int, int]], alignment: int) -> tuple[int, int]:
-    """One tensor's entry, checked: its number of values, and where its data ends
-    (bytes from the data section's start)."""
-    reader.string("a tensor name")
+def _tensor(reader: _Reader, sizes: dict[int, tuple[int, int]], alignment: int) -> GGUFTensor:
+    """One tensor's entry, checked."""
+    name = reader.string("a tensor name", keep=256).decode(errors="replace")
     num_dims = int(reader.unpack("<I"))
     if not 1 <= num_dims <= GGUF_MAX_DIMS:
         raise reader.fail(f"a tensor of {num_dims} dimensions (1 to {GGUF_MAX_DIMS})")
@@ -210,7 +241,7 @@ def _tensor(reader: _Reader, sizes: dict[int, tuple[int, int]], alignment: int) 
         raise reader.fail(f"a row of {dims[0]} values of type {ggml_type} ({block} a block)")
     if offset % alignment:
         raise reader.fail(f"a tensor's offset {offset} is not aligned to {alignment}")
-    return elements, offset + elements // block * block_bytes
+    return GGUFTensor(name, ggml_type, tuple(dims), offset, elements // block * block_bytes)
 
 
 def safetensors_weights(path: str | Path) -> int:

@@ -21,6 +21,7 @@ a file that does not match the model is refused.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 from trio_llm.engine import kernels
 from trio_llm.engine.support import describe
 from trio_llm.errors import EngineConfigError
-from trio_llm.weight_headers import WeightFileError, read_gguf_header
+from trio_llm.weight_headers import GGUFHeader, GGUFTensor, WeightFileError, read_gguf_header
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +148,10 @@ class GGUFLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"{self.type_name}, in_features={self.in_features}, out_features={self.out_features}"
 
-    def dequantized(self) -> torch.Tensor:
+    def dequantized(self, rows: int | None = None) -> torch.Tensor:
         """The float32 ``[out_features, in_features]`` weight these blocks encode (the
-        gguf package's de-quantization; for tests and the load-time check).
+        gguf package's de-quantization; for tests and the load-time check), or its first
+        ``rows`` rows.
 
         Raises:
             ValueError: a `packed` layer (its blocks are no longer the file's).
@@ -159,10 +161,9 @@ class GGUFLinear(torch.nn.Module):
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        values = dequantize(self.blocks.numpy(), GGMLQuantizationType(self.ggml_type))
-        return torch.from_numpy(np.ascontiguousarray(values)).view(
-            self.out_features, self.in_features
-        )
+        blocks = self.blocks[:rows]
+        values = dequantize(blocks.numpy(), GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(values)).view(-1, self.in_features)
 
     @staticmethod
     def concat(parts: list[GGUFLinear]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -228,7 +229,7 @@ class GGUFWeights:
             layers.append(layer)
         head_tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
         head = None
-        if head_tensor is not None and int(head_tensor.tensor_type) in GGUF_TYPES:
+        if head_tensor is not None and head_tensor.ggml_type in GGUF_TYPES:
             head = _linear(head_tensor, path.name)
         return cls(layers, head)
 
@@ -258,24 +259,51 @@ class GGUFWeights:
                 )
 
 
-def _llama_tensors(path: Path) -> dict[str, object]:
-    """The tensors of a Llama GGUF file by name (gguf's ``ReaderTensor``, memory-mapped).
+def _llama_tensors(path: Path) -> dict[str, _Tensor]:
+    """The tensors of a Llama GGUF file by name, their data memory-mapped (the header read
+    by `read_gguf_header`, every declared size checked; the tokenizer's metadata skipped).
 
     Raises:
         ValueError: a header that does not hold, or another architecture.
+        OSError: the file cannot be read.
     """
-    from gguf import GGUFReader
-
-    try:  # every size its header declares, checked before GGUFReader reads it
-        read_gguf_header(path)
+    stat = path.stat()
+    try:
+        header = _header(str(path), stat.st_size, stat.st_mtime_ns)
     except WeightFileError as exc:
         raise ValueError(str(exc)) from None
-    reader = GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    architecture = bytes(field.parts[field.data[0]]).decode() if field else None
-    if architecture != "llama":
-        raise ValueError(f"{path.name}: architecture {architecture!r} (gguf serves llama)")
-    return {t.name: t for t in reader.tensors}
+    if header.architecture != "llama":
+        raise ValueError(f"{path.name}: architecture {header.architecture!r} (gguf serves llama)")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    return {
+        t.name: _Tensor(t, data[header.data_start + t.offset :][: t.nbytes]) for t in header.tensors
+    }
+
+
+@functools.lru_cache(maxsize=4)
+def _header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
+    """`read_gguf_header`, once per file version (start-up reads it twice: for
+    `gguf_problem`, then for the weights; SmolLM2's vocabulary makes it 0.4 s)."""
+    return read_gguf_header(path)
+
+
+class _Tensor:
+    """A tensor of the table with its data (uint8, memory-mapped)."""
+
+    def __init__(self, entry: GGUFTensor, data: np.ndarray) -> None:
+        self.name = entry.name
+        self.ggml_type = entry.ggml_type
+        self.dims = entry.dims
+        self.data = data
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        try:
+            return GGMLQuantizationType(self.ggml_type).name
+        except ValueError:
+            return f"type {self.ggml_type}"
 
 
 def gguf_problem(path: Path) -> str | None:
@@ -291,23 +319,21 @@ def gguf_problem(path: Path) -> str | None:
         return str(exc)
     parts = tuple(f".{part}.weight" for part in LLAMA_PROJECTIONS)
     for name, tensor in tensors.items():
-        if name.startswith("blk.") and name.endswith(parts):
-            if int(tensor.tensor_type) not in GGUF_TYPES:
-                return f"{name} is {tensor.tensor_type.name}, which has no kernel"
+        if name.startswith("blk.") and name.endswith(parts) and tensor.ggml_type not in GGUF_TYPES:
+            return f"{name} is {tensor.type_name}, which has no kernel"
     return None
 
 
-def _linear(tensor: object, file_name: str) -> GGUFLinear:
-    ggml_type = int(tensor.tensor_type)
-    if ggml_type not in GGUF_TYPES:
+def _linear(tensor: _Tensor, file_name: str) -> GGUFLinear:
+    if tensor.ggml_type not in GGUF_TYPES:
         names = ", ".join(name for name, _, _ in GGUF_TYPES.values())
         raise ValueError(
-            f"{file_name}: {tensor.name} is {tensor.tensor_type.name}; --quantization gguf "
+            f"{file_name}: {tensor.name} is {tensor.type_name}; --quantization gguf "
             f"multiplies {names}"
         )
-    in_features = int(tensor.shape[0])  # GGUF shapes are [K, N]
+    in_features = int(tensor.dims[0])  # GGUF shapes are [K, N]
     blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
-    return GGUFLinear(blocks.view(int(tensor.shape[1]), -1), ggml_type, in_features)
+    return GGUFLinear(blocks.view(int(tensor.dims[1]), -1), tensor.ggml_type, in_features)
 
 
 def read_gguf_weights(
