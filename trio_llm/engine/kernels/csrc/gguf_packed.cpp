@@ -24,13 +24,13 @@
 
 #include <ATen/Parallel.h>
 
-#include <atomic>
 #include <cstring>
 #include <vector>
 
 #include "common.h"
 #include "gguf_blocks.h"
 #include "gguf_tiles.h"
+#include "work_split.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TRIO_LLM_PACKED 1
@@ -160,21 +160,6 @@ void vnni_task(const uint8_t* w, int64_t nb, int64_t g, const PackedActs& a, int
       vnni_group<kQ8, 1>(w, nb, g, a, K, m, N, y);
       break;
   }
-}
-
-// Runs task(t) for t in [0, tasks) on the intra-op threads, each taking the next task as
-// it finishes one (a thread slowed by a neighbour takes fewer). `setup` runs once per
-// thread first, `teardown` after.
-template <class Task, class Setup, class Teardown>
-void dynamic_tasks(int64_t tasks, Task task, Setup setup, Teardown teardown) {
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    if (begin >= end) return;
-    setup();
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) task(t);
-    teardown();
-  });
 }
 
 #if defined(TRIO_LLM_TILES)

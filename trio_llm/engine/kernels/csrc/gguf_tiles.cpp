@@ -19,12 +19,12 @@
 
 #include <ATen/Parallel.h>
 
-#include <atomic>
 #include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "gguf_blocks.h"
+#include "work_split.h"
 
 #if defined(TRIO_LLM_TILES)
 #include <immintrin.h>
@@ -164,20 +164,18 @@ void multiply_block(const uint16_t* wbuf, const uint16_t* xv, int64_t M, int64_t
 template <class F>
 void matmul_tiles(const uint8_t* w, int64_t row_bytes, const uint16_t* xv, int64_t M,
                   int64_t Mp, int64_t K, int64_t N, float* y) {
-  const int64_t tasks = N / 32;
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> wbuf(32 * K);
-    gguf_configure_tiles();
-    for (int64_t i = begin; i < end; ++i) {
-      for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+  thread_local std::vector<uint16_t> wbuf;
+  dynamic_tasks(
+      N / 32,
+      [&](int64_t t) {
         dequantize_rows<F>(w, row_bytes, K, t * 32, wbuf.data());
         multiply_block(wbuf.data(), xv, M, Mp, K, N, t * 32, y);
-      }
-    }
-    _tile_release();
-  });
+      },
+      [&] {
+        wbuf.resize(32 * K);
+        gguf_configure_tiles();
+      },
+      [] { _tile_release(); });
 }
 
 bool request_tiles() {
