@@ -264,6 +264,8 @@ class EngineConfig(CheckedFields):
             ready (the server sets it from ``--engine-step-timeout``).
         data_parallel_rank: this engine's rank among ``--data-parallel-size`` engines; on
             CUDA it runs on the rank-th visible GPU (``CUDA_VISIBLE_DEVICES`` order).
+        ps_tag: arguments the child appends to its command line (for ``ps``) when it
+            started without them: a spare child (`trio_llm.frontend.spare_engine`).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -273,6 +275,7 @@ class EngineConfig(CheckedFields):
     adaptive_threads: bool | None = None
     heartbeat_interval: float = setting(1.0, range=Range(0, exclusive=True))
     data_parallel_rank: int = setting(0, range=Range(0))
+    ps_tag: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,18 +2,18 @@
 (`trio_llm.model_catalog`), each run by its own engine children while loaded; `ModelPool`
 is the app's `trio_llm.api.model_router.ModelRouter`.
 
-Each loaded model is a task of the pool's nursery (`ModelPool.run`, in the supervisor's
-engines' nursery) that owns its engines from start to stop: it makes room
-(`trio_llm.model_room`: a place under ``--max-loaded-models``, memory), starts the engines
-(`trio_llm.engine_fleet.run_model`), serves until unloaded (``POST /models/unload``), idle
-past its ``keep_alive``, evicted, or its engines failed for good, then stops them. A
-request for a model not loaded starts its load and waits (``--engine-restart-wait``, then
-503) while others are served; a model that failed to load answers with the load error and
-is tried again by a request after a backoff (at once by ``POST /models/load``).
+Each loaded model is a task of the pool's nursery (`ModelPool.run`) that owns its engines
+from start to stop: it makes room (`trio_llm.model_room`: ``--max-loaded-models``,
+memory), starts the engines (`trio_llm.engine_fleet.run_model`; where models load on
+demand, from a spare child with its imports done, `trio_llm.frontend.spare_engine`),
+serves until unloaded (``POST /models/unload``), idle past its ``keep_alive``, evicted, or
+its engines failed for good, then stops them. A request for a model not loaded starts its
+load and waits (``--engine-restart-wait``, then 503); a model that failed to load answers
+with the load error and is tried again after a backoff (at once by ``POST /models/load``).
 
 The first (default) model loads before the server binds its port. On a server of one
-model nothing else changes: its engines failing for good stop the server (exit 1), and it
-is unloaded only when asked. On a server of several, a model's failure is its own.
+model its engines failing for good stop the server (exit 1). On a server of several, a
+model's failure is its own.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from trio_llm.api.serving import OpenAIServing
 from trio_llm.engine_fleet import EngineOwner, run_model
 from trio_llm.errors import EngineDeadError, EngineError, EngineStartupError, first_leaf
 from trio_llm.frontend.handle import EngineHandle
+from trio_llm.frontend.spare_engine import SpareEngine, spare_wanted
 from trio_llm.model_catalog import Catalog, CatalogEntry
 from trio_llm.model_room import ModelRoom, PoolModel
 from trio_llm.server_config import ServerConfig
@@ -122,8 +123,7 @@ class ModelPool(ModelRouter):
         self._stopping = False
         self._stopped = trio.Event()
         self._listeners: list[Callable[[str, EngineHandle], None]] = []
-
-    # ------------------------------------------------------------ the router's view
+        self._spare = SpareEngine() if starter is run_model and spare_wanted(config) else None
 
     @property
     def ended(self) -> trio.Event:
@@ -169,8 +169,6 @@ class ModelPool(ModelRouter):
     def changed_event(self) -> trio.Event:
         """The event the next `notify` sets."""
         return self._changed
-
-    # ------------------------------------------------------------ requests
 
     def _model_of(self, name: str | None, *, strict: bool = True) -> PoolModel:
         """The model ``name`` names (None: the default).
@@ -253,8 +251,7 @@ class ModelPool(ModelRouter):
             model.unload_requested = True
             self.notify()
         while model.attempt == cycle and model.state in ("loading", "loaded", "unloading"):
-            event = self._changed
-            await event.wait()
+            await self._changed.wait()
 
     async def reload(self) -> tuple[list[str], list[str]]:
         if self.catalog.models_dir is None:
@@ -278,8 +275,6 @@ class ModelPool(ModelRouter):
                 f"({', '.join(self.catalog.names())} served)"
             )
         return [entry.name for entry in added], [entry.name for entry in removed]
-
-    # ------------------------------------------------------------ the server's stop
 
     def close_admissions(self) -> None:
         """Start draining: no model loads from now on, loaded ones admit no request."""
@@ -325,8 +320,6 @@ class ModelPool(ModelRouter):
         model.died = reason
         self.notify()
 
-    # ------------------------------------------------------------ the models' tasks
-
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the models' tasks: load the default model, report ready, then run until
         `stop` (every model's engines gone).
@@ -337,11 +330,15 @@ class ModelPool(ModelRouter):
         """
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self._spare is not None:  # models load on demand: an engine child waits
+                nursery.start_soon(self._spare.run)
             default = self._model_of(None)
             default.begin()
             await nursery.start(self._model_task, default, True)
             task_status.started()
             await self._stopped.wait()
+            if self._spare is not None:
+                self._spare.close()
 
     def _start(self, model: PoolModel) -> None:
         """Start loading ``model`` (a task of the pool's nursery)."""
@@ -365,6 +362,8 @@ class ModelPool(ModelRouter):
         default model at start-up: raised, the server does not start).
         """
         model.scope = trio.CancelScope()
+        if self._spare is not None:
+            self._spare.install()  # this task's context: its engines may take the spare
         try:
             with model.scope:
                 config = await self._room.take(model, fatal=fatal)

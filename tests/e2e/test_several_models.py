@@ -8,9 +8,10 @@ tiny model's engine fails only its requests (SmolLM2's stream goes on) and it re
 a SIGTERM drain lets a stream of each of two busy models finish, exit 0, nothing left.
 
 A second server holds one model at a time (``--max-loaded-models 1``): requests that
-alternate between two models are all answered, each switch unloads the other model (its
-engine process is gone), a request's ``keep_alive: 0`` unloads its model when it ends,
-and ``POST /models/unload`` / ``/models/load`` do what they say.
+alternate between two models are all answered, the first load takes the engine child
+started ahead (the spare, which then names its model for ``ps``), each switch unloads the
+other model (its engine process is gone), a request's ``keep_alive: 0`` unloads its model
+when it ends, and ``POST /models/unload`` / ``/models/load`` do what they say.
 """
 
 from __future__ import annotations
@@ -258,6 +259,9 @@ async def test_one_model_at_a_time(tmp_path: Path, tiny_model_dir: Path, minilm_
                 assert response.status_code == 200, response.text
 
             embed = partial(_embed, server.url, EMBED, TEXTS)
+            # Once the default model is up, an engine child is started ahead (its command
+            # line names no model); the next model loaded takes it and then names itself.
+            spare = await _spare_engine(server)
             # Alternating, one at a time: each request loads its model, and the other
             # model's engine process is gone by then.
             for request, loaded, unloaded in (
@@ -267,6 +271,9 @@ async def test_one_model_at_a_time(tmp_path: Path, tiny_model_dir: Path, minilm_
             ):
                 gone = engine_of(server, unloaded)
                 await request()
+                if spare is not None:
+                    assert engine_of(server, loaded) == spare, command_line(spare)
+                    spare = None
                 tree |= server.descendants()
                 assert await _models_status(client) == {loaded: "loaded", unloaded: "unloaded"}
                 assert engine_of(server, unloaded) is None and engine_of(server, loaded)
@@ -285,6 +292,22 @@ async def test_one_model_at_a_time(tmp_path: Path, tiny_model_dir: Path, minilm_
     with trio.fail_after(10):
         for pid in tree:
             await wait_for_exit(pid)
+
+
+async def _spare_engine(server: ServerProcess) -> int:
+    """The engine child waiting as a spare: the one whose command line names no model."""
+    found: list[int] = []
+
+    async def waiting() -> bool:
+        found[:] = [
+            pid
+            for pid in engine_children(server.pid)
+            if "--served-model-name" not in command_line(pid)
+        ]
+        return len(found) == 1
+
+    await poll(waiting, 60)
+    return found[0]
 
 
 async def _keep_alive_and_management(server: ServerProcess, client: httpx.AsyncClient) -> None:

@@ -1,6 +1,12 @@
-"""How layers are split into KV cache groups (`KVGroups.plan`): no model needed."""
+"""How layers are split into KV cache groups (`KVGroups.plan`), and the pool's tensors:
+no model needed."""
 
-from trio_llm.engine.kv_cache import KVGroups, LayerSpec
+import os
+from pathlib import Path
+
+import torch
+
+from trio_llm.engine.kv_cache import KVCache, KVGroups, LayerSpec
 
 FULL = LayerSpec(num_kv_heads=1, head_dim=256)
 WINDOW = LayerSpec(num_kv_heads=1, head_dim=256, sliding_window=512)
@@ -40,3 +46,21 @@ def test_uneven_counts_split_by_their_greatest_common_divisor() -> None:
     groups = KVGroups.plan(specs, 8192)
     assert groups.layers == ((0, 1), (2, 3), (4, 5))
     assert groups.windows == (None, None, 512)
+
+
+def test_the_pool_is_zeros_that_cost_nothing_until_written() -> None:
+    # A pool of 1 GiB (4 tensors): mapped, not written, so this process's resident memory grows by
+    # only what is touched; every element reads as zero; views outlive the cache.
+    def resident_bytes() -> int:
+        fields = Path("/proc/self/statm").read_text().split()
+        return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident_bytes()
+    cache = KVCache([FULL] * 2, KVGroups.plan([FULL] * 2, 8192), 511, 1024, torch.bfloat16)
+    assert cache.keys[0].shape == (512 * 1024, 1, 256) and cache.keys[0].dtype == torch.bfloat16
+    assert resident_bytes() - before < 64 << 20
+    key = cache.keys[1][:3]
+    assert cache.values[1][-5:].count_nonzero() == 0 and key.count_nonzero() == 0
+    del cache
+    key += 1.5
+    assert torch.equal(key, torch.full((3, 1, 256), 1.5, dtype=torch.bfloat16))

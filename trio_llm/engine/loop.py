@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import cloudpickle
+import setproctitle
 import torch
 import trio
 
@@ -93,6 +94,8 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
     if frame is None:
         return 0
     config: EngineConfig = cloudpickle.loads(frame)
+    if config.ps_tag:
+        setproctitle.setproctitle(" ".join([setproctitle.getproctitle(), *config.ps_tag]))
     logger.debug("engine core %d: starting %s", os.getpid(), config.model.model)
     if config.model.device == "cuda" and config.data_parallel_rank:
         problem = select_gpu(config.data_parallel_rank, os.environ)

@@ -36,6 +36,7 @@ from trio_llm.config import DETOKENIZER_MODES, EngineConfig
 from trio_llm.errors import EngineDeadError, EngineHungError, EngineStartupError
 from trio_llm.frontend.child_process import ChildProcess
 from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.spare_engine import engine_command, replenish_spare, take_spare
 from trio_llm.messages import EngineFailed, EngineReady
 from trio_llm.server_config import RestartPolicy
 
@@ -59,9 +60,13 @@ class _Children:
     """The processes behind one engine channel: the engine core, and in 3-process mode the
     detokenizer between it and the API server."""
 
-    def __init__(self, engine: ChildProcess, detokenizer: ChildProcess | None = None) -> None:
+    def __init__(
+        self, engine: ChildProcess, detokenizer: ChildProcess | None = None, spare: bool = False
+    ) -> None:
         self.engine = engine
         self.detokenizer = detokenizer
+        #: Whether the engine was a spare (started ahead; its command line names nothing).
+        self.spare = spare
 
     @property
     def all(self) -> list[ChildProcess]:
@@ -91,9 +96,14 @@ def _spawn(
     detokenizer_mode: str, rank: int | None = None, model_name: str | None = None
 ) -> tuple[socket.socket, _Children]:
     """Start the child process(es); return the API server's end of the channel and them.
-    Their command lines carry ``rank`` and ``model_name`` where given (`_ps_tag`)."""
+    Their command lines carry ``rank`` and ``model_name`` where given (`_ps_tag`). A
+    single engine with the inline detokenizer takes the spare child where one waits
+    (`trio_llm.frontend.spare_engine`; its command line names no model)."""
     if detokenizer_mode not in DETOKENIZER_MODES:
         raise ValueError(f"detokenizer_mode must be one of {DETOKENIZER_MODES}")
+    spare = take_spare() if detokenizer_mode == "inline" and rank is None else None
+    if spare is not None:
+        return spare[0], _Children(spare[1], spare=True)
     parent = str(os.getpid())
     tag = _ps_tag(rank, model_name)
     server_end, first_hop = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -123,17 +133,7 @@ def _spawn(
             )
         try:
             engine = ChildProcess(
-                [
-                    sys.executable,
-                    "-m",
-                    "trio_llm.engine",
-                    "--ipc-fd",
-                    str(engine_fd.fileno()),
-                    "--parent-pid",
-                    parent,
-                    *tag,
-                ],
-                pass_fds=(engine_fd.fileno(),),
+                [*engine_command(engine_fd.fileno()), *tag], pass_fds=(engine_fd.fileno(),)
             )
         except BaseException:
             if detokenizer is not None:
@@ -313,7 +313,9 @@ async def _run_children(
     scope = supervision.new_scope()
     try:
         with scope:
-            info = await _start(channel, children, config, supervision.rank)
+            tag = _ps_tag(supervision.rank, supervision.model_name) if children.spare else []
+            info = await _start(channel, children, config, supervision.rank, tuple(tag))
+            replenish_spare()
             client = supervision.connect(channel, info)
             await client.route_outputs()
         if client is None or client.stopping:
@@ -342,8 +344,14 @@ async def _run_children(
 
 
 async def _start(
-    channel: ipc.MessageChannel, children: _Children, config: EngineConfig, rank: int | None
+    channel: ipc.MessageChannel,
+    children: _Children,
+    config: EngineConfig,
+    rank: int | None,
+    ps_tag: tuple[str, ...] = (),
 ) -> EngineReady:
+    if ps_tag:
+        config = dataclasses.replace(config, ps_tag=ps_tag)
     try:
         await channel.framed.send_frame(cloudpickle.dumps(config))
         message = await channel.receive()
