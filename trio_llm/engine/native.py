@@ -38,6 +38,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 from trio_llm.config import MODEL_IMPLS
 from trio_llm.engine import kernels
 from trio_llm.engine.attention import paged_attention
+from trio_llm.engine.attention_metadata import PagedAttentionMetadata, current_step
 from trio_llm.engine.gguf_linear import GGUFLinear, GGUFWeights
 from trio_llm.engine.quantization import QuantizedLinear, can_quantize
 
@@ -113,11 +114,39 @@ class _Layer:
             self.o = gguf["o"].packed().forward
             self.gate_up = GGUFLinear.concat([gguf["gate"], gguf["up"]])
             self.down = gguf["down"].packed().forward
+            self.products = _gguf_products([self.qkv, self.o, self.gate_up, self.down])
             return
+        #: ``(blocks, type)`` of the four products where one call runs the layer
+        #: (`NativeLlama._one_call`): GGUF products without bias; else None.
+        self.products: list[tuple[torch.Tensor, int]] | None = None
         self.qkv = _projection(*_concat([attn.q_proj, attn.k_proj, attn.v_proj]), quantization)
         self.o = _projection(attn.o_proj.weight, attn.o_proj.bias, quantization)
         self.gate_up = _projection(*_concat([mlp.gate_proj, mlp.up_proj]), quantization)
         self.down = _projection(mlp.down_proj.weight, mlp.down_proj.bias, quantization)
+
+
+def _gguf_products(products: list[Callable]) -> list[tuple[torch.Tensor, int]] | None:
+    """Each product's ``(blocks, type)`` where all are one `GGUFLinear`'s forward without
+    bias (not a concatenation of mixed types), else None."""
+    found = []
+    for product in products:
+        layer = getattr(product, "__self__", None)
+        if not isinstance(layer, GGUFLinear) or layer.bias is not None:
+            return None
+        found.append((layer.blocks, layer.kernel_type))
+    return found
+
+
+def _decode_step(hidden: torch.Tensor) -> PagedAttentionMetadata | None:
+    """The step's metadata where every token of ``hidden`` (float32 ``[1, T, ...]``)
+    decodes over the native attention kernel, else None."""
+    paged = current_step()
+    if not isinstance(paged, PagedAttentionMetadata) or hidden.dtype != torch.float32:
+        return None
+    decode_only = paged.num_decode == hidden.shape[1] and not paged.prefills
+    if not decode_only or paged.prefill_batch is not None or not paged.native_attention:
+        return None
+    return paged
 
 
 def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
@@ -178,6 +207,9 @@ class NativeLlama:
             and self.norm.weight.device.type == "cpu"
             and kernels.load().loaded
         )
+        #: A decode-only step runs each GGUF layer in one call (`_one_call`); tests turn it
+        #: off to compare with the operator-by-operator loop.
+        self.one_call = self.fused and quantization == "gguf"
         if quantization is not None:
             # The transformers modules' float weights are no longer read by any step:
             # free them (the probe at start-up ran before).
@@ -238,7 +270,11 @@ class NativeLlama:
         num_tokens = hidden.shape[1]
         cos, sin = cos.contiguous(), sin.contiguous()
         delta = None
+        step = _decode_step(hidden) if self.one_call else None
         for layer in self.layers:
+            if step is not None and layer.products is not None:
+                delta = self._one_call(layer, step, hidden, delta, cos, sin)
+                continue
             norm = layer.input_norm
             x = ops.add_rms_norm_(hidden, delta, norm.weight, norm.variance_epsilon)
             qkv = layer.qkv(x).contiguous()
@@ -256,6 +292,51 @@ class NativeLlama:
             delta = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         norm = self.norm
         return ops.add_rms_norm_(hidden, delta, norm.weight, norm.variance_epsilon)[0]
+
+    @staticmethod
+    def _one_call(
+        layer: _Layer,
+        step: PagedAttentionMetadata,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """``layer`` of a decode-only step in one call (``decoder_layer_decode``: the
+        operators of `_fused_call`'s loop, in its order): ``hidden`` gets the residual
+        ``delta``; returns the layer's output delta ``[1, T, hidden_size]``."""
+        cache = step.kv_cache
+        index = layer.attention.layer_idx
+        group = cache.group_of[index]
+        (qkv, qkv_type), (o, o_type), (gate_up, gate_up_type), (down, down_type) = layer.products
+        scale = layer.head_dim**-0.5 if layer.scaling is None else layer.scaling
+        return torch.ops.trio_llm.decoder_layer_decode(
+            hidden,
+            delta,
+            layer.input_norm.weight,
+            layer.post_norm.weight,
+            layer.input_norm.variance_epsilon,
+            qkv,
+            qkv_type,
+            o,
+            o_type,
+            gate_up,
+            gate_up_type,
+            down,
+            down_type,
+            cos,
+            sin,
+            layer.num_heads,
+            layer.kv_size // layer.head_dim,
+            layer.head_dim,
+            cache.keys[index],
+            cache.values[index],
+            step.slot_mapping[group],
+            step.decode_blocks[group],
+            step.decode_lengths,
+            cache.block_size,
+            float(scale),
+        )
 
 
 def native_unsupported(model: torch.nn.Module) -> str | None:

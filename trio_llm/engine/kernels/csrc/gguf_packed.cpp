@@ -24,6 +24,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -45,6 +46,10 @@ namespace {
 using namespace gguf_blocks;
 
 constexpr int64_t kGroup = 16;
+// Blocks prefetched ahead by the VNNI kernel (gguf_packed_vnni).
+constexpr int64_t kAhead = 16;
+// Consecutive groups per task of the VNNI kernel: one thread streams them in order.
+constexpr int64_t kGroupsPerTask = 4;
 
 int64_t group_bytes(int64_t type) { return type == kQ8_0 ? 576 : 320; }
 int64_t chunks_of(int64_t type) { return type == kQ8_0 ? 8 : 4; }
@@ -104,6 +109,12 @@ inline void vnni_group(const uint8_t* w, int64_t nb, int64_t g, const PackedActs
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* base = w + g * nb * G;
   for (int64_t b = 0; b < nb; ++b, base += G) {
+    // The blocks stream from memory: ask for the ones kAhead blocks on now (the groups
+    // are contiguous, so past this group's end that is the next group's start; a
+    // prefetch never faults, even past the weights' end).
+    for (int64_t line = 0; line < G; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(base + kAhead * G + line), _MM_HINT_T0);
+    }
     __m512i v[8];
     if constexpr (kQ8) {
       for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(base + 64 * c);
@@ -325,13 +336,17 @@ void gguf_packed_vnni(const int8_t* q, const float* d, const float* ds, int64_t 
   const int64_t nb = K / 32, N = w.size(0) * kGroup;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const PackedActs a{q, d, ds};
+  const int64_t groups = N / kGroup;
   dynamic_tasks(
-      N / kGroup,
-      [&](int64_t g) {
-        if (q8) {
-          vnni_task<true>(wp, nb, g, a, K, M, N, y);
-        } else {
-          vnni_task<false>(wp, nb, g, a, K, M, N, y);
+      (groups + kGroupsPerTask - 1) / kGroupsPerTask,
+      [&](int64_t t) {
+        const int64_t end = std::min(groups, (t + 1) * kGroupsPerTask);
+        for (int64_t g = t * kGroupsPerTask; g < end; ++g) {
+          if (q8) {
+            vnni_task<true>(wp, nb, g, a, K, M, N, y);
+          } else {
+            vnni_task<false>(wp, nb, g, a, K, M, N, y);
+          }
         }
       },
       [] {}, [] {});

@@ -68,6 +68,8 @@ void add_rms_norm_impl(T* hidden, const T* delta, const T* weight, T* out, int64
   });
 }
 
+}  // namespace
+
 at::Tensor add_rms_norm_(at::Tensor hidden, const std::optional<at::Tensor>& delta,
                          const at::Tensor& weight, double eps) {
   check_rows(hidden, "hidden");
@@ -92,6 +94,8 @@ at::Tensor add_rms_norm_(at::Tensor hidden, const std::optional<at::Tensor>& del
   return out;
 }
 
+namespace {
+
 template <typename T>
 void rotary_impl(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t row_width,
                  int64_t num_heads, int64_t head_dim) {
@@ -114,6 +118,8 @@ void rotary_impl(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t row
   });
 }
 
+}  // namespace
+
 void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
              int64_t head_dim) {
   check_rows(qkv, "qkv");
@@ -134,6 +140,8 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   });
 }
 
+namespace {
+
 template <typename T>
 void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inner) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -150,6 +158,8 @@ void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inner) {
   });
 }
 
+}  // namespace
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t width = gate_up.size(-1);
@@ -165,7 +175,6 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
 }  // namespace trio_llm
 
 TORCH_LIBRARY_FRAGMENT(trio_llm, m) {

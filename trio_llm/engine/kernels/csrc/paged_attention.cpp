@@ -204,6 +204,8 @@ void decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   });
 }
 
+}  // namespace
+
 void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t block_size, double scale,
@@ -270,7 +272,6 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
   }
 }
 
-}  // namespace
 }  // namespace trio_llm
 
 TORCH_LIBRARY_FRAGMENT(trio_llm, m) {
