@@ -39,8 +39,8 @@ import torch
 
 from trio_llm.config import DEFAULT_MODEL, EngineConfig, ModelConfig, SchedulerConfig, engine_config
 from trio_llm.engine import attention
-from trio_llm.engine.attention import ATTENTION_NAME, chunk_mask, paged_attention
-from trio_llm.engine.attention_metadata import PagedAttentionMetadata
+from trio_llm.engine.attention import ATTENTION_NAME, paged_attention
+from trio_llm.engine.attention_metadata import PagedAttentionMetadata, chunk_mask
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.engine.core import EngineCore
 from trio_llm.model_loader import load_model, resolve_model_dir

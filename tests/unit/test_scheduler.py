@@ -282,6 +282,18 @@ def test_a_long_prefill_takes_at_most_the_threshold_per_step() -> None:
     assert scheduled == [("decode", 1), ("long", 8), ("short", 5)]
 
 
+def test_a_long_prefill_alone_takes_the_solo_chunk_until_another_request_comes() -> None:
+    scheduler = _fair(budget=64, threshold=8)
+    scheduler.solo_prefill_tokens = 20
+    scheduler.add(_grouped("long", "l", prompt_len=50))
+    assert _step(scheduler)[0] == [("long", 20)]  # alone: nothing to stall
+    assert _step(scheduler)[0] == [("long", 20)]
+    scheduler.add(_grouped("short", "s", prompt_len=3))
+    assert _step(scheduler)[0] == [("long", 8), ("short", 3)]  # a stream runs beside it
+    scheduler.abort(["short"])
+    assert _step(scheduler)[0] == [("long", 2)]  # alone again: what is left, no more
+
+
 def test_only_max_num_partial_prefills_long_prompts_prefill_per_step() -> None:
     scheduler = _fair(budget=64, threshold=8, partial=1)
     scheduler.add(_grouped("long1", "1", prompt_len=30))

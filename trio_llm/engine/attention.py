@@ -49,6 +49,7 @@ from trio_llm.engine.attention_metadata import (
     PagedAttentionMetadata,
     PrefillBatch,
     PrefillSpan,
+    chunk_mask,
     current_step,
 )
 
@@ -331,7 +332,9 @@ def _prefill_chunk(
             q_span, k_span, v_span, is_causal=True, scale=layer.scaling, enable_gqa=True
         )
     else:
-        mask = chunk_mask(span.num_new, span.context_len, first_key, layer.window, q.device)
+        mask = chunk_mask(
+            span.num_new, span.context_len, first_key, layer.window, q.device, q_span.dtype
+        )
         o = attend(q_span, k_span, v_span, mask, layer.scaling, layer.softcap, enable_gqa=True)
     out[span.start : end] = o[0].transpose(0, 1)
 
@@ -377,24 +380,6 @@ def attend(
         scores = scores + mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(weights, v)
-
-
-def chunk_mask(
-    num_queries: int,
-    context_len: int,
-    first_key: int,
-    window: int | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """Boolean ``[q, k]`` mask of a chunk whose queries are the last ``num_queries`` of
-    ``context_len`` positions, over the keys at positions ``first_key .. context_len - 1``:
-    query ``i`` (position ``p``) sees keys ``max(0, p - window + 1) .. p``."""
-    query_pos = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
-    key_pos = torch.arange(first_key, context_len, device=device)[None, :]
-    visible = key_pos <= query_pos
-    if window is not None:
-        visible &= key_pos > query_pos - window
-    return visible
 
 
 # ------------------------------------------------------------------ start-up

@@ -12,6 +12,7 @@ forward pass (`trio_llm.engine.attention_probe`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -238,3 +239,32 @@ def step_metadata(metadata: PagedAttentionMetadata | LayerProbe) -> Iterator[Non
 def current_step() -> PagedAttentionMetadata | LayerProbe | None:
     """The metadata `step_metadata` set, or None outside it."""
     return _STEP.get()
+
+
+@functools.lru_cache(maxsize=4)
+def chunk_mask(
+    num_queries: int,
+    context_len: int,
+    first_key: int,
+    window: int | None,
+    device: torch.device,
+    dtype: torch.dtype = torch.bool,
+) -> torch.Tensor:
+    """``[q, k]`` mask of a chunk whose queries are the last ``num_queries`` of
+    ``context_len`` positions, over the keys at positions ``first_key .. context_len - 1``:
+    query ``i`` (position ``p``) sees keys ``max(0, p - window + 1) .. p``. Boolean (True
+    = visible), or additive in a floating ``dtype`` (0 visible, -inf hidden: what
+    ``scaled_dot_product_attention`` turns a boolean mask into at every call).
+
+    Cached (the last few): every layer of a step asks for the same one; callers never
+    write to it.
+    """
+    query_pos = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
+    key_pos = torch.arange(first_key, context_len, device=device)[None, :]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    if dtype == torch.bool:
+        return visible
+    hidden = torch.full(visible.shape, -torch.inf, dtype=dtype, device=device)
+    return hidden.masked_fill_(visible, 0.0)

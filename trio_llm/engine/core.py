@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from trio_llm.config import EngineConfig
+from trio_llm.config import CPU_SOLO_PREFILL_TOKENS, EngineConfig
 from trio_llm.engine.attention_probe import probe_model
 from trio_llm.engine.block_manager import BlockManager
 from trio_llm.engine.grammar_compiler import GrammarCompiler
@@ -123,6 +123,8 @@ class EngineCore:
                 device.type
             ),
         )
+        if device.type == "cpu" and config.scheduler.long_prefill_token_threshold is None:
+            self.scheduler.solo_prefill_tokens = CPU_SOLO_PREFILL_TOKENS
         self.runner = _model_runner(model, self.kv_cache, config)
         self._log_model(mconf, size)
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)

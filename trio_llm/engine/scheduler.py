@@ -19,10 +19,12 @@ change nothing below.
    left)`` tokens, so a long prompt is prefilled in chunks across steps. A request with
    more than ``long_prefill_token_threshold`` tokens left is *long*: it takes at most that
    many per step, and at most ``max_num_partial_prefills`` long requests prefill in one
-   step, so one long prompt cannot stall every running stream (vLLM's names). When the
-   KV cache has no room, a request is preempted (blocks freed, progress reset; it is
-   recomputed from its prompt plus its outputs when rescheduled): of those not yet
-   scheduled in this step, the newest of the worst rank's group holding the most slots.
+   step, so one long prompt cannot stall every running stream (vLLM's names); alone (no
+   other request running or waiting) it takes up to ``solo_prefill_tokens`` (0: the
+   threshold; the engine sets it on the CPU). When the KV cache has no room, a request
+   is preempted (blocks freed, progress reset; it is recomputed from its prompt plus its
+   outputs when rescheduled): of those not yet scheduled in this step, the newest of the
+   worst rank's group holding the most slots.
 3. Then, if nothing was preempted for room this step, waiting requests join while the
    batch has fewer than ``max_num_seqs`` requests, budget remains and blocks are free:
    the best rank first, then those whose group holds the fewest slots, in line order
@@ -120,6 +122,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.solo_prefill_tokens = 0
         #: Waiting requests, best rank first (`RequestQueue`).
         self.waiting = RequestQueue(config.scheduling_policy)
         #: A request's rank (`RequestQueue.rank`): lane, then priority; lower is better.
@@ -271,7 +274,7 @@ class Scheduler:
         admitted = 0
         preempted_before = batch.num_preemptions
         while step.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            long_taken = step.num_long >= self._max_long
+            long_taken = step.num_long >= self.config.max_num_partial_prefills
             request = self.waiting.next_ready(level, self._num_running, self._is_long, long_taken)
             if request is None:
                 break
@@ -324,21 +327,19 @@ class Scheduler:
         request = self.running[index]
         return (self.rank(request), self._num_running[request.group], index)
 
-    @property
-    def _max_long(self) -> int:
-        return self.config.max_num_partial_prefills
-
     def _is_long(self, num_uncomputed: int) -> bool:
-        threshold = self.long_prefill_token_threshold
-        return 0 < threshold < num_uncomputed
+        return 0 < self.long_prefill_token_threshold < num_uncomputed
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int, num_long: int) -> tuple[int, bool]:
         """Tokens to compute for a request with ``num_uncomputed`` left, and whether it is
         long; 0 when it is long and the long places of this step are taken."""
         if self._is_long(num_uncomputed):
-            if num_long >= self._max_long:
+            if num_long >= self.config.max_num_partial_prefills:
                 return 0, True
-            return min(self.long_prefill_token_threshold, budget), True
+            limit = self.long_prefill_token_threshold
+            if len(self.running) + len(self.waiting) <= 1:  # alone: no stream to stall
+                limit = min(max(limit, self.solo_prefill_tokens), num_uncomputed)
+            return min(limit, budget), True
         return min(num_uncomputed, budget), False
 
     def _share_slots(self, batch: ScheduledBatch) -> None:

@@ -17,6 +17,11 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 
@@ -142,6 +147,42 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
 
 namespace {
 
+#if defined(__AVX512F__)
+// exp(x) for x <= 0, 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor
+// polynomial of degree 7 (relative error < 1e-7), times 2^n built in the exponent bits;
+// below -87 the result flushes to 0 (attention_math.h's exp8, 16 wide).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 floor_x = _mm512_set1_ps(-87.0f);
+  const __mmask16 below = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, floor_x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) {
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
+  }
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~below), poly, _mm512_castsi512_ps(bits));
+}
+
+// o[i] = silu(g[i]) * u[i] for i < n (a multiple of 16): sigmoid(x) from e = exp(-|x|),
+// 1 / (1 + e) for x >= 0 and e / (1 + e) below, so the exponential never overflows.
+inline void silu_and_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
+    const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
+    _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sigmoid), _mm512_loadu_ps(u + i)));
+  }
+}
+#endif
+
 template <typename T>
 void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inner) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -149,6 +190,14 @@ void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inner) {
       const T* g = gate_up + r * 2 * inner;
       const T* u = g + inner;
       T* o = out + r * inner;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float>) {
+        if (inner % 16 == 0) {
+          silu_and_mul_row(g, u, o, inner);
+          continue;
+        }
+      }
+#endif
 #pragma omp simd
       for (int64_t i = 0; i < inner; ++i) {
         const float x = to_float(g[i]);
