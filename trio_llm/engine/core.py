@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -114,17 +115,9 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             windows=size.groups.windows,
         )
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.block_manager,
-            max_model_len,
-            self.info.eos_token_ids,
-            long_prefill_token_threshold=config.scheduler.resolved_long_prefill_token_threshold(
-                device.type
-            ),
+        self.scheduler = _scheduler(
+            config, device.type, self.block_manager, max_model_len, self.info.eos_token_ids
         )
-        if device.type == "cpu" and config.scheduler.long_prefill_token_threshold is None:
-            self.scheduler.solo_prefill_tokens = CPU_SOLO_PREFILL_TOKENS
         self.runner = _model_runner(model, self.kv_cache, config)
         self._log_model(mconf, size)
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
@@ -422,6 +415,18 @@ class EngineCore:
         manager = self.block_manager
         manager.reset_prefix_cache()
         manager.num_queried_tokens = manager.num_hit_tokens = 0
+
+
+def _scheduler(config: EngineConfig, device: str, *args: Any) -> Scheduler:
+    """The scheduler of ``config`` on ``device`` (``args``: `Scheduler`'s block manager,
+    max_model_len and EOS ids) with the long-prefill threshold resolved for the device, and
+    on the CPU with that threshold's default `CPU_SOLO_PREFILL_TOKENS` for a prompt alone."""
+    scheduling = config.scheduler
+    threshold = scheduling.resolved_long_prefill_token_threshold(device)
+    scheduler = Scheduler(scheduling, *args, long_prefill_token_threshold=threshold)
+    if device == "cpu" and scheduling.long_prefill_token_threshold is None:
+        scheduler.solo_prefill_tokens = CPU_SOLO_PREFILL_TOKENS
+    return scheduler
 
 
 def _model_runner(model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig) -> ModelRunner:

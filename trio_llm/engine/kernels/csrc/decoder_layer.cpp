@@ -33,6 +33,44 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
                             const at::Tensor& context_lens, int64_t block_size, double scale,
                             int64_t sliding_window, double softcap, at::Tensor& out);
 
+namespace {
+
+// cache[slots[t]] = rows[t] (float32 rows of `width` values, `stride` apart), cast to the
+// cache's dtype (bfloat16 rounds to nearest even, as Tensor.to does).
+template <typename kv_t>
+void write_rows(const float* rows, int64_t stride, int64_t width, const int64_t* slots,
+                int64_t tokens, kv_t* cache) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* src = rows + t * stride;
+    kv_t* dst = cache + slots[t] * width;
+    for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<kv_t>(src[i]);
+  }
+}
+
+void write_keys(const at::Tensor& qkv, int64_t first, int64_t width, const at::Tensor& slots,
+                at::Tensor& cache) {
+  TRIO_LLM_CHECK(cache.is_contiguous() && cache.size(1) * cache.size(2) == width,
+                 "decoder_layer_decode: the cache must be contiguous [slots, H_kv, D]");
+  TRIO_LLM_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(),
+                 "decoder_layer_decode: slots must be contiguous int64");
+  const int64_t tokens = qkv.size(0), count = cache.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TRIO_LLM_CHECK(slot[t] >= 0 && slot[t] < count, "decoder_layer_decode: slot ", slot[t],
+                   " outside the cache");
+  }
+  const float* rows = qkv.data_ptr<float>() + first;
+  if (cache.scalar_type() == at::kBFloat16) {
+    write_rows(rows, qkv.size(1), width, slot, tokens, cache.data_ptr<c10::BFloat16>());
+  } else {
+    TRIO_LLM_CHECK(cache.scalar_type() == at::kFloat,
+                   "decoder_layer_decode: the cache must be float32 or bfloat16");
+    write_rows(rows, qkv.size(1), width, slot, tokens, cache.data_ptr<float>());
+  }
+}
+
+}  // namespace
+
 at::Tensor decoder_layer_decode(at::Tensor hidden, const std::optional<at::Tensor>& delta,
                                 const at::Tensor& input_norm, const at::Tensor& post_norm,
                                 double eps, const at::Tensor& qkv_w, int64_t qkv_type,
@@ -56,10 +94,9 @@ at::Tensor decoder_layer_decode(at::Tensor hidden, const std::optional<at::Tenso
                  qkv.size(1), " columns, not ", heads, " heads of ", head_dim);
   rotary_(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
   const at::Tensor split = qkv.view({tokens, heads, head_dim});
-  const at::Tensor k = split.narrow(1, num_heads, num_kv_heads);
-  const at::Tensor v = split.narrow(1, num_heads + num_kv_heads, num_kv_heads);
-  key_cache.index_copy_(0, slots, k.to(key_cache.scalar_type()));
-  value_cache.index_copy_(0, slots, v.to(value_cache.scalar_type()));
+  write_keys(qkv, num_heads * head_dim, num_kv_heads * head_dim, slots, key_cache);
+  write_keys(qkv, (num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim, slots,
+             value_cache);
   at::Tensor attn = at::empty({tokens, num_heads, head_dim}, qkv.options());
   paged_attention_decode(split.narrow(1, 0, num_heads), key_cache, value_cache, block_tables,
                          context_lens, block_size, scale, 0, 0.0, attn);
