@@ -110,7 +110,8 @@ class KVCache:
     group ``g`` reads and writes at ``block_id * block_size + offset`` with ``g``'s
     block table. One more block past the pool, never in a block table, is scratch space:
     the padding rows of a CUDA graph's batch write their keys there (`scratch_slot`).
-    Memory: `bytes_per_block` ``* (num_blocks + 1)`` bytes, allocated once on ``device``.
+    Memory: `bytes_per_block` ``* (num_blocks + 1)`` bytes, allocated once on ``device``
+    (on the CPU mapped, not written: `zeroed`; a page is resident once a block on it is).
     The tensors' dtype (``--kv-cache-dtype``) may differ from the model's: writers cast
     new keys to it and readers cast what they read back to the query's dtype.
     """
