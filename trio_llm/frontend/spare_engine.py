@@ -75,9 +75,6 @@ class SpareEngine:
         self._wanted = trio.Event()
         self._watch = trio.CancelScope()
         self._scope = trio.CancelScope()
-        #: How many spares were started and taken (for tests and logs).
-        self.started = 0
-        self.taken = 0
 
     def install(self) -> None:
         """Engines started by the calling task (and the tasks it starts later) may take the
@@ -95,7 +92,6 @@ class SpareEngine:
         if spare[1].returncode is not None:
             spare[0].close()
             return None
-        self.taken += 1
         return spare
 
     def replenish(self) -> None:
@@ -128,7 +124,6 @@ class SpareEngine:
                 return
             finally:
                 child_end.close()
-            self.started += 1
             self._spare = (server_end, process)
             try:
                 with trio.CancelScope() as self._watch:
