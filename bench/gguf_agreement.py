@@ -33,8 +33,8 @@ from common import write_json
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir, engine_config
 from trio_llm.engine.core import EngineCore
 from trio_llm.messages import AddRequest, SamplingParams
-from trio_llm.model_loader import resolve_model_dir
-from trio_llm.named_models import default_gguf_path
+from trio_llm.model_files.loader import resolve_model_dir
+from trio_llm.model_files.named_models import default_gguf_path
 from trio_llm.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -58,7 +58,7 @@ def _time_calls(fn, rounds: int, times: list[float]) -> None:
 def products(rounds: int) -> None:
     from gguf import GGUFReader
 
-    from trio_llm.named_models import default_gguf_path
+    from trio_llm.model_files.named_models import default_gguf_path
 
     reader = GGUFReader(str(default_gguf_path()))
     print("| product | M | fp32 F.linear | int8 | int4 | gguf (file's blocks) | gguf vs fp32 |")

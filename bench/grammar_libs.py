@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.model_loader import resolve_model_dir
+from trio_llm.model_files.loader import resolve_model_dir
 
 
 def big_schema(properties: int) -> dict:

@@ -26,8 +26,8 @@ from typing import Any
 import roofline
 import torch
 
-from trio_llm.named_models import default_gguf_path
-from trio_llm.weight_headers import read_gguf_header
+from trio_llm.model_files.named_models import default_gguf_path
+from trio_llm.model_files.weight_headers import read_gguf_header
 
 #: SmolLM2-135M: parameters a decode step reads (the tied embedding read once, as the
 #: output projection), its layers and its KV heads of 64.

@@ -71,8 +71,8 @@ from common import print_table, write_json
 from compare import System, Workload, chat_prompt_tokens, run_http, text_prompts
 
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.model_loader import resolve_model_dir
-from trio_llm.named_models import default_gguf_path
+from trio_llm.model_files.loader import resolve_model_dir
+from trio_llm.model_files.named_models import default_gguf_path
 from trio_llm.text.tokenizer import Tokenizer
 
 SYSTEMS = ("trio", "trio-dequantized", "trio-float32", "llama-cpp", "vllm-cpu")

@@ -53,7 +53,7 @@ from tests.support.procfs import engine_children, is_running
 from tests.support.server_process import ServerProcess
 from tests.support.sse import DONE, delta_text
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.model_loader import resolve_model_dir
+from trio_llm.model_files.loader import resolve_model_dir
 from trio_llm.text.tokenizer import Tokenizer
 
 

@@ -27,8 +27,8 @@ from serve import run as run_clients
 
 from tests.support.server_process import ServerProcess
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.dtype_choice import resolve_dtype
-from trio_llm.model_loader import resolve_model_dir
+from trio_llm.model_files.dtype_choice import resolve_dtype
+from trio_llm.model_files.loader import resolve_model_dir
 from trio_llm.text.tokenizer import Tokenizer
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}

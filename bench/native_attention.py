@@ -43,7 +43,7 @@ from trio_llm.engine.attention import ATTENTION_NAME, paged_attention
 from trio_llm.engine.attention_metadata import PagedAttentionMetadata, chunk_mask
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.engine.core import EngineCore
-from trio_llm.model_loader import load_model, resolve_model_dir
+from trio_llm.model_files.loader import load_model, resolve_model_dir
 
 BACKENDS = ("TORCH_SDPA", "CPU_ATTN")
 

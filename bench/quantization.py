@@ -89,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from trio_llm.config import default_cache_dir
-    from trio_llm.model_loader import resolve_model_dir
+    from trio_llm.model_files.loader import resolve_model_dir
 
     tokenizer = Tokenizer.load(resolve_model_dir(DEFAULT_MODEL, default_cache_dir()))
     windows = sonnet_prompts(tokenizer, args.windows, args.window, seed=1)

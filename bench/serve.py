@@ -28,7 +28,7 @@ from common import print_table, rates, sonnet_prompts, summary, write_json
 
 from tests.support.sse import DONE, delta_text, open_events
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.model_loader import resolve_model_dir
+from trio_llm.model_files.loader import resolve_model_dir
 from trio_llm.text.tokenizer import Tokenizer
 
 

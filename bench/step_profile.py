@@ -37,7 +37,7 @@ from common import sonnet_prompts
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir, engine_config
 from trio_llm.engine.core import EngineCore
 from trio_llm.messages import AddRequest, SamplingParams
-from trio_llm.model_loader import resolve_model_dir
+from trio_llm.model_files.loader import resolve_model_dir
 from trio_llm.text.tokenizer import Tokenizer
 
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int", "trio_llm::gguf")

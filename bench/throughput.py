@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from common import print_table, sonnet_prompts, write_json
 
 from trio_llm import LLM
-from trio_llm.cli_types import parse_bytes
+from trio_llm.cli.types import parse_bytes
 from trio_llm.config import (
     DEFAULT_MODEL,
     DEVICES,

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from tests.support.postgres import PostgresServer, is_gone, unavailable_reason
 from tests.support.tiny_model import save_tiny_model
 from trio_llm.config import DEFAULT_MODEL, default_cache_dir
-from trio_llm.model_loader import resolve_model_dir
+from trio_llm.model_files.loader import resolve_model_dir
 
 #: Folders of tests/ whose every test starts a server (end-to-end, chaos, fuzzing).
 SLOW_DIRS = ("e2e", "chaos", "fuzz")

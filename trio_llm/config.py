@@ -1,6 +1,6 @@
 """Frozen configuration of the engine: which model, its KV cache, its scheduler.
 
-`trio_llm.cli` is the only place that reads argv; the environment is read here, in
+`trio_llm.cli.main` is the only place that reads argv; the environment is read here, in
 `default_cache_dir` (``$TRIO_LLM_CACHE_DIR``), and in `trio_llm.server_config`'s
 `default_api_key` (``$TRIO_LLM_API_KEY``), and nowhere else. Everything downstream receives
 these dataclasses. The engine configuration crosses into the engine-core child once, at
@@ -42,7 +42,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 #: ``--kv-cache-dtype`` values (vLLM's flag, its 16- and 32-bit ones): the dtype the KV
 #: cache stores keys and values in; ``auto`` is the model's, except for a float32 model
-#: on the GGUF path on a CPU with AVX-512-BF16 (`trio_llm.dtype_choice.explain_kv_cache_dtype`).
+#: on the GGUF path on a CPU with AVX-512-BF16
+#: (`trio_llm.model_files.dtype_choice.explain_kv_cache_dtype`).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 #: Where the engine runs the model (``--device``).
@@ -51,8 +52,8 @@ DEVICES = ("cpu", "cuda")
 #: ``--quantization`` values: weight-only modes made at load time
 #: (`trio_llm.engine.quantization`), ``gguf``: a GGUF model's own quantized blocks
 #: (`trio_llm.engine.gguf_linear`), and ``none``: the weights de-quantized. Not given
-#: (None), the engine picks (`trio_llm.dtype_choice.explain_quantization`): ``gguf`` for a
-#: GGUF file it can serve that way, else none.
+#: (None), the engine picks (`trio_llm.model_files.dtype_choice.explain_quantization`):
+#: ``gguf`` for a GGUF file it can serve that way, else none.
 QUANTIZATION_METHODS = ("int8", "int4", "gguf", "none")
 
 #: ``--model-impl`` values (vLLM's flag): ``auto`` runs the engine's own forward pass where
@@ -82,7 +83,7 @@ MAX_TOKENS_POLICIES = ("clamp", "strict")
 #: Where output tokens become text: in the API server, or in a third process.
 DETOKENIZER_MODES = ("inline", "process")
 
-#: ``--tool-call-parser`` names (`trio_llm.api.tool_parsers`).
+#: ``--tool-call-parser`` names (`trio_llm.api.tools.parsers`).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 #: ``--reasoning-parser`` names (vLLM's; `trio_llm.text.reasoning`).
@@ -107,8 +108,8 @@ class ModelConfig(CheckedFields):
         dtype: ``auto``, ``float32`` or ``bfloat16``; weights and activations (and the
             KV cache, unless `CacheConfig.kv_cache_dtype` says otherwise). ``auto`` is
             bfloat16 on CUDA and on a CPU with native bf16 arithmetic (AVX-512-BF16 or AMX),
-            float32 elsewhere (`trio_llm.dtype_choice.explain_dtype`: by the CPU's flags,
-            never by a timing).
+            float32 elsewhere (`trio_llm.model_files.dtype_choice.explain_dtype`: by the
+            CPU's flags, never by a timing).
         device: ``cpu`` or ``cuda`` (the first GPU): where weights, KV cache and the
             forward pass live.
         max_model_len: context length in tokens (prompt + output); ``None`` takes the
@@ -122,7 +123,7 @@ class ModelConfig(CheckedFields):
             (`trio_llm.engine.gguf_linear`; CPU, Llama GGUF files); ``none``: the weights
             de-quantized to ``dtype``; None (not given): `EngineCore.from_config` picks
             ``gguf`` for a GGUF file it can serve so unless ``dtype`` is ``float32``
-            (`trio_llm.dtype_choice.explain_quantization`), else none. An `EngineCore`
+            (`trio_llm.model_files.dtype_choice.explain_quantization`), else none. An `EngineCore`
             built from a loaded model takes None as none (`weight_quantization`).
         model_impl: ``auto`` (the engine's own forward pass where the family has one,
             `trio_llm.engine.native`), ``trio_llm`` (require it) or ``transformers``.
@@ -176,7 +177,7 @@ class CacheConfig(CheckedFields):
             ``auto`` is the model's dtype, except that a float32 model served with
             ``quantization="gguf"`` on a CPU with AVX-512-BF16 keeps bfloat16 keys and
             values (half the bytes a block: twice the blocks in ``kv_cache_memory``);
-            `trio_llm.dtype_choice.explain_kv_cache_dtype` decides. Attention reads them
+            `trio_llm.model_files.dtype_choice.explain_kv_cache_dtype` decides. Attention reads them
             back in the model's dtype and computes in it; a 16-bit cache rounds each key
             and value once (a plain float32 model with ``auto`` keeps float32, so its
             tokens stay those of transformers). float16 runs the decode attention on the

@@ -4,7 +4,7 @@ A field made by `setting` carries its allowed ``choices`` or numeric `Range` in 
 metadata; `check_fields` checks every such field of a dataclass instance, in field order
 (a dataclass deriving from `CheckedFields` runs it after ``__init__``), and raises a
 `ValueError` whose message names the field. Checks that involve two fields stay in the
-dataclass's ``__post_init__``. The command line (`trio_llm.cli`) reads the same metadata:
+dataclass's ``__post_init__``. The command line (`trio_llm.cli.main`) reads the same metadata:
 its ``choices`` are these.
 """
 

@@ -5,7 +5,7 @@ installs a handler on import, so programs that embed trio_llm (`open_engine`, `L
 their own logging configuration (without one, Python's last-resort handler still prints
 warnings and errors to stderr).
 
-The entry points call `configure_logging` once: ``trio-llm serve`` (`trio_llm.cli`) and
+The entry points call `configure_logging` once: ``trio-llm serve`` (`trio_llm.cli.main`) and
 the two children it spawns, ``python -m trio_llm.engine`` and ``python -m
 trio_llm.detokenizer``. It gives the ``trio_llm`` logger one stderr handler that writes
 ``PREFIX: message`` (the traceback follows on the next lines when there is one), with the

@@ -124,7 +124,7 @@ class StoreConfig(CheckedFields):
         max_file_bytes: largest file ``POST /v1/files`` accepts (bytes).
         upload_min_rate: slowest average rate an upload's body may arrive at (bytes per
             second): it must be in within ``request_body_timeout`` seconds plus one second
-            per ``upload_min_rate`` bytes received (`trio_llm.api.file_upload`).
+            per ``upload_min_rate`` bytes received (`trio_llm.api.batch.file_upload`).
         batch_max_in_flight: most batch lines (of all batches) running at once; None:
             ``--max-num-seqs`` per engine.
         max_background_responses: most background responses (``background: true``)
@@ -288,7 +288,7 @@ class ServerConfig(CheckedFields):
             prefix (for routers and autoscalers that read vLLM's names).
         trust_request_chat_template: a request's own ``chat_template`` is used (within
             `RequestLimits`' caps); off (vLLM's default), it is a 400 naming the field.
-        disable_access_log: no access log (`trio_llm.api.access_log`: a line per HTTP
+        disable_access_log: no access log (`trio_llm.api.http.access_log`: a line per HTTP
             request and WebSocket connection at ``info``, on by default).
         stream_interval: output tokens a stream gathers before it sends them, after its
             first token (vLLM's ``--stream-interval``): larger values send fewer, bigger

@@ -26,8 +26,8 @@ import pytest
 from fastapi import FastAPI
 
 from trio_llm.api.chat_page import STATIC_FILES, install_chat_page
-from trio_llm.api.errors import install_error_handlers
-from trio_llm.api.middleware import install_middleware
+from trio_llm.api.http.errors import install_error_handlers
+from trio_llm.api.http.middleware import install_middleware
 from trio_llm.server_config import ServerConfig
 
 try:

@@ -26,8 +26,8 @@ import pytest
 from tests.support.server_process import ServerProcess
 from trio_llm.config import GEMMA3_270M_MODEL, default_cache_dir
 from trio_llm.errors import ModelNotFoundError
-from trio_llm.model_loader import resolve_model_dir
-from trio_llm.named_models import NAMED_MODELS
+from trio_llm.model_files.loader import resolve_model_dir
+from trio_llm.model_files.named_models import NAMED_MODELS
 
 try:
     NAMED_MODELS[GEMMA3_270M_MODEL].chunk_paths(GEMMA3_270M_MODEL)

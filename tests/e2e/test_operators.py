@@ -28,7 +28,7 @@ from tests.e2e.conftest import (
 )
 from tests.support.metrics_scrape import poll
 from tests.support.server_process import ServerProcess
-from trio_llm.cli import build_parser, config_from_args
+from trio_llm.cli.main import build_parser, config_from_args
 from trio_llm.client import ConnectionClosedError, DoneEvent, open_ws_client
 from trio_llm.server_config import API_KEY_ENV, ServerConfig
 

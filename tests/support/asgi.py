@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trio_llm.api import batch_lines
+from trio_llm.api.batch import lines as batch_lines
 
 
 def json_post_scope(path: str) -> dict[str, Any]:

@@ -210,7 +210,7 @@ async def app_client(
     """An HTTP client of the real app (model ``m``, ``serving``: `OpenAIServing`'s
     keywords) over an engine played by ``fake_engine(stream)``, which is yielded too."""
     from trio_llm.api.app import build_app
-    from trio_llm.api.serving import OpenAIServing
+    from trio_llm.api.chat.serving import OpenAIServing
 
     async with trio.open_nursery() as nursery:
         engine, stream = engine_client_pair()

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from trio_llm.api import connection_guard
-from trio_llm.api.connection_guard import ACCEPT_LOGGER, AcceptErrorFilter
+from trio_llm.api.http import connection_guard
+from trio_llm.api.http.connection_guard import ACCEPT_LOGGER, AcceptErrorFilter
 
 
 class _ExhaustedListener(trio.abc.Listener[trio.SocketStream]):

@@ -1,4 +1,4 @@
-"""The access log (`trio_llm.api.access_log`): one line per request when its response is
+"""The access log (`trio_llm.api.http.access_log`): one line per request when its response is
 over, streams and WebSockets included, and none of a batch's lines; sans I/O, around
 small ASGI apps driven by hand."""
 
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import trio
 
-from trio_llm.api.access_log import AccessLogMiddleware, request_target
-from trio_llm.api.lanes import LANE_SCOPE_KEY
-from trio_llm.api.middleware import RequestIdMiddleware
+from trio_llm.api.http.access_log import AccessLogMiddleware, request_target
+from trio_llm.api.http.lanes import LANE_SCOPE_KEY
+from trio_llm.api.http.middleware import RequestIdMiddleware
 
 Message = dict[str, Any]
 
@@ -55,12 +55,12 @@ async def _call(app: Any, scope: dict, incoming: list[Message] | None = None) ->
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "trio_llm.api.access_log"]
+    return [r.getMessage() for r in caplog.records if r.name == "trio_llm.api.http.access_log"]
 
 
 @pytest.fixture(autouse=True)
 def _info(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="trio_llm.api.access_log")
+    caplog.set_level(logging.INFO, logger="trio_llm.api.http.access_log")
 
 
 async def test_a_line_has_client_method_path_query_status_duration_and_id(

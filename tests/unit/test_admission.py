@@ -13,7 +13,7 @@ import trio.testing
 
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.chat.serving import OpenAIServing
 from trio_llm.errors import EngineOverloadedError
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import (

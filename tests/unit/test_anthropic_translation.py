@@ -17,14 +17,14 @@ import pytest
 import trio
 from pydantic import ValidationError
 
-from trio_llm.api.anthropic import MessagesRequest
-from trio_llm.api.anthropic_context_editing import CLEARED_TOOL_RESULT
-from trio_llm.api.anthropic_format import MessagesFormat, thinking_signature
-from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.errors import APIError
-from trio_llm.api.middleware import RequestIdMiddleware
-from trio_llm.api.plan import Plan
-from trio_llm.api.tool_parsers import make_parser
+from trio_llm.api.anthropic.context_editing import CLEARED_TOOL_RESULT
+from trio_llm.api.anthropic.format import MessagesFormat, thinking_signature
+from trio_llm.api.anthropic.request import MessagesRequest
+from trio_llm.api.chat.planner import Plan
+from trio_llm.api.chat.request import ChatCompletionRequest
+from trio_llm.api.http.errors import APIError
+from trio_llm.api.http.middleware import RequestIdMiddleware
+from trio_llm.api.tools.parsers import make_parser
 from trio_llm.frontend.preprocess import InputPreprocessor, fold_system_messages
 from trio_llm.messages import StructuredOutput
 from trio_llm.structured_output.grammar_check import check_structured_output

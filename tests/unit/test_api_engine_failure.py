@@ -16,7 +16,7 @@ import trio.testing
 from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from trio_llm import ipc
 from trio_llm.api.app import build_app
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.chat.serving import OpenAIServing
 from trio_llm.frontend.liveness import UNANSWERED_LIMIT
 from trio_llm.messages import AddRequest, HealthReply, RequestOutput, StepOutputs
 

@@ -1,6 +1,6 @@
 """The batch runner without an engine: lines parsed, run through a stand-in ASGI app,
 recorded once, resumed, cancelled, expired, retried while the engine restarts
-(`trio_llm.api.batch_lines`, `trio_llm.api.line_runner`, `trio_llm.api.batch_runner`),
+(`trio_llm.api.batch.lines`, `trio_llm.api.batch.line_runner`, `trio_llm.api.batch.runner`),
 on the `store` fixture."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import trio
 
-from trio_llm.api import batch_runner as runner_module
-from trio_llm.api import line_runner
-from trio_llm.api.batch_lines import (
+from trio_llm.api.batch import line_runner
+from trio_llm.api.batch import runner as runner_module
+from trio_llm.api.batch.line_runner import LineRunner
+from trio_llm.api.batch.lines import (
     BATCH_LANE,
     LANE_SCOPE_KEY,
     LineError,
@@ -25,8 +26,7 @@ from trio_llm.api.batch_lines import (
     check_input,
     parse_line,
 )
-from trio_llm.api.batch_runner import BatchRunner
-from trio_llm.api.line_runner import LineRunner
+from trio_llm.api.batch.runner import BatchRunner
 from trio_llm.errors import EngineDeadError
 from trio_llm.store import Store, StoreUnavailable
 from trio_llm.store import batches as stored

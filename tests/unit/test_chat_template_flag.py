@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm.cli import build_parser, config_from_args, main
+from trio_llm.cli.main import build_parser, config_from_args, main
 from trio_llm.text.tokenizer import Tokenizer
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "

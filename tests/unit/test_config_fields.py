@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from trio_llm.cli import build_parser
+from trio_llm.cli.main import build_parser
+from trio_llm.cli.serve_flags import SERVE_FLAGS
 from trio_llm.config import DTYPES, CacheConfig, ModelConfig
 from trio_llm.config_fields import CheckedFields, Range, setting
-from trio_llm.serve_flags import SERVE_FLAGS
 from trio_llm.server_config import ServerConfig
 
 

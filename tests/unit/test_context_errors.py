@@ -31,7 +31,7 @@ from tests.support.asgi import json_post_scope
 from tests.support.sse import named_events
 from tests.unit.conftest import INFO, STATS, FakeEngine, app_client, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.chat.serving import OpenAIServing
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.core import EngineCore
 from trio_llm.messages import AddRequest, RequestOutput, SamplingParams, StepOutputs
@@ -423,7 +423,7 @@ async def test_a_long_prefill_opens_the_messages_stream_at_once_and_pings(
     request, and pings keep the stream alive while the prefill takes minutes (Claude
     Code gives up on a stream silent for 300 s). The ASGI app is called directly: each
     body piece is timed as it is sent."""
-    from trio_llm.api.streaming import KEEPALIVE_SECONDS
+    from trio_llm.api.chat.streaming import KEEPALIVE_SECONDS
 
     prefill = 10 * KEEPALIVE_SECONDS
     body = json.dumps(_message(max_tokens=3, stream=True)).encode()

@@ -74,7 +74,7 @@ def test_this_machine_reports_busy_seconds() -> None:
 
 
 def test_num_threads_auto_turns_it_on_and_a_count_fixes_it() -> None:
-    from trio_llm.cli import build_parser, config_from_args
+    from trio_llm.cli.main import build_parser, config_from_args
 
     def engine(*flags: str):
         return config_from_args(build_parser().parse_args(["serve", *flags])).engine

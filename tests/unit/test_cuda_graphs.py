@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.architectures import build_model, engine_copy
-from trio_llm.cli import build_parser, config_from_args
+from trio_llm.cli.main import build_parser, config_from_args
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.attention import ATTENTION_NAME
 from trio_llm.engine.core import EngineCore

@@ -14,9 +14,8 @@ import trio
 import trio.testing
 
 from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
-from trio_llm import dtype_choice, engine_fleet, supervisor
 from trio_llm.api.app import build_app
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.chat.serving import OpenAIServing
 from trio_llm.config import EngineConfig, engine_config
 from trio_llm.engine.loop import select_gpu
 from trio_llm.errors import (
@@ -28,6 +27,8 @@ from trio_llm.errors import (
 from trio_llm.frontend.data_parallel import PREFIX_SLACK, DataParallelClient, prefix_block_hashes
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import SamplingParams
+from trio_llm.model_files import dtype_choice
+from trio_llm.server import engine_fleet, supervisor
 from trio_llm.server_config import ServerConfig
 
 PARAMS = SamplingParams(max_tokens=5)

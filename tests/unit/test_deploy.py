@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from trio_llm.cli import build_parser, config_from_args
+from trio_llm.cli.main import build_parser, config_from_args
 from trio_llm.config import CACHE_DIR_ENV
+from trio_llm.server.supervisor import FINAL_WRITE_GRACE
 from trio_llm.server_config import ServerConfig
-from trio_llm.supervisor import FINAL_WRITE_GRACE
 
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -132,7 +132,7 @@ def test_the_grace_period_covers_the_drain_and_the_engine_stop() -> None:
     config = _pod_config()
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     # preStop, then a drain of up to --shutdown-timeout, then the engine gets as long
-    # again to exit, then the final writes (trio_llm.supervisor._shut_down).
+    # again to exit, then the final writes (trio_llm.server.supervisor._shut_down).
     needed = pre_stop + 2 * config.shutdown_timeout + FINAL_WRITE_GRACE
     assert pod["terminationGracePeriodSeconds"] >= needed
     # A rolling update keeps every old pod until its replacement is ready.

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from trio_llm import dtype_choice
 from trio_llm.config import ModelConfig
-from trio_llm.dtype_choice import explain_dtype, log_dtype_choice, resolve_dtype
+from trio_llm.model_files import dtype_choice
+from trio_llm.model_files.dtype_choice import explain_dtype, log_dtype_choice, resolve_dtype
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
 NATIVE = AVX2_ONLY | {"avx512f", "avx512_bf16"}
@@ -50,7 +50,7 @@ def test_two_timings_on_one_machine_give_one_dtype(
 ) -> None:
     """Issue 41 item 16: one machine timed bf16 1.87x as fast at one start and 0.80x under
     load at the next; both starts must serve the same dtype, the timing only advises."""
-    caplog.set_level(logging.INFO, logger="trio_llm.dtype_choice")
+    caplog.set_level(logging.INFO, logger="trio_llm.model_files.dtype_choice")
     quiet = log_dtype_choice("auto", "cpu", (576, 1536), flags=flags, speedup=lambda h, i: 1.87)
     loaded = log_dtype_choice("auto", "cpu", (576, 1536), flags=flags, speedup=lambda h, i: 0.80)
     assert quiet == loaded == resolve_dtype("auto", "cpu", flags)

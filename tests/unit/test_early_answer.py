@@ -1,6 +1,6 @@
 """A request answered before its body has all arrived, over a real socket: the app (the
 files routes, no engine) runs in-process under hypercorn with the server's connection
-guard (`trio_llm.api.connection_guard`, `trio_llm.api.early_answer`). The client keeps
+guard (`trio_llm.api.http.connection_guard`, `trio_llm.api.http.early_answer`). The client keeps
 sending; it must see the answer, then the end of the connection, while it still sends
 (it used to block until its own timeout: the connection was neither read nor closed)."""
 
@@ -16,10 +16,10 @@ import trio
 
 from tests.support.uploads import chunked, part_head, read_to_the_end, send_chunks, upload_head
 from tests.unit.test_upload_limits import upload_app
-from trio_llm.api import connection_guard
+from trio_llm.api.http import connection_guard
+from trio_llm.server.supervisor import _hypercorn_config
 from trio_llm.server_config import ServerConfig
 from trio_llm.store import Store
-from trio_llm.supervisor import _hypercorn_config
 
 #: How long a client may wait for the end of the connection before the test calls it a
 #: hang (a guard against hanging for ever, not a measurement: it takes milliseconds).

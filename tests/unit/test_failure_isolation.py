@@ -15,9 +15,9 @@ import pytest
 import trio
 
 from tests.unit.conftest import ScriptedEngine, app_client
-from trio_llm.api import plan as plan_module
-from trio_llm.api.anthropic_format import MessagesFormat
-from trio_llm.api.responses_format import ResponsesFormat
+from trio_llm.api.anthropic.format import MessagesFormat
+from trio_llm.api.chat import planner as plan_module
+from trio_llm.api.responses.format import ResponsesFormat
 from trio_llm.text.tokenizer import Tokenizer
 
 SECRET = "/srv/secret/path.py"  # what the failure's text holds: never shown to a client

@@ -1,6 +1,6 @@
 """``/v1/files`` without an engine: the multipart upload streamed to the store under its
 own limit (not ``--max-request-body-bytes``), and the routes' answers
-(`trio_llm.api.files`, on the `store` fixture)."""
+(`trio_llm.api.batch.files`, on the `store` fixture)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from trio_llm.api.errors import install_error_handlers
-from trio_llm.api.files import install_file_routes
-from trio_llm.api.middleware import install_middleware
+from trio_llm.api.batch.files import install_file_routes
+from trio_llm.api.http.errors import install_error_handlers
+from trio_llm.api.http.middleware import install_middleware
 from trio_llm.server_config import ServerConfig, StoreConfig
 from trio_llm.store import Store
 from trio_llm.store.files import FileWriter

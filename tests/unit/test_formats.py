@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from trio_llm.api.formats import ChatFormat, CompletionFormat
-from trio_llm.api.response_format import Plan, ResponseFormat
-from trio_llm.api.tool_parsers import make_parser
+from trio_llm.api.chat.format import ChatFormat, CompletionFormat
+from trio_llm.api.chat.plan import Plan, ResponseFormat
+from trio_llm.api.tools.parsers import make_parser
 from trio_llm.messages import SamplingParams, TokenLogprobs
 from trio_llm.text.choice import Choice, ChoiceDelta
 from trio_llm.text.token_delta import TokenDelta

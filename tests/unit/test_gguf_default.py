@@ -16,10 +16,10 @@ import pytest
 
 from tests.support.engine_runs import run_request
 from trio_llm.config import engine_config
-from trio_llm.dtype_choice import explain_quantization
 from trio_llm.engine.core import EngineCore
 from trio_llm.engine.gguf_linear import kernel_available
 from trio_llm.messages import AddRequest, SamplingParams
+from trio_llm.model_files.dtype_choice import explain_quantization
 
 CHATS = [
     "Describe a walk through a forest in autumn.",

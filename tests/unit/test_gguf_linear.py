@@ -214,7 +214,7 @@ def smollm2_tensors(real_model_dir):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from trio_llm.named_models import default_gguf_path
+    from trio_llm.model_files.named_models import default_gguf_path
 
     reader = GGUFReader(str(default_gguf_path()))
     floats = {}

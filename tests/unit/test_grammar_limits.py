@@ -15,14 +15,14 @@ import trio.testing
 
 from tests.support.asgi import json_post_scope
 from tests.unit.conftest import FakeEngine, engine_client_pair
-from trio_llm.api import generation_request
-from trio_llm.api.anthropic import MessagesRequest
+from trio_llm.api.anthropic.request import MessagesRequest
 from trio_llm.api.app import build_app
-from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.errors import APIError
-from trio_llm.api.plan import SMALL_GRAMMAR_CHARS
-from trio_llm.api.responses import ResponsesRequest
-from trio_llm.api.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from trio_llm.api.chat import generation_request
+from trio_llm.api.chat.planner import SMALL_GRAMMAR_CHARS
+from trio_llm.api.chat.request import ChatCompletionRequest
+from trio_llm.api.chat.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from trio_llm.api.http.errors import APIError
+from trio_llm.api.responses.request import ResponsesRequest
 from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import EngineReady, StructuredOutput
 from trio_llm.structured_output import spec_limits

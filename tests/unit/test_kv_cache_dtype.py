@@ -18,12 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trio_llm.cli import build_parser, config_from_args
+from trio_llm.cli.main import build_parser, config_from_args
 from trio_llm.config import KV_CACHE_DTYPES, CacheConfig, engine_config
-from trio_llm.dtype_choice import explain_kv_cache_dtype
 from trio_llm.engine.attention import paged_attention, use_native_attention
 from trio_llm.engine.attention_metadata import PagedAttentionMetadata
 from trio_llm.engine.kv_cache import KVCache, KVGroups, LayerSpec, size_kv_cache
+from trio_llm.model_files.dtype_choice import explain_kv_cache_dtype
 
 #: Largest |logprob difference| (nats) between a bfloat16 and a float32 KV cache allowed
 #: for SmolLM2's greedy and prompt tokens (measured: up to 0.037; module docstring).
@@ -215,7 +215,7 @@ def smollm2():
     """SmolLM2-135M loaded in float32 for the paged attention, with its folder."""
     from trio_llm.config import DEFAULT_MODEL, default_cache_dir
     from trio_llm.engine.attention import ATTENTION_NAME
-    from trio_llm.model_loader import load_model, resolve_model_dir
+    from trio_llm.model_files.loader import load_model, resolve_model_dir
 
     model_dir = resolve_model_dir(DEFAULT_MODEL, default_cache_dir())
     return load_model(model_dir, "float32", ATTENTION_NAME), model_dir
@@ -366,10 +366,10 @@ def test_auto_on_the_gguf_path_follows_the_cpu(
 ) -> None:
     """``--quantization gguf --dtype float32``: bfloat16 keys and values (twice the
     blocks of the default 2 GiB) where the CPU has AVX-512-BF16, else float32."""
-    from trio_llm import dtype_choice
     from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL
     from trio_llm.engine.core import EngineCore
     from trio_llm.engine.kernels import load
+    from trio_llm.model_files import dtype_choice
 
     if not load().loaded:
         pytest.skip("--quantization gguf needs the native kernels")

@@ -11,15 +11,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from trio_llm.cli import build_parser, main
+from trio_llm.cli.main import build_parser, main
 from trio_llm.logging_setup import (
     LOG_LEVEL_ENV,
     configure_logging,
     line_prefix,
     resolve_log_level,
 )
+from trio_llm.server.supervisor import _hypercorn_config
 from trio_llm.server_config import ServerConfig
-from trio_llm.supervisor import _hypercorn_config
 
 
 @pytest.fixture
@@ -77,8 +77,8 @@ def test_the_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 def test_lines_keep_the_prefix_of_their_component(package_logger: logging.Logger) -> None:
     configure_logging("info")
     buffer = _capture(package_logger)
-    logging.getLogger("trio_llm.supervisor").info("shutting down: received SIGTERM")
-    logging.getLogger("trio_llm.model_loader").info("loading /m (torch.float32, cpu)")
+    logging.getLogger("trio_llm.server.supervisor").info("shutting down: received SIGTERM")
+    logging.getLogger("trio_llm.model_files.loader").info("loading /m (torch.float32, cpu)")
     logging.getLogger("trio_llm.engine.loop").error("engine start-up failed: no")
     logging.getLogger("trio_llm.detokenizer.process").warning("a connection broke: eof")
     assert buffer.getvalue().splitlines() == [
@@ -97,7 +97,7 @@ def test_the_level_filters_and_a_second_call_replaces_the_handler(
     configure_logging("warning")
     assert len(package_logger.handlers) == 1
     buffer = _capture(package_logger)
-    log = logging.getLogger("trio_llm.supervisor")
+    log = logging.getLogger("trio_llm.server.supervisor")
     log.debug("not shown")
     log.info("not shown either")
     log.warning("closed 1 client connections that were not reading")
@@ -115,7 +115,7 @@ def test_a_traceback_follows_its_line(package_logger: logging.Logger) -> None:
     try:
         raise RuntimeError("boom")
     except RuntimeError:
-        logging.getLogger("trio_llm.api.streaming").exception("internal error")
+        logging.getLogger("trio_llm.api.chat.streaming").exception("internal error")
     first, second, *rest = buffer.getvalue().splitlines()
     assert first == "trio-llm: internal error"
     assert second == "Traceback (most recent call last):"
@@ -174,7 +174,8 @@ def test_hypercorn_logs_warnings_unless_the_level_is_higher(
 def test_importing_trio_llm_installs_no_handler() -> None:
     """Library etiquette: `open_engine` / `LLM` users keep their own logging setup."""
     code = (
-        "import logging, trio_llm, trio_llm.async_engine, trio_llm.llm, trio_llm.supervisor\n"
+        "import logging, trio_llm, trio_llm.async_engine, trio_llm.llm\n"
+        "import trio_llm.server.supervisor\n"
         "print(len(logging.getLogger().handlers), len(logging.getLogger('trio_llm').handlers))"
     )
     done = subprocess.run(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trio_llm.errors import ModelConversionError
-from trio_llm.gguf_convert import _cache_key, convert_gguf
+from trio_llm.model_files.gguf_convert import _cache_key, convert_gguf
 
 
 def _gguf(folder: Path, content: bytes) -> Path:

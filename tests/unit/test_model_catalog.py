@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm.model_catalog import Catalog, flagged_entries, scan_models_dir
+from trio_llm.server.model_catalog import Catalog, flagged_entries, scan_models_dir
 
 
 def _hf(folder: Path, *, sentence_transformers: bool = False) -> Path:
@@ -68,13 +68,13 @@ def test_no_model_at_all_is_an_error(tmp_path: Path) -> None:
 
 
 def _config(*argv: str):
-    from trio_llm.cli import build_parser, config_from_args
+    from trio_llm.cli.main import build_parser, config_from_args
 
     return config_from_args(build_parser().parse_args(["serve", *argv]))
 
 
 def test_the_flags_of_several_models_make_the_servers_catalog(tmp_path: Path) -> None:
-    from trio_llm.model_catalog import catalog_of
+    from trio_llm.server.model_catalog import catalog_of
 
     one = _config("--model", "m.gguf", "--served-model-name", "a", "b")
     assert not one.models.several and one.served_model_names == ("a", "b")

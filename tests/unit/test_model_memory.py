@@ -1,4 +1,4 @@
-"""Memory estimates from file headers (`trio_llm.model_memory`): a GGUF file's weights
+"""Memory estimates from file headers (`trio_llm.server.model_memory`): a GGUF file's weights
 counted without the gguf package's reader, a safetensors folder's, the KV cache and the
 engine per engine, and what /proc/meminfo says is available."""
 
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm import dtype_choice
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, engine_config
-from trio_llm.model_memory import (
+from trio_llm.model_files import dtype_choice
+from trio_llm.model_files.weight_headers import read_gguf_header
+from trio_llm.server.model_memory import (
     ENGINE_OVERHEAD,
     available_bytes,
     estimate,
     weight_bytes,
 )
-from trio_llm.weight_headers import read_gguf_header
 
 
 def _safetensors(path: Path, shapes: dict[str, list[int]]) -> None:

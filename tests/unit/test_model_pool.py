@@ -1,4 +1,4 @@
-"""The pool of models without processes (`trio_llm.model_pool`): fake model starters
+"""The pool of models without processes (`trio_llm.server.model_pool`): fake model starters
 that "load" when the test lets them, trio's autojump clock for keep_alive and the load
 waits. On-demand loads, one load for concurrent requests, LRU eviction that never takes
 a model with a lease, keep_alive, load failures and their retry, unload/load/reload, an
@@ -18,16 +18,16 @@ import pytest
 import trio
 import trio.testing
 
-from trio_llm import model_room
-from trio_llm.api.errors import APIError
+from trio_llm.api.http.errors import APIError
 from trio_llm.api.model_router import UNCHANGED, LeaseReleaser, hold, peek_model
 from trio_llm.config import engine_config
 from trio_llm.errors import EngineDeadError, EngineStartupError
-from trio_llm.model_catalog import catalog_of
-from trio_llm.model_memory import MemoryNeed
-from trio_llm.model_pool import LOAD_RETRY_MIN, ModelPool
+from trio_llm.server import model_room
+from trio_llm.server.model_catalog import catalog_of
+from trio_llm.server.model_memory import MemoryNeed
+from trio_llm.server.model_pool import LOAD_RETRY_MIN, ModelPool
+from trio_llm.server.supervisor import Lifecycle
 from trio_llm.server_config import ModelsConfig, RestartPolicy, ServerConfig
-from trio_llm.supervisor import Lifecycle
 
 WAIT = 30.0  # --engine-restart-wait: how long a request waits for a load
 

@@ -16,9 +16,9 @@ import pytest
 
 from trio_llm.config import DEFAULT_MODEL, GEMMA3_270M_MODEL
 from trio_llm.errors import ModelConversionError, ModelNotFoundError
-from trio_llm.gguf_convert import _cache_key
-from trio_llm.model_loader import locate_model, resolve_model_dir
-from trio_llm.named_models import NAMED_MODELS, PyPIModel
+from trio_llm.model_files.gguf_convert import _cache_key
+from trio_llm.model_files.loader import locate_model, resolve_model_dir
+from trio_llm.model_files.named_models import NAMED_MODELS, PyPIModel
 
 NAME = "fake-model"
 CHUNKS = [b"GGUF first chunk|", b"second chunk|", b"last"]
@@ -175,8 +175,8 @@ def test_gemma3_ends_at_end_of_turn_as_its_generation_config_says(tmp_path: Path
     generation config transformers' generate() stops by: <end_of_turn> (106) too."""
     from transformers import GenerationConfig
 
-    from trio_llm.gguf_convert import write_generation_config
-    from trio_llm.named_models import NAMED_MODELS
+    from trio_llm.model_files.gguf_convert import write_generation_config
+    from trio_llm.model_files.named_models import NAMED_MODELS
 
     eos = NAMED_MODELS["gemma-3-270m"].eos_token_ids
     write_generation_config(tmp_path, eos)

@@ -272,7 +272,7 @@ def test_smollm2_greedy_tokens_equal_with_either_backend() -> None:
     up to about 0.1 (seen on an AVX-512-BF16 machine) and the bfloat16 kernel is held to
     the reference per layer by `test_ragged_decode_batch_matches_reference` instead."""
     from trio_llm.engine.core import EngineCore
-    from trio_llm.model_loader import load_model, resolve_model_dir
+    from trio_llm.model_files.loader import load_model, resolve_model_dir
 
     base = engine_config(DEFAULT_MODEL, max_model_len=512, num_kv_blocks=64)
     model_dir = resolve_model_dir(DEFAULT_MODEL, base.cache_dir())

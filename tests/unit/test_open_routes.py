@@ -24,10 +24,10 @@ import trio.testing
 from tests.unit.conftest import INFO
 from tests.unit.test_model_pool import FakeStarter, _config, _state, running_pool
 from trio_llm.api.app import build_app
+from trio_llm.api.chat.serving import OpenAIServing
 from trio_llm.api.model_router import peek_model
-from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import EngineDeadError
-from trio_llm.model_pool import ModelPool
+from trio_llm.server.model_pool import ModelPool
 from trio_llm.server_config import ServerConfig, keep_alive_seconds
 from trio_llm.text.tokenizer import Tokenizer
 

@@ -244,9 +244,9 @@ def test_no_assert_statement_guards_anything() -> None:
     ("source", "expected"),
     [
         ("from trio_llm import ipc\n", {"trio_llm.ipc"}),
-        ("from trio_llm.api.errors import APIError\n", {"trio_llm.api.errors"}),
-        ("from . import errors\n", {"trio_llm.api.errors"}),
-        ("from ..text.choice import Choice\n", {"trio_llm.text.choice"}),
+        ("from trio_llm.api.http.errors import APIError\n", {"trio_llm.api.http.errors"}),
+        ("from . import errors\n", {"trio_llm.api.http.errors"}),
+        ("from ...text.choice import Choice\n", {"trio_llm.text.choice"}),
         ("def f():\n    import trio_llm.engine.core\n", {"trio_llm.engine.core"}),
         ("import json\nfrom typing import Any\n", set()),
     ],
@@ -257,4 +257,4 @@ def test_the_scan_reads_each_form_of_import(
     known = modules()
     path = tmp_path / "scanned.py"
     path.write_text(source)
-    assert set(imported("trio_llm.api.scanned", path, known)) == expected
+    assert set(imported("trio_llm.api.http.scanned", path, known)) == expected

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from trio_llm.api.anthropic import MessagesRequest
-from trio_llm.api.chat_request import ChatCompletionRequest
+from trio_llm.api.anthropic.request import MessagesRequest
+from trio_llm.api.chat.request import ChatCompletionRequest
 from trio_llm.api.embeddings import EmbeddingRequest
-from trio_llm.api.errors import APIError
-from trio_llm.api.parsing import (
+from trio_llm.api.http.errors import APIError
+from trio_llm.api.http.parsing import (
     MAX_JSON_DEPTH,
     CountedFields,
     JSONTooDeepError,
@@ -22,7 +22,7 @@ from trio_llm.api.parsing import (
     parse_json,
     validate,
 )
-from trio_llm.api.responses import ResponsesRequest
+from trio_llm.api.responses.request import ResponsesRequest
 from trio_llm.server_config import RequestLimits
 from trio_llm.text.chat_template import TemplateError, render_chat
 

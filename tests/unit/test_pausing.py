@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from tests.unit.conftest import FakeEngine, engine_client_pair
-from trio_llm.cli import build_parser, config_from_args
+from trio_llm.cli.main import build_parser, config_from_args
 from trio_llm.frontend.engine_client import PAUSE_AFTER_UNREAD_TOKENS, EngineClient, RequestStream
 from trio_llm.messages import (
     AddRequest,

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from trio_llm.api.anthropic_format import MessagesFormat
-from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.completion_request import CompletionRequest
-from trio_llm.api.errors import APIError
-from trio_llm.api.formats import ChatFormat, CompletionFormat
-from trio_llm.api.plan import Planner
+from trio_llm.api.anthropic.format import MessagesFormat
+from trio_llm.api.chat.completion_request import CompletionRequest
+from trio_llm.api.chat.format import ChatFormat, CompletionFormat
+from trio_llm.api.chat.planner import Planner
+from trio_llm.api.chat.request import ChatCompletionRequest
+from trio_llm.api.http.errors import APIError
 from trio_llm.errors import ContextLengthError, InvalidRequest
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.preprocess import InputPreprocessor

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from trio_llm.cli import build_parser, config_from_args
+from trio_llm.cli.main import build_parser, config_from_args
 from trio_llm.config import SchedulerConfig, engine_config
 from trio_llm.engine.block_manager import BlockManager
 from trio_llm.engine.pooling_queue import PoolingQueue, Waiting

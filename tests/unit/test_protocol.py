@@ -1,5 +1,5 @@
 """The request models of the OpenAI-compatible routes, sans I/O: raw JSON bodies parsed as
-the routes parse them (`trio_llm.api.parsing.validate`), the 400s naming the field at fault,
+the routes parse them (`trio_llm.api.http.parsing.validate`), the 400s naming the field at fault,
 and the `SamplingParams` / `StructuredOutput` a valid body asks of the engine.
 
 The expectations are written from the OpenAI API reference (defaults, ranges, the meaning
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.completion_request import CompletionRequest
-from trio_llm.api.errors import APIError
-from trio_llm.api.generation_request import GenerationRequest
-from trio_llm.api.parsing import validate
+from trio_llm.api.chat.completion_request import CompletionRequest
+from trio_llm.api.chat.generation_request import GenerationRequest
+from trio_llm.api.chat.request import ChatCompletionRequest
+from trio_llm.api.http.errors import APIError
+from trio_llm.api.http.parsing import validate
 from trio_llm.messages import SamplingParams, StructuredOutput
 from trio_llm.server_config import RequestLimits
 

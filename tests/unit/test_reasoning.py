@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as FastTokenizer
 from tests.support.sse import named_events
 from tests.unit.conftest import ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.chat.serving import OpenAIServing
 from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import AddRequest, EngineReady
 from trio_llm.text.reasoning import reasoning_format
@@ -500,7 +500,7 @@ def test_the_engine_holds_a_tiny_qwen3_to_the_answer_only_after_the_reasoning(
     from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from trio_llm.engine.core import EngineCore
     from trio_llm.messages import SamplingParams, StructuredOutput
-    from trio_llm.model_loader import load_model
+    from trio_llm.model_files.loader import load_model
 
     model_dir = save_for_serving("qwen3", tmp_path / "qwen3", qwen3_dir, VOCAB_SIZE)
     config = EngineConfig(

@@ -17,12 +17,12 @@ import trio
 
 from tests.unit.conftest import INFO, STATS, ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.completion_request import CompletionRequest
-from trio_llm.api.errors import APIError
-from trio_llm.api.lanes import BATCH_LANE, LANE_SCOPE_KEY, lane_of
-from trio_llm.api.plan import Planner
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.chat.completion_request import CompletionRequest
+from trio_llm.api.chat.planner import Planner
+from trio_llm.api.chat.request import ChatCompletionRequest
+from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.http.errors import APIError
+from trio_llm.api.http.lanes import BATCH_LANE, LANE_SCOPE_KEY, lane_of
 from trio_llm.async_engine import AsyncEngine
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.preprocess import InputPreprocessor

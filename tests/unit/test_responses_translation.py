@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from openai.types.responses import Response
 
-from trio_llm.api.errors import APIError
-from trio_llm.api.plan import Plan
-from trio_llm.api.responses import ResponsesRequest
-from trio_llm.api.responses_format import ResponsesFormat
-from trio_llm.api.tool_parsers import make_parser
+from trio_llm.api.chat.planner import Plan
+from trio_llm.api.http.errors import APIError
+from trio_llm.api.responses.format import ResponsesFormat
+from trio_llm.api.responses.request import ResponsesRequest
+from trio_llm.api.tools.parsers import make_parser
 from trio_llm.text.output import TextDelta
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "codex"
@@ -328,7 +328,7 @@ def test_hosted_tools_are_logged_once_per_connection(caplog):
         request.bind_connection(client)
         request.to_chat()
 
-    with caplog.at_level(logging.WARNING, logger="trio_llm.api.responses"):
+    with caplog.at_level(logging.WARNING, logger="trio_llm.api.responses.request"):
         send(("10.0.0.1", 40001))
         send(("10.0.0.1", 40001))
         send(("10.0.0.1", 40002))

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import trio
 import trio.testing
 
-from trio_llm.supervisor import Lifecycle, _handle_signals
+from trio_llm.server.supervisor import Lifecycle, _handle_signals
 
 
 @asynccontextmanager

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trio_llm.api.disconnect import sse_event
+from trio_llm.api.http.disconnect import sse_event
 
 #: Characters str.splitlines() (httpx's aiter_lines) breaks on, control ones included.
 LINE_BREAKS = ["\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]

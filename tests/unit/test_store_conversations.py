@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from trio_llm.api.response_items import stored_items
+from trio_llm.api.responses.items import stored_items
 from trio_llm.store import (
     ConversationFull,
     ConversationLimits,

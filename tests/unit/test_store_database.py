@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from tests.support.store_faults import fill_sqlite_to_the_brim
-from trio_llm.cli_types import parse_duration, parse_size_or_none
+from trio_llm.cli.types import parse_duration, parse_size_or_none
 from trio_llm.store import RetentionPolicy, Store, StoreUnavailable, open_store
 from trio_llm.store.database import StoreError, Transaction, open_database, redact
 from trio_llm.store.migrations import MIGRATIONS, SCHEMA_VERSION, migrate, schema_version

@@ -23,8 +23,8 @@ from fastapi import FastAPI, Request
 from tests.support.store_faults import fill_sqlite_to_the_brim, sqlite_locked_by_another_process
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.errors import RETRY_AFTER_SECONDS
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.http.errors import RETRY_AFTER_SECONDS
 from trio_llm.store import Store, Transaction, open_store
 from trio_llm.store.objects import missing
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from trio_llm.api.conversations import ConversationCreateRequest
-from trio_llm.api.errors import APIError
-from trio_llm.api.response_items import context_items, stored_items
-from trio_llm.api.responses import check_items
-from trio_llm.api.store_routes import ListParams
+from trio_llm.api.http.errors import APIError
+from trio_llm.api.http.store_routes import ListParams
+from trio_llm.api.responses.conversations import ConversationCreateRequest
+from trio_llm.api.responses.items import context_items, stored_items
+from trio_llm.api.responses.request import check_items
 from trio_llm.store import Evicted, NotFound, RetentionPolicy, Store, conversations, responses
 from trio_llm.store.responses import StoredResponse
 from trio_llm.store.retention import sweep

@@ -14,7 +14,7 @@ import pytest
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.core import EngineCore
 from trio_llm.messages import AddRequest, SamplingParams, StructuredOutput
-from trio_llm.model_loader import load_model
+from trio_llm.model_files.loader import load_model
 
 #: Runs engine cores in this process: the slow tier.
 pytestmark = pytest.mark.slow

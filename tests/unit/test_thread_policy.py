@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trio_llm.cli import build_parser, config_from_args
+from trio_llm.cli.main import build_parser, config_from_args
 from trio_llm.config import EngineConfig, ModelConfig, engine_config
 from trio_llm.server_config import ServerConfig
 

@@ -1,4 +1,4 @@
-"""Tool calling without an engine: the parsers (`trio_llm.api.tool_parsers`), the grammar of a
+"""Tool calling without an engine: the parsers (`trio_llm.api.tools.parsers`), the grammar of a
 forced call, the tool-aware template, and the HTTP layer against a scripted engine that
 "generates" a given text, so streamed and whole responses can be compared exactly."""
 
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from tests.unit.conftest import ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.serving import OpenAIServing
-from trio_llm.api.tool_calls import NamedCallParser, ParsedDelta, ToolCallParser
-from trio_llm.api.tool_grammar import tool_call_grammar
-from trio_llm.api.tool_parsers import HermesParser, make_parser, required_parser
+from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.tools.calls import NamedCallParser, ParsedDelta, ToolCallParser
+from trio_llm.api.tools.grammar import tool_call_grammar
+from trio_llm.api.tools.parsers import HermesParser, make_parser, required_parser
 from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import AddRequest, EngineReady
 from trio_llm.text.chat_template import render_chat, shipped_template

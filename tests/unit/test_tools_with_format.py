@@ -14,11 +14,11 @@ import trio
 from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from tests.unit.test_tool_calls import INFO, QUESTION, TOOLS, WEATHER, _streamed
 from trio_llm.api.app import build_app
-from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.serving import OpenAIServing
-from trio_llm.api.tool_calls import ParsedDelta
-from trio_llm.api.tool_grammar import calls_or_answer_grammar
-from trio_llm.api.tool_parsers import make_parser, required_parser
+from trio_llm.api.chat.request import ChatCompletionRequest
+from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.tools.calls import ParsedDelta
+from trio_llm.api.tools.grammar import calls_or_answer_grammar
+from trio_llm.api.tools.parsers import make_parser, required_parser
 from trio_llm.messages import AddRequest, RequestOutput, StepOutputs, StructuredOutput
 from trio_llm.structured_output.grammar_check import _BYTE_VOCAB, _byte_tokenizer, checked_matcher
 from trio_llm.structured_output.schema_rewrites import close_object_schemas

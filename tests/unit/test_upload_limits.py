@@ -1,4 +1,4 @@
-"""The limits of an upload (``POST /v1/files``, `trio_llm.api.file_upload`), played on the
+"""The limits of an upload (``POST /v1/files``, `trio_llm.api.batch.file_upload`), played on the
 ASGI app without an engine: each limit is answered as soon as it is passed, not when the
 body ends (the client's receive counts what the app read), a slow-drip upload is cut by
 its deadline (on Trio's autojump clock: no real waiting), a malformed body is a 400 and
@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from tests.support.asgi import json_post_scope
 from tests.support.uploads import BOUNDARY, part_head
-from trio_llm.api.errors import install_error_handlers
-from trio_llm.api.files import MULTIPART_ALLOWANCE, install_file_routes
-from trio_llm.api.middleware import install_middleware
+from trio_llm.api.batch.files import MULTIPART_ALLOWANCE, install_file_routes
+from trio_llm.api.http.errors import install_error_handlers
+from trio_llm.api.http.middleware import install_middleware
 from trio_llm.server_config import ServerConfig, StoreConfig
 from trio_llm.store import Store
 from trio_llm.store.files import FileWriter

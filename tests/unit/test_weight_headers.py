@@ -1,5 +1,5 @@
-"""Weight file headers as untrusted input (`trio_llm.weight_headers`; issue 41: "the GGUF
-reader checks every declared size with Python integers against the file before
+"""Weight file headers as untrusted input (`trio_llm.model_files.weight_headers`; issue 41:
+"the GGUF reader checks every declared size with Python integers against the file before
 allocating"): a fuzz test of GGUF headers (valid ones built field by field, then one
 declared size made hostile, or the file cut short) and hostile safetensors headers.
 
@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from trio_llm.model_memory import weight_bytes
-from trio_llm.weight_headers import (
+from trio_llm.model_files.weight_headers import (
     WeightFileError,
     read_gguf_header,
     safetensors_weights,
 )
+from trio_llm.server.model_memory import weight_bytes
 
 #: Most bytes a header read may allocate (the largest file here is a few KiB).
 PEAK_BYTES = 256 * 1024

@@ -21,8 +21,8 @@ import trio.testing
 
 from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.serving import OpenAIServing
-from trio_llm.api.websocket import MAX_GENERATIONS_PER_CONNECTION
+from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.websocket.handler import MAX_GENERATIONS_PER_CONNECTION
 from trio_llm.client import (
     ConnectionClosedError,
     DeltaEvent,
@@ -38,8 +38,8 @@ from trio_llm.messages import (
     RequestOutput,
     StepOutputs,
 )
+from trio_llm.server.supervisor import _hypercorn_config
 from trio_llm.server_config import ServerConfig
-from trio_llm.supervisor import _hypercorn_config
 
 #: Requests with at most this many max_tokens finish; longer ones run until aborted.
 SHORT = 8

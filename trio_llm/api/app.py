@@ -1,5 +1,5 @@
-"""The ASGI application: the routes of `trio_llm.api.routes` (OpenAI's, Anthropic's and
-vLLM's), the models' routes (`trio_llm.api.model_routes`: ``/v1/models``, ``/health``,
+"""The ASGI application: the routes of `trio_llm.api.http.routes` (OpenAI's, Anthropic's and
+vLLM's), the models' routes (`trio_llm.api.model_cards`: ``/v1/models``, ``/health``,
 ``/models/load``...), ``/metrics``, the WebSocket and the chat page, over the models of a
 `trio_llm.api.model_router.ModelRouter`."""
 
@@ -14,49 +14,47 @@ from pydantic import BaseModel
 from starlette.types import Receive
 
 from trio_llm.api import metrics
-from trio_llm.api.access_log import AccessLogMiddleware
-from trio_llm.api.anthropic import CountTokensRequest, MessagesRequest
-from trio_llm.api.batches import install_batch_routes
-from trio_llm.api.body_reading import read_body
+from trio_llm.api.anthropic.handlers import MessagesAPI
+from trio_llm.api.anthropic.request import CountTokensRequest, MessagesRequest
+from trio_llm.api.batch.files import install_file_routes
+from trio_llm.api.batch.routes import install_batch_routes
+from trio_llm.api.chat.completion_request import CompletionRequest
+from trio_llm.api.chat.request import ChatCompletionRequest
+from trio_llm.api.chat.request_body import RequestBody
+from trio_llm.api.chat.serving import OpenAIServing
 from trio_llm.api.chat_page import install_chat_page
-from trio_llm.api.chat_request import ChatCompletionRequest
-from trio_llm.api.completion_request import CompletionRequest
-from trio_llm.api.conversations import (
+from trio_llm.api.embeddings import EmbeddingRequest, EmbeddingsAPI
+from trio_llm.api.http.access_log import AccessLogMiddleware
+from trio_llm.api.http.body_reading import read_body
+from trio_llm.api.http.errors import install_error_handlers
+from trio_llm.api.http.lanes import lane_of
+from trio_llm.api.http.middleware import install_middleware
+from trio_llm.api.http.routes import ROUTES
+from trio_llm.api.model_cards import install_model_routes
+from trio_llm.api.model_router import LeaseReleaser, ModelRouter, as_router, hold, peek_model
+from trio_llm.api.responses.conversations import (
     ConversationCreateRequest,
     ConversationItemsRequest,
     ConversationsAPI,
     ConversationUpdateRequest,
 )
-from trio_llm.api.embeddings import EmbeddingRequest
-from trio_llm.api.errors import install_error_handlers
-from trio_llm.api.files import install_file_routes
-from trio_llm.api.lanes import lane_of
-from trio_llm.api.middleware import install_middleware
-from trio_llm.api.model_router import LeaseReleaser, ModelRouter, as_router, hold, peek_model
-from trio_llm.api.model_routes import install_model_routes
-from trio_llm.api.request_body import RequestBody
-from trio_llm.api.responses import ResponsesRequest
-from trio_llm.api.routes import ROUTES
-from trio_llm.api.serving import OpenAIServing
-from trio_llm.api.stored_responses import ResponsesAPI
+from trio_llm.api.responses.request import ResponsesRequest
+from trio_llm.api.responses.stored import ResponsesAPI
 from trio_llm.api.tokenize_routes import tokenize_router
-from trio_llm.api.websocket import install_websocket
+from trio_llm.api.websocket.handler import install_websocket
 from trio_llm.server_config import ServerConfig
 
-#: The request models of the JSON body routes, by class name (`Route.body`).
+#: The request models of the JSON body routes, by their key in the table (`Route.body`).
 _BODY_MODELS: dict[str, type[BaseModel]] = {
-    model.__name__: model
-    for model in (
-        ChatCompletionRequest,
-        CompletionRequest,
-        ResponsesRequest,
-        MessagesRequest,
-        CountTokensRequest,
-        EmbeddingRequest,
-        ConversationCreateRequest,
-        ConversationUpdateRequest,
-        ConversationItemsRequest,
-    )
+    "chat": ChatCompletionRequest,
+    "completion": CompletionRequest,
+    "responses": ResponsesRequest,
+    "messages": MessagesRequest,
+    "count_tokens": CountTokensRequest,
+    "embeddings": EmbeddingRequest,
+    "conversation": ConversationCreateRequest,
+    "conversation_update": ConversationUpdateRequest,
+    "conversation_items": ConversationItemsRequest,
 }
 
 
@@ -70,7 +68,7 @@ def build_app(
 
     Args:
         serving: the models' router (`trio_llm.api.model_router`; the server's is
-            `trio_llm.model_pool.ModelPool`), or the handlers of one model
+            `trio_llm.server.model_pool.ModelPool`), or the handlers of one model
             (`OpenAIServing`: engine, tokenizer, model names).
         is_serving: False once the server is stopping; /health then answers 503.
         config: API key, CORS and body-size settings; None uses `ServerConfig`'s defaults.
@@ -91,6 +89,8 @@ def build_app(
     owners = {
         "responses": responses or ResponsesAPI(router),
         "conversations": ConversationsAPI(router),
+        "anthropic": MessagesAPI(),
+        "embeddings": EmbeddingsAPI(),
     }
     _add_table_routes(app, router, owners)
     # Files and batches (issue 34): the routes, and the batch runner the supervisor starts.
@@ -114,7 +114,7 @@ def _add_metrics(app: FastAPI, router: ModelRouter, config: ServerConfig) -> Non
 
 
 def _add_table_routes(app: FastAPI, router: ModelRouter, owners: dict[str, Any]) -> None:
-    """The routes of `trio_llm.api.routes.ROUTES` that have a handler: a method of the
+    """The routes of `trio_llm.api.http.routes.ROUTES` that have a handler: a method of the
     request's model's `OpenAIServing`, or ``owner.method`` of one of ``owners``.
 
     A body route without path parameters is parsed before its handler runs (limits
@@ -150,7 +150,7 @@ def _add_table_routes(app: FastAPI, router: ModelRouter, owners: dict[str, Any])
 
 
 def _bind(body: BaseModel, request: Request) -> None:
-    """Give a parsed body its lane (the ASGI scope's: `trio_llm.api.lanes`, the batch
+    """Give a parsed body its lane (the ASGI scope's: `trio_llm.api.http.lanes`, the batch
     runner's requests run in the batch lane) and a response its client's address."""
     if isinstance(body, RequestBody):
         body.bind_lane(lane_of(request.scope))

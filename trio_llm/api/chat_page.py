@@ -13,7 +13,7 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from trio_llm.api.errors import APIError
+from trio_llm.api.http.errors import APIError
 
 #: Every file the page needs -> its content type. Nothing else under ``static/`` is served.
 STATIC_FILES = {

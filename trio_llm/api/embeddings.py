@@ -1,7 +1,7 @@
 """``POST /v1/embeddings``: OpenAI's embeddings endpoint, served by an embedding model.
 
 The request runs the same admission, engine client and disconnect handling as the
-generating routes (`trio_llm.api.serving.OpenAIServing.embed`, with the pieces here:
+generating routes (`trio_llm.api.chat.serving.OpenAIServing.embed`, with the pieces here:
 `embedding_plan`, `collect_embeddings`, `embeddings_body`); the engine child is a
 `trio_llm.engine.pooling.PoolingCore`, which batches the inputs of all clients together.
 
@@ -26,12 +26,17 @@ from typing import Any, Literal
 
 import msgspec
 import trio
+from fastapi.responses import Response
 from pydantic import Field, StrictInt
+from starlette.types import Receive
 
-from trio_llm.api.errors import bad_request, invalid_request
-from trio_llm.api.formats import ChatFormat
-from trio_llm.api.request_body import INT32_MAX, Priority, RequestBody, Text, TokenId
-from trio_llm.api.response_format import Plan
+from trio_llm.api.chat.format import ChatFormat
+from trio_llm.api.chat.plan import Plan
+from trio_llm.api.chat.request_body import INT32_MAX, Priority, RequestBody, Text, TokenId
+from trio_llm.api.chat.run_choices import run_connected
+from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.http.body_reading import CLIENT_CLOSED_REQUEST
+from trio_llm.api.http.errors import bad_request, invalid_request
 from trio_llm.errors import ContextLengthError, InvalidRequest
 from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.handle import EngineHandle
@@ -244,3 +249,28 @@ async def embeddings_body(
     if len(vectors) <= INLINE_EMBEDDING_INPUTS:
         return render()
     return await trio.to_thread.run_sync(render)
+
+
+class EmbeddingsAPI:
+    """``POST /v1/embeddings`` (the route table's owner ``embeddings``)."""
+
+    async def create(
+        self, request: EmbeddingRequest, receive: Receive, serving: OpenAIServing
+    ) -> Response:
+        """Tokenize every input, submit them together (the engine batches them with other
+        clients'), and answer their vectors in input order.
+
+        Raises:
+            APIError: 400 for a generating model, an empty or too long input, or a
+                ``dimensions`` the model cannot give; 503 when the waiting line is full.
+        """
+        model = serving.resolve_model(request.model)
+        serving.check_task("embed", "/v1/embeddings", model)
+        plan = await embedding_plan(request, model, serving.inputs, serving.engine.info)
+        admission = serving.admit(plan)
+        vectors: list[list[float]] = [[] for _ in plan.requests]
+        collect = functools.partial(collect_embeddings, serving.engine, plan, admission, vectors)
+        if not await run_connected(serving.engine, receive, admission, collect):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body = await embeddings_body(model, vectors, request, sum(plan.prompt_lengths))
+        return Response(body, media_type="application/json")

@@ -21,8 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from trio_llm.api.http.routes import route_path
 from trio_llm.api.model_router import ModelRouter, routed_model_name
-from trio_llm.api.routes import route_path
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.request_timing import RequestRecord
@@ -242,7 +242,7 @@ class HTTPRequestCounter:
     """ASGI middleware: ``trio_llm:http_requests_total{endpoint, status}`` counts each
     answered HTTP request by route and status class (``2xx``, ``4xx``, ...), as vLLM's
     ``http_requests_total`` does; a request whose client left before an answer is counted
-    as ``499``'s class, ``4xx``. The ``endpoint`` is a path of `trio_llm.api.routes.ROUTES`
+    as ``499``'s class, ``4xx``. The ``endpoint`` is a path of `trio_llm.api.http.routes.ROUTES`
     (a path with parameters by its template, ``/v1/responses/{response_id}``;
     ``/v1/models/<name>`` counts as ``/v1/models``); any other path is ``other``, so
     clients cannot grow the number of series.

@@ -1,7 +1,7 @@
 """Which model answers a request (issue 35): the `ModelRouter` the app asks for a model's
 `OpenAIServing` by the request's ``model``, before the handler runs.
 
-A generating or embedding route reads its body (`trio_llm.api.body_reading`), peeks at
+A generating or embedding route reads its body (`trio_llm.api.http.body_reading`), peeks at
 ``model`` and ``keep_alive`` (`peek_model`: one msgspec pass, no validation), then takes a
 `Lease` on that model (`ModelRouter.acquire`: it may wait for the model to load) and
 holds it until the response is over, its stream included: `LeaseReleaser`, an ASGI
@@ -14,7 +14,7 @@ models (`ModelRouter.acquire_for`): it gets a model loaded now, or a 503.
 
 `OneModel` routes every request to one `OpenAIServing` (an app built around a ready
 serving: the tests', ``trio-llm run-batch``'s); the server's router over several models
-is `trio_llm.model_pool.ModelPool`.
+is `trio_llm.server.model_pool.ModelPool`.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from trio_llm.api.body_reading import read_body
-from trio_llm.api.errors import APIError, bad_request, unknown_model
-from trio_llm.api.middleware import key_presented
-from trio_llm.api.parsing import INLINE_PARSE_BYTES, load_json, parse_body
-from trio_llm.api.serving import OpenAIServing
+from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.http.body_reading import read_body
+from trio_llm.api.http.errors import APIError, bad_request, unknown_model
+from trio_llm.api.http.middleware import key_presented
+from trio_llm.api.http.parsing import INLINE_PARSE_BYTES, load_json, parse_body
 from trio_llm.errors import EngineError
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
@@ -72,7 +72,7 @@ class ModelStatus:
     Attributes:
         names: the names clients use in ``model``.
         model: its model card's ``root``: a named model's ``--model`` string (vLLM's),
-            a local one's name (`trio_llm.model_catalog.CatalogEntry.root`).
+            a local one's name (`trio_llm.server.model_catalog.CatalogEntry.root`).
         kind: ``gguf``, ``hf``, ``sentence-transformers`` or ``named``.
         state: `ModelState`.
         serving: its handlers while loaded, else None.
@@ -162,7 +162,7 @@ class ModelRouter:
 
     async def acquire_for(self, scope: Scope, name: str | None, keep_alive: KeepAlive) -> Lease:
         """The lease of the request of ``scope`` on model ``name``: `acquire`'s if it may
-        change the models (`trio_llm.api.middleware.key_presented`), else `loaded`'s.
+        change the models (`trio_llm.api.http.middleware.key_presented`), else `loaded`'s.
 
         Raises:
             APIError: as `acquire` or `loaded`; 401 naming ``keep_alive`` without the key.
@@ -231,7 +231,7 @@ class ModelRouter:
         names no model: no model's context length or vocabulary applies).
 
         Raises:
-            APIError: as `trio_llm.api.serving.OpenAIServing.parse`.
+            APIError: as `trio_llm.api.chat.serving.OpenAIServing.parse`.
         """
         raw = await read_body(request, self.request_body_timeout)
         content_type = request.headers.get("content-type")
@@ -309,7 +309,7 @@ class OneModel(ModelRouter):
 
 
 class RouterEngines:
-    """What the batch runner reads of the engines (`trio_llm.api.line_runner`), over
+    """What the batch runner reads of the engines (`trio_llm.api.batch.line_runner`), over
     every loaded model's: with one model, its engine handle's state; with several, the
     server's (a line whose model restarts or fails is answered 503 or 5xx, and retried).
     """

@@ -22,13 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 import trio_llm
-from trio_llm.api.body_reading import read_body
-from trio_llm.api.chat_messages import ChatMessage
-from trio_llm.api.errors import bad_request, invalid_request
+from trio_llm.api.chat.messages import ChatMessage
+from trio_llm.api.chat.request_body import Text, TokenId, refuse_unimplemented
+from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.http.body_reading import read_body
+from trio_llm.api.http.errors import bad_request, invalid_request
+from trio_llm.api.http.parsing import CountedFields
 from trio_llm.api.model_router import ModelRouter, hold, peek_model
-from trio_llm.api.parsing import CountedFields
-from trio_llm.api.request_body import Text, TokenId, refuse_unimplemented
-from trio_llm.api.serving import OpenAIServing
 from trio_llm.errors import InvalidRequest
 from trio_llm.frontend.chat_prompt import ChatPrompt
 

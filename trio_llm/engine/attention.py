@@ -42,7 +42,6 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 
 from trio_llm.config import ATTENTION_BACKENDS
-from trio_llm.dtype_choice import context_dtype
 from trio_llm.engine import kernels
 from trio_llm.engine.attention_metadata import (
     LayerProbe,
@@ -52,6 +51,7 @@ from trio_llm.engine.attention_metadata import (
     chunk_mask,
     current_step,
 )
+from trio_llm.model_files.dtype_choice import context_dtype
 
 logger = logging.getLogger(__name__)
 

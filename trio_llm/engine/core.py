@@ -158,7 +158,7 @@ class EngineCore:
             EngineConfigError: the model is one the engine would serve wrongly, or the
                 cache and context settings do not fit it.
         """
-        from trio_llm.model_loader import load_config, resolve_model_dir
+        from trio_llm.model_files.loader import load_config, resolve_model_dir
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

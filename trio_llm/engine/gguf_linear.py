@@ -32,7 +32,12 @@ import torch
 from trio_llm.engine import kernels
 from trio_llm.engine.support import describe
 from trio_llm.errors import EngineConfigError
-from trio_llm.weight_headers import GGUFHeader, GGUFTensor, WeightFileError, read_gguf_header
+from trio_llm.model_files.weight_headers import (
+    GGUFHeader,
+    GGUFTensor,
+    WeightFileError,
+    read_gguf_header,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig
-from trio_llm.dtype_choice import explain_kv_cache_dtype
 from trio_llm.engine.block_manager import cdiv
 from trio_llm.errors import EngineConfigError
+from trio_llm.model_files.dtype_choice import explain_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -215,8 +215,8 @@ def kv_cache_dtype(
 ) -> tuple[torch.dtype, str]:
     """The dtype of the cached keys and values for ``cache.kv_cache_dtype`` and a model of
     ``model_dtype`` run with ``quantization``, and why (for the start-up log); see
-    `trio_llm.dtype_choice.explain_kv_cache_dtype` (``auto``: the model's dtype, bfloat16
-    for a float32 model on the GGUF path on a CPU with AVX-512-BF16)."""
+    `trio_llm.model_files.dtype_choice.explain_kv_cache_dtype` (``auto``: the model's dtype,
+    bfloat16 for a float32 model on the GGUF path on a CPU with AVX-512-BF16)."""
     name, why = explain_kv_cache_dtype(
         cache.kv_cache_dtype, str(model_dtype).removeprefix("torch."), quantization
     )

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from trio_llm.config import EngineConfig
-from trio_llm.dtype_choice import explain_quantization
 from trio_llm.engine.attention import ATTENTION_NAME, use_native_attention
 from trio_llm.engine.attention_metadata import (
     PagedAttentionMetadata,
@@ -40,7 +39,8 @@ from trio_llm.engine.scheduled_batch import ScheduledBatch
 from trio_llm.engine.step_inputs import StepBuilder, StepInputs
 from trio_llm.engine.support import describe
 from trio_llm.errors import EngineConfigError, ModelNotFoundError
-from trio_llm.model_loader import gguf_file_of, load_model
+from trio_llm.model_files.dtype_choice import explain_quantization
+from trio_llm.model_files.loader import gguf_file_of, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -248,8 +248,8 @@ class ModelRunner:
 
 def load_quantized(model_dir: Path, config: EngineConfig) -> tuple[torch.nn.Module, EngineConfig]:
     """Load ``config``'s model from ``model_dir`` with ``--quantization`` decided
-    (`trio_llm.dtype_choice.explain_quantization`, logged when not given): a GGUF file is
-    served from its own blocks where the engine can (the native forward pass included),
+    (`trio_llm.model_files.dtype_choice.explain_quantization`, logged when not given): a GGUF
+    file is served from its own blocks where the engine can (the native forward pass included),
     else de-quantized (``none``). On the GGUF path ``--dtype auto`` loads float32: the
     products multiply the blocks whatever the dtype, and float32 activations are the
     closer to the de-quantized float32 model (docs/benchmarks.md, issue 42).
@@ -258,7 +258,7 @@ def load_quantized(model_dir: Path, config: EngineConfig) -> tuple[torch.nn.Modu
         The model (eval mode) and ``config`` with ``quantization`` set (never None).
 
     Raises:
-        As `trio_llm.model_loader.load_model`.
+        As `trio_llm.model_files.loader.load_model`.
     """
     model_config = config.model
     asked = model_config.quantization

@@ -45,7 +45,7 @@ def uses_pooling(model: ModelConfig) -> bool:
     if model.runner != "auto":
         return model.runner == "pooling"
     from trio_llm.errors import ModelNotFoundError
-    from trio_llm.model_loader import locate_model
+    from trio_llm.model_files.loader import locate_model
 
     try:
         path = locate_model(model.model)
@@ -119,8 +119,8 @@ class PoolingCore:
         """
         from transformers import AutoModel
 
-        from trio_llm.dtype_choice import resolve_dtype
-        from trio_llm.model_loader import resolve_model_dir
+        from trio_llm.model_files.dtype_choice import resolve_dtype
+        from trio_llm.model_files.loader import resolve_model_dir
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

@@ -3,7 +3,7 @@
 
 ``--data-parallel-size N`` starts N engine-core children, each with its own model copy and
 KV cache, each supervised by its own `trio_llm.frontend.engine_process.run_engine_process`
-task in the server's nursery (the supervisor, `trio_llm.supervisor`). The API server
+task in the server's nursery (the supervisor, `trio_llm.server.supervisor`). The API server
 talks to them through this one handle, so the request path does not know how many
 engines there are.
 

@@ -66,7 +66,7 @@ class StoredResponse:
         id: ``resp_...``.
         body: the response object as returned (its ``status`` is the stored status).
         request: the request body's known fields as sent (its unknown fields are not
-            kept: `trio_llm.api.request_body.known_fields`).
+            kept: `trio_llm.api.chat.request_body.known_fields`).
         context: the items the response was generated from that are stored with it,
             oldest first, each with an ``id``: after ``context_ref``'s items, when it
             has one (`whole_context`).

@@ -28,7 +28,7 @@ A `ReasoningParser` is fed text as it is generated and returns `ReasoningDelta`\
 split across pieces. The whole response is the same parser fed the whole text, so a
 streamed and a non-streamed response to the same output carry the same reasoning and
 content. The content then goes on to the tool-call parser, if any
-(`trio_llm.api.formats`).
+(`trio_llm.api.chat.format`).
 
 Output constraints apply after the reasoning (vLLM's behaviour): `ReasoningFormat.grammar`
 gives the Lark rules (llguidance's dialect) of the reasoning part, which the engine puts
