@@ -23,7 +23,7 @@ import trio.testing
 from tests.unit.conftest import FakeEngine, ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.chat.serving import OpenAIServing
-from trio_llm.api.responses.stored import ResponsesAPI
+from trio_llm.api.responses.handlers import ResponsesAPI
 from trio_llm.store import RetentionPolicy, Store, open_store, responses
 from trio_llm.store.responses import StoredResponse
 from trio_llm.store.retention import stored_bytes, sweep

@@ -38,8 +38,8 @@ from trio_llm.api.responses.conversations import (
     ConversationsAPI,
     ConversationUpdateRequest,
 )
+from trio_llm.api.responses.handlers import ResponsesAPI
 from trio_llm.api.responses.request import ResponsesRequest
-from trio_llm.api.responses.stored import ResponsesAPI
 from trio_llm.api.tokenize_routes import tokenize_router
 from trio_llm.api.websocket.handler import install_websocket
 from trio_llm.server_config import ServerConfig

@@ -37,7 +37,7 @@ import trio
 from trio_llm.api.app import build_app
 from trio_llm.api.batch.routes import batch_runner_of
 from trio_llm.api.http import connection_guard
-from trio_llm.api.responses.stored import ResponsesAPI
+from trio_llm.api.responses.handlers import ResponsesAPI
 from trio_llm.connections import shutdown_client_connections
 from trio_llm.server.engine_fleet import engines_ready, open_serving, supervise_engines
 from trio_llm.server.model_catalog import catalog_of

@@ -332,7 +332,7 @@ class OpenAIServing:
     ) -> Response:
         """Admit and run ``plan``: one JSON body, or server-sent events with ``stream``.
         ``finish`` gets the whole response before it is sent (a stored response is
-        written there: `trio_llm.api.responses.stored`); an `APIError` it raises is the
+        written there: `trio_llm.api.responses.handlers`); an `APIError` it raises is the
         answer (or the stream's error event) instead.
 
         Raises:

@@ -8,7 +8,7 @@ item read or deleted (``GET``/``DELETE .../items/{item_id}``). A conversation is
 Items are checked as a response's input items are (`trio_llm.api.responses.request.check_items`:
 a conversation is a later response's context) and stored with an ``id`` each
 (`trio_llm.api.responses.items`); a response created with ``conversation`` reads them and
-appends its own (`trio_llm.api.responses.stored`). The units of work are
+appends its own (`trio_llm.api.responses.handlers`). The units of work are
 `trio_llm.store.conversations`'.
 """
 

@@ -29,7 +29,7 @@ warning names them once per client connection). Fields that change nothing here
 ``prompt`` are refused with a 400 naming the field.
 
 Stored responses, ``previous_response_id``, ``conversation`` and ``background`` are
-`trio_llm.api.responses.stored`'s: it gives the request its earlier context
+`trio_llm.api.responses.handlers`'s: it gives the request its earlier context
 (`ResponsesRequest.continue_from`) and says whether it is stored
 (`ResponsesRequest.stored`); the request reads its input as stored items
 (`trio_llm.api.responses.items`), after that context.
