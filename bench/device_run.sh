@@ -28,7 +28,7 @@ fi
 "$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 
 # 1. Correctness on the device: captured decode graphs give the eager engine's tokens.
-"$python" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_graphs.py 2>&1 |
+"$python" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_graphs.py 2>&1 |
     tail -n 5 | tee "$out/pytest.txt"
 
 # 2. The seed workload (random weights of SmolLM2-135M's shapes: the carry limit).

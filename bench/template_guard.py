@@ -4,10 +4,10 @@ each hostile template is stopped.
     python bench/template_guard.py [--messages 2000] [--repeats 5] [--timeout 2]
 
 Renders trio_llm's shipped SmolLM2 tool template over ``--messages`` messages and 20 tools
-with the server's own renderer (`render_chat`, trusted) and with the guarded one
+with the server's own renderer (`render_messages`, trusted) and with the guarded one
 (`render_guarded`, as for a request's ``chat_template``): the best of ``--repeats``
 milliseconds each. Then renders each hostile template of
-tests/unit/test_request_chat_template.py under ``--timeout`` and prints how long until
+tests/unit/text/test_request_chat_template.py under ``--timeout`` and prints how long until
 its refusal and the process's peak RSS after it. Figures only; nothing is asserted.
 """
 
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.unit.test_request_chat_template import HOSTILE  # noqa: E402
-from trio_llm.text.chat_template import TemplateError, render_chat, shipped_template  # noqa: E402
+from tests.unit.text.test_request_chat_template import HOSTILE  # noqa: E402
+from trio_llm.text.chat_template import TemplateError, render_messages, shipped_template  # noqa: E402
 from trio_llm.text.template_guard import TemplateLimits, render_guarded  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     ]
     variables = {"messages": messages, "tools": tools, "add_generation_prompt": True}
     limits = TemplateLimits(args.timeout, 10**8)
-    plain = best_ms(lambda: render_chat(source, messages, tools=tools), args.repeats)
+    plain = best_ms(lambda: render_messages(source, messages, tools=tools), args.repeats)
     guarded = best_ms(lambda: render_guarded(source, dict(variables), limits), args.repeats)
     print(f"SmolLM2 tool template, {args.messages} messages, 20 tools:")
     print(f"  trusted renderer {plain:.1f} ms, guarded {guarded:.1f} ms ({guarded / plain:.1f}x)")

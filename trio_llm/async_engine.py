@@ -190,7 +190,7 @@ class AsyncEngine:
             raise ValueError("the prompt is empty")
         if all(isinstance(message, Mapping) for message in prompt):
             messages = [_chat_message(message) for message in prompt]  # type: ignore[arg-type]
-            text = self._inputs.render_chat(messages, "prompt")
+            text = self._inputs.chat_text(messages, "prompt")
             return self._inputs.encode(text, "prompt", special_tokens=False, what="chat prompt")
         return self._inputs.check_token_ids(prompt)
 

@@ -2,7 +2,7 @@
 (`trio-llm serve`, 2 and 3 processes): greedy completions and their logprobs as
 transformers computes them. Gemma 2 carries sliding windows narrower than the prompts and
 both softcaps; Phi an output projection with a bias and partial rotary embeddings.
-(tests/unit/test_conformance.py proves the same in-process for every architecture.)"""
+(tests/unit/engine/test_conformance.py proves the same in-process for every architecture.)"""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ),
     ("max_tokens 0", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     # A max_tokens past the context is clamped to the room left (a 400 only with
-    # --max-tokens-policy strict): tests/unit/test_context_errors.py.
+    # --max-tokens-policy strict): tests/unit/api/chat/test_context_errors.py.
     (
         "negative temperature",
         COMPLETIONS,

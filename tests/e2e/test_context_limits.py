@@ -1,7 +1,7 @@
 """Issue 31 against the real server (8,192-token context): a prompt over the context is
 refused in each client's own terms, and a prompt prefix served from the prefix cache is
 reported in the usage of the request that reused it. The wording per route, the clamp
-and the strict policy are tested in-process: tests/unit/test_context_errors.py."""
+and the strict policy are tested in-process: tests/unit/api/chat/test_context_errors.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ SIGKILL fails only its own streams while the other serves on and it restarts, an
 SIGKILL of the server takes every child with it.
 
 One server lives through the steps in order; each checks what clients, /health and
-/metrics see. The routing rules themselves are pinned in tests/unit/test_data_parallel.py.
+/metrics see. The routing rules themselves are pinned in tests/unit/frontend/test_data_parallel.py.
 """
 
 from __future__ import annotations

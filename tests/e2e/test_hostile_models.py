@@ -5,7 +5,7 @@ a file that is no GGUF (``zero``) and one whose header claims 4 x 2^62 values (`
 
 Each test checks what the client gets and that the models are as they were; the server's
 log keeps the host paths the bodies leave out. (The rules themselves are pinned by the
-unit tests: tests/unit/test_open_routes.py, test_model_pool.py, test_weight_headers.py.)
+unit tests: tests/unit/api/test_open_routes.py, test_model_pool.py, test_weight_headers.py.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`trio-llm serve --quantization int8`: the flag reaches the engine, which answers.
 
-The quantized engine's numerics are tested in tests/unit/test_quantization.py against
+The quantized engine's numerics are tested in tests/unit/engine/test_quantization.py against
 the dequantized float model; here the real model, loaded from its GGUF, is served with
 int8 weights through the server's processes, and answers the question every float32
 test asks it the same way.

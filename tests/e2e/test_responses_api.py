@@ -431,7 +431,7 @@ BAD_IN_RESPONSES_TERMS: list[tuple[str, dict[str, Any], str, str]] = [
         "tool_choice",
     ),
     # max_output_tokens past the context is clamped (a 400 only with --max-tokens-policy
-    # strict): tests/unit/test_context_errors.py.
+    # strict): tests/unit/api/chat/test_context_errors.py.
     (
         "schema the grammar cannot enforce",
         {

@@ -119,7 +119,7 @@ def test_tool_choice_none_answers_in_text(client: OpenAI) -> None:
 
 def test_a_round_trip_ends_in_a_text_answer(client: OpenAI) -> None:
     """Call, tool result, answer: the history with the call and its result is accepted
-    (its rendering is checked in tests/unit/test_tool_calls.py; whether a 135M model uses
+    (its rendering is checked in tests/unit/api/tools/test_tool_calls.py; whether a 135M model uses
     the result well is not this test's business)."""
     first = _create(
         client,

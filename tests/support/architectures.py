@@ -64,7 +64,7 @@ class Architecture:
         refused: the engine must refuse it at start-up.
         common: start from `COMMON` (False for configurations with other field names).
         seed: of the weights; another one if a reference turns out ambiguous (two tokens
-            within `tests.unit.test_conformance.MIN_MARGIN` of each other).
+            within `tests.unit.engine.test_conformance.MIN_MARGIN` of each other).
     """
 
     name: str

@@ -207,17 +207,17 @@ async def app_client(
     raise_app_exceptions: bool = True,
     **serving: Any,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine]]:
-    """An HTTP client of the real app (model ``m``, ``serving``: `OpenAIServing`'s
+    """An HTTP client of the real app (model ``m``, ``serving``: `ModelServing`'s
     keywords) over an engine played by ``fake_engine(stream)``, which is yielded too."""
     from trio_llm.api.app import build_app
-    from trio_llm.api.chat.serving import OpenAIServing
+    from trio_llm.api.chat.serving import ModelServing
 
     async with trio.open_nursery() as nursery:
         engine, stream = engine_client_pair()
         fake = fake_engine(stream)
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(fake.run)
-        app = build_app(OpenAIServing(engine, tokenizer, ("m",), **serving), lambda: True)
+        app = build_app(ModelServing(engine, tokenizer, ("m",), **serving), lambda: True)
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield client, fake

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm.cli import build_parser
+from trio_llm.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -21,7 +21,7 @@ import trio.testing
 
 from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.websocket.handler import MAX_GENERATIONS_PER_CONNECTION
 from trio_llm.client import (
     ConnectionClosedError,
@@ -109,7 +109,7 @@ async def running_server(tokenizer, config: ServerConfig | None = None) -> Async
     config = config or ServerConfig(port=0)
     engine, stream = engine_client_pair()
     fake = ScriptedEngine(stream, tokenizer.encode(" one two three four", add_special_tokens=False))
-    serving = OpenAIServing(
+    serving = ModelServing(
         engine, tokenizer, ("m",), max_num_waiting_requests=config.max_num_waiting_requests
     )
     app = build_app(serving, lambda: True, config)

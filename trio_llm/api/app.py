@@ -21,7 +21,7 @@ from trio_llm.api.batch.routes import install_batch_routes
 from trio_llm.api.chat.completion_request import CompletionRequest
 from trio_llm.api.chat.request import ChatCompletionRequest
 from trio_llm.api.chat.request_body import RequestBody
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.chat_page import install_chat_page
 from trio_llm.api.embeddings import EmbeddingRequest, EmbeddingsAPI
 from trio_llm.api.http.access_log import AccessLogMiddleware
@@ -59,7 +59,7 @@ _BODY_MODELS: dict[str, type[BaseModel]] = {
 
 
 def build_app(
-    serving: OpenAIServing | ModelRouter,
+    serving: ModelServing | ModelRouter,
     is_serving: Callable[[], bool],
     config: ServerConfig | None = None,
     responses: ResponsesAPI | None = None,
@@ -69,7 +69,7 @@ def build_app(
     Args:
         serving: the models' router (`trio_llm.api.model_router`; the server's is
             `trio_llm.server.model_pool.ModelPool`), or the handlers of one model
-            (`OpenAIServing`: engine, tokenizer, model names).
+            (`ModelServing`: engine, tokenizer, model names).
         is_serving: False once the server is stopping; /health then answers 503.
         config: API key, CORS and body-size settings; None uses `ServerConfig`'s defaults.
         responses: the Responses API (the supervisor makes it, to run its background
@@ -115,7 +115,7 @@ def _add_metrics(app: FastAPI, router: ModelRouter, config: ServerConfig) -> Non
 
 def _add_table_routes(app: FastAPI, router: ModelRouter, owners: dict[str, Any]) -> None:
     """The routes of `trio_llm.api.http.routes.ROUTES` that have a handler: a method of the
-    request's model's `OpenAIServing`, or ``owner.method`` of one of ``owners``.
+    request's model's `ModelServing`, or ``owner.method`` of one of ``owners``.
 
     A body route without path parameters is parsed before its handler runs (limits
     first, large ones off the event loop), not by FastAPI; the OpenAPI document still

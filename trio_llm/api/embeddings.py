@@ -1,7 +1,7 @@
 """``POST /v1/embeddings``: OpenAI's embeddings endpoint, served by an embedding model.
 
 The request runs the same admission, engine client and disconnect handling as the
-generating routes (`trio_llm.api.chat.serving.OpenAIServing.embed`, with the pieces here:
+generating routes (`trio_llm.api.chat.serving.ModelServing.embed`, with the pieces here:
 `embedding_plan`, `collect_embeddings`, `embeddings_body`); the engine child is a
 `trio_llm.engine.pooling.PoolingCore`, which batches the inputs of all clients together.
 
@@ -34,7 +34,7 @@ from trio_llm.api.chat.format import ChatFormat
 from trio_llm.api.chat.plan import Plan
 from trio_llm.api.chat.request_body import INT32_MAX, Priority, RequestBody, Text, TokenId
 from trio_llm.api.chat.run_choices import run_connected
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.body_reading import CLIENT_CLOSED_REQUEST
 from trio_llm.api.http.errors import bad_request, invalid_request
 from trio_llm.errors import ContextLengthError, InvalidRequest
@@ -255,7 +255,7 @@ class EmbeddingsAPI:
     """``POST /v1/embeddings`` (the route table's owner ``embeddings``)."""
 
     async def create(
-        self, request: EmbeddingRequest, receive: Receive, serving: OpenAIServing
+        self, request: EmbeddingRequest, receive: Receive, serving: ModelServing
     ) -> Response:
         """Tokenize every input, submit them together (the engine batches them with other
         clients'), and answer their vectors in input order.

@@ -1,5 +1,5 @@
 """Which model answers a request (issue 35): the `ModelRouter` the app asks for a model's
-`OpenAIServing` by the request's ``model``, before the handler runs.
+`ModelServing` by the request's ``model``, before the handler runs.
 
 A generating or embedding route reads its body (`trio_llm.api.http.body_reading`), peeks at
 ``model`` and ``keep_alive`` (`peek_model`: one msgspec pass, no validation), then takes a
@@ -12,7 +12,7 @@ The WebSocket's generations and background responses hold theirs with `ModelRout
 A request without the API key (``/tokenize``, ``/detokenize``) changes nothing of the
 models (`ModelRouter.acquire_for`): it gets a model loaded now, or a 503.
 
-`OneModel` routes every request to one `OpenAIServing` (an app built around a ready
+`OneModel` routes every request to one `ModelServing` (an app built around a ready
 serving: the tests', ``trio-llm run-batch``'s); the server's router over several models
 is `trio_llm.server.model_pool.ModelPool`.
 """
@@ -30,7 +30,7 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.body_reading import read_body
 from trio_llm.api.http.errors import APIError, bad_request, unknown_model
 from trio_llm.api.http.middleware import key_presented
@@ -83,16 +83,14 @@ class ModelStatus:
     model: str
     kind: str
     state: ModelState
-    serving: OpenAIServing | None = None
+    serving: ModelServing | None = None
     error: str | None = None
 
 
 class Lease:
     """A hold on a loaded model: its `serving` until `release` (idempotent)."""
 
-    def __init__(
-        self, serving: OpenAIServing, on_release: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, serving: ModelServing, on_release: Callable[[], None] | None = None) -> None:
         self.serving = serving
         self._on_release = on_release
 
@@ -231,7 +229,7 @@ class ModelRouter:
         names no model: no model's context length or vocabulary applies).
 
         Raises:
-            APIError: as `trio_llm.api.chat.serving.OpenAIServing.parse`.
+            APIError: as `trio_llm.api.chat.serving.ModelServing.parse`.
         """
         raw = await read_body(request, self.request_body_timeout)
         content_type = request.headers.get("content-type")
@@ -242,7 +240,7 @@ class ModelRouter:
     @asynccontextmanager
     async def leased(
         self, name: str | None, keep_alive: KeepAlive = UNCHANGED
-    ) -> AsyncIterator[OpenAIServing]:
+    ) -> AsyncIterator[ModelServing]:
         """`acquire` as a context manager: the model's handlers, released on the way out."""
         lease = await self.acquire(name, keep_alive)
         try:
@@ -252,10 +250,10 @@ class ModelRouter:
 
 
 class OneModel(ModelRouter):
-    """The router of an app around one ready `OpenAIServing`: every request goes to it
+    """The router of an app around one ready `ModelServing`: every request goes to it
     (``model`` is checked by the handlers, as ever), and it cannot be unloaded."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: ModelServing) -> None:
         super().__init__(serving.limits, serving.request_body_timeout)
         self.serving = serving
 
@@ -346,7 +344,7 @@ class RouterEngines:
         return sum(handle.num_waiting for _, handle in self.router.engines())
 
 
-def as_router(target: OpenAIServing | ModelRouter) -> ModelRouter:
+def as_router(target: ModelServing | ModelRouter) -> ModelRouter:
     """``target`` itself if it is a router, else a `OneModel` over it."""
     return target if isinstance(target, ModelRouter) else OneModel(target)
 

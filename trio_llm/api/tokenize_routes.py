@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 import trio_llm
 from trio_llm.api.chat.messages import ChatMessage
 from trio_llm.api.chat.request_body import Text, TokenId, refuse_unimplemented
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.body_reading import read_body
 from trio_llm.api.http.errors import bad_request, invalid_request
 from trio_llm.api.http.parsing import CountedFields
@@ -81,7 +81,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
-#: The OpenAPI ``requestBody`` of both routes: a JSON object (`OpenAIServing.parse` reads
+#: The OpenAPI ``requestBody`` of both routes: a JSON object (`ModelServing.parse` reads
 #: and validates it, limits first and large bodies off the event loop).
 _OBJECT_BODY: dict[str, Any] = {
     "requestBody": {
@@ -149,7 +149,7 @@ def tokenize_router(models: ModelRouter) -> APIRouter:
     return router
 
 
-async def _serving_of(models: ModelRouter, http_request: Request) -> OpenAIServing:
+async def _serving_of(models: ModelRouter, http_request: Request) -> ModelServing:
     """The handlers of the model the body names, held until the answer is sent (a
     request without the API key: a loaded model's, holding nothing)."""
     raw = await read_body(http_request, models.request_body_timeout)
@@ -159,7 +159,7 @@ async def _serving_of(models: ModelRouter, http_request: Request) -> OpenAIServi
     return lease.serving
 
 
-async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]:
+async def _tokens(serving: ModelServing, request: TokenizeRequest) -> list[int]:
     """The token ids of ``request``'s prompt, or of its messages rendered with the chat
     template (the same dicts /v1/chat/completions renders, so the counts agree).
 
@@ -185,7 +185,7 @@ async def _tokens(serving: OpenAIServing, request: TokenizeRequest) -> list[int]
             continue_final_message=request.continue_final_message,
             request_template=serving.planner.request_template(request.chat_template),
         )
-        text = await inputs.render_chat_async(chat)
+        text = await inputs.chat_text_async(chat)
         special = bool(request.add_special_tokens)
         return await inputs.tokenize_async(text, "messages", special_tokens=special)
     except InvalidRequest as exc:

@@ -8,7 +8,7 @@ activations to int8 per 32-value block (one float32 scale each) and takes intege
 products against the blocks (`trio_llm/engine/kernels/csrc/gguf_matmul.cpp`). These are the
 weights llama.cpp multiplies, with its kind of arithmetic; the result differs from the
 de-quantized float product only by the activations' int8 rounding (about 0.5 % of the
-output's scale; `tests/unit/test_gguf_linear.py` states the bounds).
+output's scale; `tests/unit/engine/test_gguf_linear.py` states the bounds).
 
 `GGUFWeights` reads a Llama GGUF file's decoder projections and output head for
 `trio_llm.engine.native.NativeLlama`. llama.cpp's converter permutes the rows of

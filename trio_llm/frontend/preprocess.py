@@ -11,7 +11,7 @@ the same way, here:
 - `InputPreprocessor.encode` / `encode_async` tokenize a text, refusing at once one that
   surely cannot fit the context (no tokenization needed); ``encode_async`` runs long
   texts in a worker thread.
-- `InputPreprocessor.render_chat` / `render_chat_async` render chat messages with the
+- `InputPreprocessor.chat_text` / `chat_text_async` render chat messages with the
   model's chat template.
 - `InputPreprocessor.check_token_ids` checks a token-id prompt against the vocabulary.
 - `InputPreprocessor.output_budget` fits the output budget into the context.
@@ -177,7 +177,7 @@ class InputPreprocessor:
             raise InvalidRequest(f"the {what or param} has no tokens", param)
         return token_ids
 
-    def render_chat(
+    def chat_text(
         self,
         messages: list[dict[str, Any]],
         param: str = "messages",
@@ -210,9 +210,9 @@ class InputPreprocessor:
         )
         return self._render(chat, param)
 
-    async def render_chat_async(self, chat: ChatPrompt, param: str = "messages") -> str:
-        """The prompt text of ``chat`` (as `render_chat`), in a worker thread when the
-        conversation is long (the template's cost grows with it). Raises as `render_chat`."""
+    async def chat_text_async(self, chat: ChatPrompt, param: str = "messages") -> str:
+        """The prompt text of ``chat`` (as `chat_text`), in a worker thread when the
+        conversation is long (the template's cost grows with it). Raises as `chat_text`."""
         if chat.size() < INLINE_ENCODE_CHARS and chat.request_template is None:
             return self._render(chat, param)
         return await trio.to_thread.run_sync(self._render, chat, param)
@@ -255,7 +255,7 @@ class InputPreprocessor:
             InvalidRequest: the template rejects the messages; a prompt far longer than
                 the context, or with no tokens (unless ``count_only``).
         """
-        text = await self.render_chat_async(chat)
+        text = await self.chat_text_async(chat)
         if count_only:
             token_ids = await self.tokenize_async(text, "messages", special_tokens=False)
         else:

@@ -1,9 +1,9 @@
 """One model's engines: the ``--data-parallel-size`` engine children of a `ServerConfig`,
-supervised in one nursery, and the request handlers (`OpenAIServing`) over them.
+supervised in one nursery, and the request handlers (`ModelServing`) over them.
 
 `run_model` is what the server runs for each model it serves (`trio_llm.server.model_pool`
 starts one per loaded model): it starts the engines (`supervise_engines`), loads the
-tokenizer (`open_serving`), reports the `OpenAIServing`, and returns once every engine
+tokenizer (`open_serving`), reports the `ModelServing`, and returns once every engine
 has stopped (`EngineHandle.stop`). How an engine failing for good is handled is its
 ``owner``'s: the server's `trio_llm.server.supervisor.Lifecycle` (a server of one model stops,
 exit 1) or the pool's record of the model (the model is marked failed, the others serve
@@ -19,7 +19,7 @@ from typing import Protocol
 
 import trio
 
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.config import EngineConfig
 from trio_llm.errors import EngineDeadError, EngineStartupError
 from trio_llm.frontend.data_parallel import DataParallelClient
@@ -47,9 +47,9 @@ async def run_model(
     owner: EngineOwner,
     *,
     model_name: str | None = None,
-    task_status: trio.TaskStatus[OpenAIServing] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[ModelServing] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start ``config``'s engines, load the tokenizer, report the `OpenAIServing` over
+    """Start ``config``'s engines, load the tokenizer, report the `ModelServing` over
     them; return once every engine has stopped (after ``serving.engine.stop``) or failed
     for good (``owner`` learnt why).
 
@@ -196,7 +196,7 @@ def engines_ready(
         )
 
 
-async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServing:
+async def open_serving(engine: EngineHandle, config: ServerConfig) -> ModelServing:
     """The request handlers over ``engine``: load the tokenizer and generation defaults."""
     tokenizer = await trio.to_thread.run_sync(
         Tokenizer.load, engine.info.model_dir, config.chat_template
@@ -215,7 +215,7 @@ async def open_serving(engine: EngineHandle, config: ServerConfig) -> OpenAIServ
             "stop_reason max_tokens, Responses incomplete (max_output_tokens), whatever "
             "the client's own limit"
         )
-    return OpenAIServing(
+    return ModelServing(
         engine,
         tokenizer,
         config.model_names(),

@@ -25,7 +25,7 @@ from functools import partial
 
 import trio
 
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.errors import APIError, unknown_model
 from trio_llm.api.model_router import (
     UNCHANGED,
@@ -51,7 +51,7 @@ LOAD_RETRY_MIN = 5.0
 LOAD_RETRY_MAX = 300.0
 
 #: What runs a model's engines: `trio_llm.server.engine_fleet.run_model`'s signature (reports the
-#: `OpenAIServing` once ready, returns once its engines stopped).
+#: `ModelServing` once ready, returns once its engines stopped).
 Starter = Callable[..., Awaitable[None]]
 
 
@@ -396,7 +396,7 @@ class ModelPool(ModelRouter):
         owner = _ModelFailure(self, model) if self.several else _ServerStop(self, model)
         name = model.name if self.several else None
         async with trio.open_nursery() as nursery:
-            serving: OpenAIServing = await nursery.start(
+            serving: ModelServing = await nursery.start(
                 partial(self._starter, config, owner, model_name=name)
             )
             serving.store = self.store

@@ -21,7 +21,7 @@ from typing import Literal, NoReturn, Protocol
 
 import trio
 
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.errors import APIError, without_host_paths
 from trio_llm.api.model_router import model_unavailable
 from trio_llm.server.model_catalog import CatalogEntry
@@ -67,7 +67,7 @@ class PoolModel:
     def __init__(self, entry: CatalogEntry, keep_alive: float | None) -> None:
         self.entry = entry
         self.state: PoolState = "unloaded"
-        self.serving: OpenAIServing | None = None
+        self.serving: ModelServing | None = None
         self.leases = 0
         self.waiting = 0
         self.last_used = -math.inf
@@ -110,7 +110,7 @@ class PoolModel:
         self.unload_requested = False
         self.died = None
 
-    def loaded(self, serving: OpenAIServing, now: float) -> None:
+    def loaded(self, serving: ModelServing, now: float) -> None:
         """The load succeeded: ``serving`` answers from now on."""
         self.serving = serving
         self.state = "loaded"
@@ -119,7 +119,7 @@ class PoolModel:
         self.failure = None
         self.retry_at = None
 
-    def lease(self, now: float) -> OpenAIServing:
+    def lease(self, now: float) -> ModelServing:
         """One more lease on the loaded model, taken at ``now``: its handlers.
 
         Raises:

@@ -117,7 +117,7 @@ def template_variables(
     }
 
 
-def render_chat(
+def render_messages(
     source: str,
     messages: list[dict[str, Any]],
     *,
@@ -150,10 +150,10 @@ def render_chat(
 
 
 def render_template(source: str, variables: dict[str, Any]) -> str:
-    """`render_chat` with its `template_variables` made.
+    """`render_messages` with its `template_variables` made.
 
     Raises:
-        TemplateError: as `render_chat`.
+        TemplateError: as `render_messages`.
     """
     template = compile_template(source)
     try:

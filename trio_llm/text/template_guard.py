@@ -2,7 +2,7 @@
 ``--trust-request-chat-template``): Jinja's immutable sandbox, with caps on time and size.
 
 The operator's template (the model's, ``--chat-template``) is trusted and rendered by
-`trio_llm.text.chat_template.render_chat`. A client's template may loop for ever or build
+`trio_llm.text.chat_template.render_messages`. A client's template may loop for ever or build
 a huge text in a few operations, so `render_guarded` renders it:
 
 - in `GuardedEnvironment`, Jinja's ``ImmutableSandboxedEnvironment`` (no attribute the

@@ -233,7 +233,7 @@ class Tokenizer:
         """Chat messages (plus, by default, the assistant prompt), rendered with the
         model's template; with ``tools``, with `tool_template` when there is one;
         ``template_kwargs`` are further template variables (vLLM's
-        ``chat_template_kwargs``, see `trio_llm.text.chat_template.render_chat`).
+        ``chat_template_kwargs``, see `trio_llm.text.chat_template.render_messages`).
         ``request_template`` (a request's ``chat_template``) replaces them all and is
         rendered within ``limits`` (`trio_llm.text.template_guard.render_guarded`: run
         it in a worker thread).

@@ -11,31 +11,31 @@ from starlette.types import Receive
 
 from trio_llm.api.anthropic.format import MessagesFormat
 from trio_llm.api.anthropic.request import CountTokensRequest, MessagesRequest
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 
 
 class MessagesAPI:
-    """The handlers of Anthropic's routes, each given the model's `OpenAIServing`."""
+    """The handlers of Anthropic's routes, each given the model's `ModelServing`."""
 
     async def create(
-        self, request: MessagesRequest, receive: Receive, serving: OpenAIServing
+        self, request: MessagesRequest, receive: Receive, serving: ModelServing
     ) -> Response:
         """Handle ``POST /v1/messages``: a ``message`` body, or Anthropic's named
         server-sent events with ``stream``.
 
         Raises:
-            APIError: as `OpenAIServing.plan_as`, naming the Messages fields.
+            APIError: as `ModelServing.plan_as`, naming the Messages fields.
         """
         return await serving.respond_translated(request, receive, MessagesFormat)
 
     async def count_tokens(
-        self, request: CountTokensRequest, receive: Receive, serving: OpenAIServing
+        self, request: CountTokensRequest, receive: Receive, serving: ModelServing
     ) -> Response:
         """Handle ``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, from the
         same validation, template and tokenizer as ``/v1/messages``.
 
         Raises:
-            APIError: as `OpenAIServing.plan_as`, naming the Messages fields.
+            APIError: as `ModelServing.plan_as`, naming the Messages fields.
         """
         to_chat = partial(request.to_chat, count_tokens=serving.planner.count_prompt_tokens)
         _, plan = await serving.plan_translated(request, MessagesFormat, to_chat, count_only=True)

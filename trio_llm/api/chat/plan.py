@@ -50,7 +50,7 @@ class Plan:
             (`trio_llm.frontend.preprocess.OUTPUT_BOUNDS`): what cut an output that
             reached it.
         response_id, created: the response's ``id`` and ``created`` (Unix seconds),
-            set when the request is admitted (`OpenAIServing.admit`).
+            set when the request is admitted (`ModelServing.admit`).
     """
 
     format: ResponseFormat

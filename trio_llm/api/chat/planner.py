@@ -43,7 +43,7 @@ INLINE_STOP_CHARS = 1024
 SMALL_GRAMMAR_CHARS = 16 * 1024
 
 
-def chat_prompt(
+def to_chat_prompt(
     request: ChatCompletionRequest,
     special_tokens: Iterable[str],
     request_template: RequestTemplate | None = None,
@@ -76,7 +76,7 @@ class Planner:
             (each in a worker thread, building a grammar).
         scheduling_policy: the engine's (`EngineReady.scheduling_policy`): a nonzero
             ``priority`` is refused unless it is ``priority``.
-        The others: as `OpenAIServing`'s arguments of the same names.
+        The others: as `ModelServing`'s arguments of the same names.
     """
 
     inputs: InputPreprocessor
@@ -179,7 +179,7 @@ class Planner:
                 "continue_final_message needs a final assistant message to continue",
                 "continue_final_message",
             )
-        chat = chat_prompt(request, self.tokenizer.special_tokens, own_template)
+        chat = to_chat_prompt(request, self.tokenizer.special_tokens, own_template)
         prompt = await self.inputs.chat_prompt(chat, count_only=count_only)
         budget = OutputBudget(1, "request")  # counted only: no check against the context
         if not count_only:
@@ -212,7 +212,7 @@ class Planner:
         Raises:
             InvalidRequest: the chat template rejects the messages.
         """
-        chat = chat_prompt(request, self.tokenizer.special_tokens)
+        chat = to_chat_prompt(request, self.tokenizer.special_tokens)
         return self.inputs.count_chat_tokens(chat)
 
     def map_thinking_switch(self, request: ChatTranslated, chat: ChatCompletionRequest) -> None:

@@ -1,6 +1,6 @@
 """One model's request path: body, plan, admission, answer.
 
-`OpenAIServing` serves ``/v1/completions`` and ``/v1/chat/completions``, and every API
+`ModelServing` serves ``/v1/completions`` and ``/v1/chat/completions``, and every API
 translated into a chat completion (`ChatTranslated`; the API's own handlers plan it with
 `plan_as` in their format and run it with `run_plan`). Every generating route walks one
 path: read and validate the body (`parse`), build the request's `Plan` (`plan`, with the
@@ -73,7 +73,7 @@ WRONG_TASK = {
 }
 
 
-class OpenAIServing:
+class ModelServing:
     """Serves completions and chat completions with one engine and tokenizer.
 
     Args:

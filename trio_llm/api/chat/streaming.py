@@ -34,7 +34,7 @@ from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.text.choice import Choice, ChoiceDelta
 
-#: Given a whole response before it is sent (`Stream.finish`, `OpenAIServing.run_plan`).
+#: Given a whole response before it is sent (`Stream.finish`, `ModelServing.run_plan`).
 Finish = Callable[[dict[str, Any]], Awaitable[None]]
 
 #: Seconds of silence after which a stream sends its format's keep-alive event.

@@ -4,7 +4,7 @@ It is all the chat path knows of such an API: the request translates itself into
 `ChatCompletionRequest` (`to_chat`), names its route (`ENDPOINT`), says whether it asks
 the model to reason (`thinking_requested`), and reports the chat path's errors in its own
 field names (`api_names`). The API's handlers give the format its answer is written in
-(`trio_llm.api.chat.serving.OpenAIServing.plan_as`). The APIs themselves live in their
+(`trio_llm.api.chat.serving.ModelServing.plan_as`). The APIs themselves live in their
 own packages (`trio_llm.api.anthropic`, `trio_llm.api.responses`); this package never
 names them.
 """

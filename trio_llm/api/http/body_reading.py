@@ -1,6 +1,6 @@
 """Reading a request's body off the connection, within ``--request-body-timeout``: the
 one place the generating routes, the model routing (`trio_llm.api.model_router`) and
-`OpenAIServing.parse` get the bytes from (starlette keeps them: a second read is free)."""
+`ModelServing.parse` get the bytes from (starlette keeps them: a second read is free)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ class Route:
         method: ``GET``, ``POST`` or ``DELETE``.
         path: the path; ``{name}`` is a path parameter (one segment).
         handler: what answers the route, registered by `trio_llm.api.app.build_app` from
-            this table: a method of the model's `trio_llm.api.chat.serving.OpenAIServing`,
+            this table: a method of the model's `trio_llm.api.chat.serving.ModelServing`,
             or ``owner.method`` of an API's own handlers (the owners `build_app` names:
             ``responses``, ``conversations``, ``anthropic``, ``embeddings``). A route with
             a ``body`` and no path parameter is parsed first and its handler given the

@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from trio_llm.api.chat.plan import Plan
 from trio_llm.api.chat.run_choices import run_choices
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.errors import (
     CONVERSATION_TOO_LARGE,
     RETRY_AFTER_SECONDS,
@@ -184,7 +184,7 @@ class BackgroundResponses:
             return run.failed(exc)
 
     async def _generate_with(
-        self, serving: OpenAIServing, run: _Run, request: ResponsesRequest
+        self, serving: ModelServing, run: _Run, request: ResponsesRequest
     ) -> dict[str, Any] | None:
         """`_generate` with the model's handlers."""
         try:

@@ -25,7 +25,7 @@ FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response
 
 
 def responses_format(request: ResponsesRequest) -> Callable[..., ResponsesFormat]:
-    """What makes ``request``'s format (`OpenAIServing.plan_as`'s ``make_format``)."""
+    """What makes ``request``'s format (`ModelServing.plan_as`'s ``make_format``)."""
     return partial(ResponsesFormat, request=request)
 
 

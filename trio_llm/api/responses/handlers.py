@@ -6,7 +6,7 @@ A request is prepared here (`ResponsesAPI.create`): ``store`` resolved (OpenAI's
 is to store: an absent ``store`` stores when the server has a store, ``--store-url none``
 refuses an explicit one), the earlier context read (the items and output of a
 ``previous_response_id``, whose ``instructions`` are not carried over; or a
-conversation's items), then it runs the one chat path (`OpenAIServing.run_plan`), and
+conversation's items), then it runs the one chat path (`ModelServing.run_plan`), and
 the whole response is written to the store before it is sent (`_finish`: with the
 conversation's new items, in one transaction). A store that fails then is the client's
 error (503/507, or the stream's error event), and is logged. A background response is
@@ -27,7 +27,7 @@ from starlette.types import Receive
 
 from trio_llm.api.chat.plan import Plan
 from trio_llm.api.chat.request_body import check_json_text
-from trio_llm.api.chat.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from trio_llm.api.chat.serving import CLIENT_CLOSED_REQUEST, ModelServing
 from trio_llm.api.http.disconnect import Emit, EventStreamResponse
 from trio_llm.api.http.errors import APIError, bad_request, store_error
 from trio_llm.api.http.lanes import BATCH_LANE
@@ -48,7 +48,7 @@ class ResponsesAPI:
     """The Responses API's routes over the server's models and its store (module doc).
 
     Args:
-        models: the server's models (`ModelRouter`), or the one model's `OpenAIServing`.
+        models: the server's models (`ModelRouter`), or the one model's `ModelServing`.
         max_background: most background responses queued or in progress at once
             (``--max-background-responses``; `BackgroundResponses`); None: no limit.
 
@@ -57,7 +57,7 @@ class ResponsesAPI:
     """
 
     def __init__(
-        self, models: OpenAIServing | ModelRouter, max_background: int | None = None
+        self, models: ModelServing | ModelRouter, max_background: int | None = None
     ) -> None:
         self.router = as_router(models)
         self.background = BackgroundResponses(self.router, max_background)
@@ -87,7 +87,7 @@ class ResponsesAPI:
     # ------------------------------------------------------------ POST /v1/responses
 
     async def create(
-        self, request: ResponsesRequest, receive: Receive, serving: OpenAIServing
+        self, request: ResponsesRequest, receive: Receive, serving: ModelServing
     ) -> Response:
         """Handle ``POST /v1/responses`` with the handlers of the model it names."""
         await self._prepare(request)
@@ -253,7 +253,7 @@ class ResponsesAPI:
         return need_store(self.store, "responses")
 
 
-def _failed_stream(serving: OpenAIServing, request: ResponsesRequest, error: APIError) -> Response:
+def _failed_stream(serving: ModelServing, request: ResponsesRequest, error: APIError) -> Response:
     """A streamed request whose prompt does not fit: OpenAI's stream of a failed
     response (``response.failed`` carrying ``context_length_exceeded``), which Codex
     reads as a full context window; other clients see the same error there."""

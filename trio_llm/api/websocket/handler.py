@@ -37,7 +37,7 @@ from trio_llm.api.chat.completion_request import CompletionRequest
 from trio_llm.api.chat.plan import Plan
 from trio_llm.api.chat.request import ChatCompletionRequest
 from trio_llm.api.chat.run_choices import OnDelta, run_choices
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.errors import (
     APIError,
     bad_request,
@@ -335,7 +335,7 @@ class _Connection:
         await self._send(event)
 
     async def _validated(
-        self, serving: OpenAIServing, kind: str, message: dict[str, Any], large: bool
+        self, serving: ModelServing, kind: str, message: dict[str, Any], large: bool
     ) -> CompletionRequest | ChatCompletionRequest:
         """A ``completion`` / ``chat`` message validated (`parse_request`; in a worker
         thread when the message is ``large``).
@@ -358,7 +358,7 @@ class _Connection:
 
     async def _run_generation(
         self,
-        serving: OpenAIServing,
+        serving: ModelServing,
         generation_id: str,
         request: CompletionRequest | ChatCompletionRequest,
         scope: trio.CancelScope,

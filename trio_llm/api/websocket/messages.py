@@ -11,7 +11,7 @@ from trio_llm.api.chat.plan import usage
 from trio_llm.api.chat.planner import Plan
 from trio_llm.api.chat.request import ChatCompletionRequest
 from trio_llm.api.chat.request_body import check_unicode
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.errors import APIError, bad_request
 from trio_llm.api.http.parsing import validate
 from trio_llm.text.choice import Choice
@@ -45,7 +45,7 @@ def error_event(generation_id: str | None, body: dict[str, Any]) -> dict[str, An
 
 
 def parse_request(
-    kind: str, message: dict[str, Any], serving: OpenAIServing
+    kind: str, message: dict[str, Any], serving: ModelServing
 ) -> CompletionRequest | ChatCompletionRequest:
     """Validate a ``completion`` / ``chat`` message as the HTTP routes validate their body
     (`trio_llm.api.http.parsing.validate`: the server's limits first, then every field).

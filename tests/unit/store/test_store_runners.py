@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_store_batches import _create
-from tests.unit.test_store_responses import _response
+from tests.unit.store.test_store_batches import _create
+from tests.unit.store.test_store_responses import _response
 from trio_llm.store import Store, open_store, responses, runners
 from trio_llm.store import batches as stored
 from trio_llm.store.responses import StoredResponse

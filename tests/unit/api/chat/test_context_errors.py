@@ -31,7 +31,7 @@ from tests.support.asgi import json_post_scope
 from tests.support.sse import named_events
 from tests.unit.conftest import INFO, STATS, FakeEngine, app_client, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.core import EngineCore
 from trio_llm.messages import AddRequest, RequestOutput, SamplingParams, StepOutputs
@@ -451,7 +451,7 @@ async def test_a_long_prefill_opens_the_messages_stream_at_once_and_pings(
         fake = SlowPrefillEngine(stream, num_cached=4, prefill_seconds=prefill)
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(fake.run)
-        app = build_app(OpenAIServing(engine, smol_tokenizer, ("m",)), lambda: True)
+        app = build_app(ModelServing(engine, smol_tokenizer, ("m",)), lambda: True)
         await app(scope, receive, send)
         nursery.cancel_scope.cancel()
     names = [name for _, name, _ in arrivals]

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from tests.unit.conftest import ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.tools.calls import NamedCallParser, ParsedDelta, ToolCallParser
 from trio_llm.api.tools.grammar import tool_call_grammar
 from trio_llm.api.tools.parsers import HermesParser, make_parser, required_parser
 from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import AddRequest, EngineReady
-from trio_llm.text.chat_template import render_chat, shipped_template
+from trio_llm.text.chat_template import render_messages, shipped_template
 
 WEATHER = {
     "type": "object",
@@ -221,7 +221,9 @@ def test_the_tool_template_without_tools_renders_as_smollm2s_own(
     shipped = shipped_template("smollm2_tools.jinja")
     assert smol_tokenizer.tool_template == shipped
     kwargs = {"add_generation_prompt": add_generation_prompt}
-    assert render_chat(shipped, conversation, **kwargs) == render_chat(own, conversation, **kwargs)
+    assert render_messages(shipped, conversation, **kwargs) == render_messages(
+        own, conversation, **kwargs
+    )
 
 
 def test_the_tool_template_shows_tools_calls_and_results(smol_tokenizer) -> None:
@@ -266,7 +268,7 @@ async def _post(
         fake = ScriptedEngine(stream, smol_tokenizer.encode(text, add_special_tokens=False))
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(fake.run)
-        serving = OpenAIServing(engine, smol_tokenizer, ("m",), tool_call_parser=parser)
+        serving = ModelServing(engine, smol_tokenizer, ("m",), tool_call_parser=parser)
         transport = httpx.ASGITransport(app=build_app(serving, lambda: True))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             response = await client.post("/v1/chat/completions", json=body)
@@ -481,7 +483,7 @@ async def test_tools_on_completions_are_refused(smol_tokenizer) -> None:
     async with trio.open_nursery() as nursery:
         engine, _ = engine_client_pair(INFO)
         nursery.start_soon(engine.route_outputs)
-        serving = OpenAIServing(engine, smol_tokenizer, ("m",), tool_call_parser="hermes")
+        serving = ModelServing(engine, smol_tokenizer, ("m",), tool_call_parser="hermes")
         transport = httpx.ASGITransport(app=build_app(serving, lambda: True))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             body = {"model": "m", "prompt": "hi", "tools": TOOLS}

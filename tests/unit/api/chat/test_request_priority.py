@@ -20,7 +20,7 @@ from trio_llm.api.app import build_app
 from trio_llm.api.chat.completion_request import CompletionRequest
 from trio_llm.api.chat.planner import Planner
 from trio_llm.api.chat.request import ChatCompletionRequest
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.errors import APIError
 from trio_llm.api.http.lanes import BATCH_LANE, LANE_SCOPE_KEY, lane_of
 from trio_llm.async_engine import AsyncEngine
@@ -78,7 +78,7 @@ async def _served(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(fake.run)
-        app = build_app(OpenAIServing(engine, tokenizer, ("m",)), lambda: True)
+        app = build_app(ModelServing(engine, tokenizer, ("m",)), lambda: True)
         transport = httpx.ASGITransport(app=_batch_lane(app) if batch else app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield client, fake

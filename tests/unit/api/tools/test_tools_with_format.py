@@ -11,11 +11,11 @@ import httpx
 import pytest
 import trio
 
+from tests.unit.api.tools.test_tool_calls import INFO, QUESTION, TOOLS, WEATHER, _streamed
 from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
-from tests.unit.test_tool_calls import INFO, QUESTION, TOOLS, WEATHER, _streamed
 from trio_llm.api.app import build_app
 from trio_llm.api.chat.request import ChatCompletionRequest
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.tools.calls import ParsedDelta
 from trio_llm.api.tools.grammar import calls_or_answer_grammar
 from trio_llm.api.tools.parsers import make_parser, required_parser
@@ -279,7 +279,7 @@ async def _post(smol_tokenizer, body: dict[str, Any], text: str) -> httpx.Respon
         fake = LengthEngine(stream, smol_tokenizer.encode(text, add_special_tokens=False))
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(fake.run)
-        serving = OpenAIServing(engine, smol_tokenizer, ("m",), tool_call_parser="hermes")
+        serving = ModelServing(engine, smol_tokenizer, ("m",), tool_call_parser="hermes")
         transport = httpx.ASGITransport(app=build_app(serving, lambda: True))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             response = await client.post("/v1/chat/completions", json=body)

@@ -5,7 +5,7 @@ changes nothing of the models; ``/health``, ``/metrics``, ``/version`` and the c
 touch none either.
 
 The app runs in-process over a `ModelPool` whose models are "loaded" by a fake starter
-(`tests.unit.test_model_pool.FakeStarter`) as real `OpenAIServing`s over fake engine
+(`tests.unit.server.test_model_pool.FakeStarter`) as real `ModelServing`s over fake engine
 handles (SmolLM2's tokenizer), on trio's autojump clock for ``keep_alive``.
 """
 
@@ -22,9 +22,9 @@ import trio
 import trio.testing
 
 from tests.unit.conftest import INFO
-from tests.unit.test_model_pool import FakeStarter, _config, _state, running_pool
+from tests.unit.server.test_model_pool import FakeStarter, _config, _state, running_pool
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.model_router import peek_model
 from trio_llm.errors import EngineDeadError
 from trio_llm.server.model_pool import ModelPool
@@ -37,7 +37,7 @@ OPEN_GETS = {"/health": 200, "/metrics": 200, "/version": 200, "/": 200, "/stati
 
 
 class ServingStarter(FakeStarter):
-    """`FakeStarter` whose models serve: an `OpenAIServing` over a fake engine handle."""
+    """`FakeStarter` whose models serve: an `ModelServing` over a fake engine handle."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         super().__init__()
@@ -49,7 +49,7 @@ class ServingStarter(FakeStarter):
         class Status:
             def started(self, fake: Any) -> None:
                 fake.engine.info = INFO
-                task_status.started(OpenAIServing(fake.engine, tokenizer, config.model_names()))
+                task_status.started(ModelServing(fake.engine, tokenizer, config.model_names()))
 
         await super().__call__(config, owner, model_name=model_name, task_status=Status())
 

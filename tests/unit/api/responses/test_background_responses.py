@@ -12,14 +12,14 @@ from typing import Any
 
 import trio
 
-from tests.unit.test_priority_scheduling import _scheduler, _step
-from tests.unit.test_stored_responses_api import (
+from tests.unit.api.responses.test_stored_responses_api import (
     BODY,
     _client,
     _left_by_a_stopped_server,
     _poll,
     _Silent,
 )
+from tests.unit.engine.test_priority_scheduling import _scheduler, _step
 from trio_llm.engine.request import Request
 from trio_llm.messages import AddRequest
 from trio_llm.store import ConversationLimits, Store, responses

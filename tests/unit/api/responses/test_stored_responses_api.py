@@ -22,7 +22,7 @@ import trio.testing
 
 from tests.unit.conftest import FakeEngine, ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.responses.handlers import ResponsesAPI
 from trio_llm.store import RetentionPolicy, Store, open_store, responses
 from trio_llm.store.responses import StoredResponse
@@ -43,7 +43,7 @@ async def _client(
     ``store`` and its background responses running (at most ``max_background``)."""
     engine, stream = engine_client_pair()
     engine_side = ScriptedEngine(stream, [28, 28]) if fake is ScriptedEngine else fake(stream)
-    serving = OpenAIServing(engine, smol_tokenizer, ("m",), **options)
+    serving = ModelServing(engine, smol_tokenizer, ("m",), **options)
     serving.store = store
     api = ResponsesAPI(serving, max_background)
     async with trio.open_nursery() as nursery:

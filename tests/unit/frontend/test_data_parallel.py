@@ -15,7 +15,7 @@ import trio.testing
 
 from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.config import EngineConfig, engine_config
 from trio_llm.engine.loop import select_gpu
 from trio_llm.errors import (
@@ -204,7 +204,7 @@ async def test_health_is_degraded_with_the_count_and_metrics_label_each_engine(
 ) -> None:
     async with trio.open_nursery() as nursery:
         fleet = Fleet(nursery, 2)
-        serving = OpenAIServing(fleet.group, smol_tokenizer, ("m",))
+        serving = ModelServing(fleet.group, smol_tokenizer, ("m",))
         app = build_app(serving, lambda: True)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

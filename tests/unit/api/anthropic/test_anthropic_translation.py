@@ -31,7 +31,7 @@ from trio_llm.structured_output.grammar_check import check_structured_output
 from trio_llm.text.output import TextDelta
 from trio_llm.text.tokenizer import Tokenizer
 
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "claude_code"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "claude_code"
 
 
 def captured(name: str) -> dict[str, Any]:
@@ -408,7 +408,7 @@ def test_a_late_system_turn_is_folded_where_the_template_cannot_show_it(
     smol_tokenizer: Tokenizer, template: str, expected: str
 ) -> None:
     inputs = InputPreprocessor(Tokenizer(smol_tokenizer.backend, template), 8192, 49152)
-    assert inputs.render_chat(CONVERSATION, fold_late_system=True) == expected
+    assert inputs.chat_text(CONVERSATION, fold_late_system=True) == expected
 
 
 def test_the_smollm2_template_shows_a_late_system_turn_in_place(
@@ -416,7 +416,7 @@ def test_the_smollm2_template_shows_a_late_system_turn_in_place(
 ) -> None:
     assert smol_tokenizer.renders_late_system()
     inputs = InputPreprocessor(smol_tokenizer, 8192, 49152)
-    text = inputs.render_chat(CONVERSATION, fold_late_system=True)
+    text = inputs.chat_text(CONVERSATION, fold_late_system=True)
     assert text.index("<|im_start|>user\na") < text.index("<|im_start|>system\nlate")
 
 

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from tests.support.uploads import chunked, part_head, read_to_the_end, send_chunks, upload_head
-from tests.unit.test_upload_limits import upload_app
+from tests.unit.api.batch.test_upload_limits import upload_app
 from trio_llm.api.http import connection_guard
 from trio_llm.server.supervisor import _hypercorn_config
 from trio_llm.server_config import ServerConfig

@@ -24,7 +24,7 @@ from trio_llm.api.http.parsing import (
 )
 from trio_llm.api.responses.request import ResponsesRequest
 from trio_llm.server_config import RequestLimits
-from trio_llm.text.chat_template import TemplateError, render_chat
+from trio_llm.text.chat_template import TemplateError, render_messages
 
 LIMITS = RequestLimits(max_chat_messages=3, max_stop_strings=2)
 TURN = {"role": "user", "content": "hi"}
@@ -149,4 +149,4 @@ def test_a_template_that_recurses_too_deeply_is_a_template_error() -> None:
         "{% for m in messages %}{{ walk(m.content) }}{% endfor %}"
     )
     with pytest.raises(TemplateError, match="nests too deeply"):
-        render_chat(source, [{"role": "user", "content": _nested(2000)}])
+        render_messages(source, [{"role": "user", "content": _nested(2000)}])

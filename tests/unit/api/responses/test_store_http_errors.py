@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from tests.support.store_faults import fill_sqlite_to_the_brim, sqlite_locked_by_another_process
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.http.errors import RETRY_AFTER_SECONDS
 from trio_llm.store import Store, Transaction, open_store
 from trio_llm.store.objects import missing
@@ -31,7 +31,7 @@ from trio_llm.store.objects import missing
 ROUTE = "/test/stored/{response_id}"
 
 
-def _add_store_routes(app: FastAPI, serving: OpenAIServing) -> None:
+def _add_store_routes(app: FastAPI, serving: ModelServing) -> None:
     """``POST`` stores the request's body as a response's; ``GET`` returns it."""
 
     async def write(response_id: str, request: Request) -> dict:
@@ -69,7 +69,7 @@ async def _client(store: Store, smol_tokenizer) -> AsyncIterator[httpx.AsyncClie
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(FakeEngine(stream).run)
-        serving = OpenAIServing(engine, smol_tokenizer, ("m",))
+        serving = ModelServing(engine, smol_tokenizer, ("m",))
         serving.store = store
         app = build_app(serving, lambda: True)
         _add_store_routes(app, serving)

@@ -24,7 +24,8 @@ from trio_llm.model_files.loader import load_model
 pytestmark = pytest.mark.slow
 
 PROMPT = [1, 2, 3, 4, 5]
-#: Samples per spec here; tests/unit/test_structured_sampling.py takes 50 of each schema.
+#: Samples per spec here; tests/unit/structured_output/test_structured_sampling.py takes 50
+#: of each schema.
 SAMPLES = 12
 
 SCHEMAS = [

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.unit import test_structured_output as base
+from tests.unit.structured_output import test_structured_output as base
 from trio_llm.messages import StructuredOutput
 from trio_llm.structured_output.errors import StructuredOutputError
 from trio_llm.structured_output.grammar_check import check_structured_output

@@ -25,7 +25,7 @@ from trio_llm.api.responses.request import ResponsesRequest
 from trio_llm.api.tools.parsers import make_parser
 from trio_llm.text.output import TextDelta
 
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "codex"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "codex"
 
 
 def codex_body() -> dict[str, Any]:

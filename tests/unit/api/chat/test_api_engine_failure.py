@@ -16,7 +16,7 @@ import trio.testing
 from tests.unit.conftest import STATS, FakeEngine, engine_client_pair
 from trio_llm import ipc
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.frontend.liveness import UNANSWERED_LIMIT
 from trio_llm.messages import AddRequest, HealthReply, RequestOutput, StepOutputs
 
@@ -36,7 +36,7 @@ async def _app_with_engine(nursery: trio.Nursery, smol_tokenizer, die_after_toke
     engine, stream = engine_client_pair()
     nursery.start_soon(engine.route_outputs)
     nursery.start_soon(_fake_engine, stream, die_after_tokens)
-    serving = OpenAIServing(engine, smol_tokenizer, ("m",))
+    serving = ModelServing(engine, smol_tokenizer, ("m",))
     return engine, build_app(serving, lambda: True)
 
 
@@ -89,7 +89,7 @@ async def test_health_turns_503_when_the_engine_loop_stops_answering(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(fake.run)
-        app = build_app(OpenAIServing(engine, smol_tokenizer, ("m",)), lambda: True)
+        app = build_app(ModelServing(engine, smol_tokenizer, ("m",)), lambda: True)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             await trio.sleep(10.0)

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as FastTokenizer
 from tests.support.sse import named_events
 from tests.unit.conftest import ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.engine.grammar_compiler import GrammarCompiler
 from trio_llm.messages import AddRequest, EngineReady
 from trio_llm.text.reasoning import reasoning_format
@@ -158,7 +158,7 @@ async def _post(
         fake = ScriptedEngine(stream, tokenizer.encode(text, add_special_tokens=False))
         nursery.start_soon(engine.route_outputs)
         nursery.start_soon(fake.run)
-        serving = OpenAIServing(
+        serving = ModelServing(
             engine, tokenizer, ("m",), tool_call_parser="hermes", reasoning_parser=parser
         )
         transport = httpx.ASGITransport(app=build_app(serving, lambda: True))

@@ -13,7 +13,7 @@ import trio.testing
 
 from tests.unit.conftest import FakeEngine, engine_client_pair
 from trio_llm.api.app import build_app
-from trio_llm.api.chat.serving import OpenAIServing
+from trio_llm.api.chat.serving import ModelServing
 from trio_llm.errors import EngineOverloadedError
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.messages import (
@@ -59,7 +59,7 @@ async def test_the_excess_gets_a_503_with_retry_after_and_the_rest_is_served(
 ) -> None:
     async with trio.open_nursery() as nursery:
         engine, fake = await _start(nursery)
-        serving = OpenAIServing(engine, smol_tokenizer, ("m",), max_num_waiting_requests=1)
+        serving = ModelServing(engine, smol_tokenizer, ("m",), max_num_waiting_requests=1)
         app = build_app(serving, lambda: True)
         transport = httpx.ASGITransport(app=app)
         body = {"model": "m", "prompt": "hello", "max_tokens": 1}
@@ -94,7 +94,7 @@ async def test_more_choices_than_the_limit_is_a_400_not_a_503(smol_tokenizer) ->
     """A request that could never be admitted must not invite retries."""
     async with trio.open_nursery() as nursery:
         engine, fake = await _start(nursery)
-        serving = OpenAIServing(engine, smol_tokenizer, ("m",), max_num_waiting_requests=2)
+        serving = ModelServing(engine, smol_tokenizer, ("m",), max_num_waiting_requests=2)
         transport = httpx.ASGITransport(app=build_app(serving, lambda: True))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             body = {"model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 1}

@@ -20,7 +20,7 @@ from trio_llm.api.app import build_app
 from trio_llm.api.chat import generation_request
 from trio_llm.api.chat.planner import SMALL_GRAMMAR_CHARS
 from trio_llm.api.chat.request import ChatCompletionRequest
-from trio_llm.api.chat.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from trio_llm.api.chat.serving import CLIENT_CLOSED_REQUEST, ModelServing
 from trio_llm.api.http.errors import APIError
 from trio_llm.api.responses.request import ResponsesRequest
 from trio_llm.engine.grammar_compiler import GrammarCompiler
@@ -463,7 +463,7 @@ async def test_a_client_that_leaves_abandons_its_grammar_check(
             engine, stream = engine_client_pair(INFO)
             nursery.start_soon(engine.route_outputs)
             nursery.start_soon(FakeEngine(stream).run)
-            serving = OpenAIServing(engine, smol_tokenizer, ("m",))
+            serving = ModelServing(engine, smol_tokenizer, ("m",))
             serving.planner.grammar_checks = trio.CapacityLimiter(1)
             app = build_app(serving, lambda: True)
             first = _Client(app, {"messages": QUESTION, "guided_regex": "first" + LARGE})
