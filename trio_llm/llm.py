@@ -31,7 +31,7 @@ import trio
 from trio_llm.async_engine import AsyncEngine, Prompt, open_engine, resolve_engine_config
 from trio_llm.config import DEFAULT_MODEL
 from trio_llm.errors import EngineDeadError, EngineError
-from trio_llm.frontend.preprocess import run_all
+from trio_llm.frontend.request_stream import run_all
 from trio_llm.frontend.request_timing import EngineStats
 from trio_llm.generation import Generation
 from trio_llm.messages import EngineReady, SamplingParams, TokenLogprobs

@@ -19,6 +19,7 @@ is `trio_llm.server.model_pool.ModelPool`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ class Lease:
             on_release()
 
 
-class ModelRouter:
+class ModelRouter(ABC):
     """The models an app serves, and the handlers of each (see the module doc).
 
     Attributes:
@@ -122,31 +123,32 @@ class ModelRouter:
     store: Store | None
 
     @property
+    @abstractmethod
     def ended(self) -> trio.Event:
         """Set once the server's models stopped serving for good (its stop)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def error(self) -> EngineError | None:
         """Why the models stopped serving (an engine's death), if they did."""
-        raise NotImplementedError
 
+    @abstractmethod
     def names(self) -> list[str]:
         """Every name a request may use, the default model's first."""
-        raise NotImplementedError
 
+    @abstractmethod
     def statuses(self) -> list[ModelStatus]:
         """Every model, the default first."""
-        raise NotImplementedError
 
+    @abstractmethod
     def engines(self) -> list[tuple[str, EngineHandle]]:
         """The engine handle of each loaded model, by its (first) name."""
-        raise NotImplementedError
 
+    @abstractmethod
     def on_loaded(self, callback: Callable[[str, EngineHandle], None]) -> None:
         """Call ``callback(name, engine)`` for each model loaded now and from now on."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def acquire(self, name: str | None, keep_alive: KeepAlive = UNCHANGED) -> Lease:
         """A lease on model ``name`` (None: the default model), loaded first if need be;
         ``keep_alive`` (seconds; None: forever) becomes the model's from now on.
@@ -156,7 +158,6 @@ class ModelRouter:
                 while it cannot load the model in time, or the server is stopping; the
                 model's load error when it failed to load.
         """
-        raise NotImplementedError
 
     async def acquire_for(self, scope: Scope, name: str | None, keep_alive: KeepAlive) -> Lease:
         """The lease of the request of ``scope`` on model ``name``: `acquire`'s if it may
@@ -193,6 +194,7 @@ class ModelRouter:
             )
         return Lease(found.serving)
 
+    @abstractmethod
     async def load(self, name: str, keep_alive: KeepAlive = UNCHANGED) -> None:
         """Load model ``name`` now (``POST /models/load``; a failed one is tried again),
         waiting as long as it takes; ``keep_alive`` as `acquire`'s.
@@ -200,16 +202,16 @@ class ModelRouter:
         Raises:
             APIError: as `acquire`.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     async def unload(self, name: str) -> None:
         """Unload model ``name`` once its requests have ended (``POST /models/unload``).
 
         Raises:
             APIError: 404 for an unknown name; 400 where models cannot be unloaded.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     async def reload(self) -> tuple[list[str], list[str]]:
         """Read ``--models-dir`` again (``POST /models/reload``): the names of the models
         added and removed.
@@ -217,12 +219,11 @@ class ModelRouter:
         Raises:
             APIError: 500 when the folder cannot be read.
         """
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def stopping(self) -> bool:
         """True once the server stops taking requests (it drains or stops)."""
-        raise NotImplementedError
 
     async def parse(self, model: type[_Body], request: Request) -> _Body:
         """``request``'s body as ``model``, checked as every body is (the routes whose body

@@ -7,6 +7,7 @@ waiting line is full or the server drains), then turns them into engine requests
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ class Admission:
     released: bool = field(default=False)
 
 
-class AdmissionControl:
+class AdmissionControl(ABC):
     """The way in, shared by both engine handles (`trio_llm.frontend.engine_client.
     EngineClient` and `trio_llm.frontend.data_parallel.DataParallelClient`): places
     reserved in the waiting line by `admit` until `release`, draining
@@ -59,16 +60,16 @@ class AdmissionControl:
         self._idle = trio.Event()
         self._idle.set()
 
-    def _check_open(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _check_open(self) -> None: ...
 
     @property
+    @abstractmethod
     def num_waiting(self) -> int:
         """Requests admitted or sent that have produced no output yet."""
-        raise NotImplementedError
 
-    def _num_open(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def _num_open(self) -> int: ...
 
     def admit(self, count: int, limit: int | None) -> Admission:
         """Reserve ``count`` places among the waiting requests, or refuse at once.
@@ -147,11 +148,11 @@ class AdmissionControl:
         async with submit(scheduling) as streams:
             yield streams
 
+    @abstractmethod
     async def _prepare(self, requests: Requests) -> Submit:
         """The handle's own part of `open_requests` before the admission is released:
         count ``requests`` as open (synchronously, after its last checkpoint) and return
         what sends them and yields their streams."""
-        raise NotImplementedError
 
     @asynccontextmanager
     async def open_request(

@@ -1,13 +1,18 @@
-"""What the chat template renders into one prompt: `ChatPrompt`, and
+"""The prompt layer's inputs and outputs (`trio_llm.frontend.preprocess.InputPreprocessor`
+works on them): what the chat template renders into one prompt (`ChatPrompt`, and
 `fold_system_messages` for templates that cannot show a system message after the first
-message (`trio_llm.frontend.preprocess.InputPreprocessor` renders both).
+message), what a chat request asks of its choices (`ChatChoices`), a tokenized `Prompt`,
+its `OutputBudget`, and a chat request's engine requests (`PreparedChat`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from trio_llm.messages import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -71,3 +76,80 @@ def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     else:
         rest.insert(0, messages[0])
     return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *rest]
+
+
+#: What ends an output that reaches its budget (`OutputBudget.bound`): the request's own
+#: ``max_tokens``, the server's (its generation config's ``max_new_tokens``: the default of
+#: a request without one, or the cap of ``--override-generation-config``), or the room
+#: the prompt leaves in the context.
+OUTPUT_BOUNDS = ("request", "server", "context")
+
+
+@dataclass(frozen=True)
+class OutputBudget:
+    """One prompt's output budget.
+
+    Attributes:
+        tokens: the most output tokens (the engine request's ``max_tokens``).
+        bound: which limit set it (`OUTPUT_BOUNDS`; the context where several are equal,
+            then the request's own): an answer that ends at ``tokens`` was cut by it.
+    """
+
+    tokens: int
+    bound: str
+
+
+@dataclass
+class Prompt:
+    """One tokenized prompt.
+
+    Attributes:
+        token_ids: what the engine is given.
+        text: the text it came from (a completion's as given, for ``echo``; a chat's as
+            rendered), or None for a prompt given as token ids.
+    """
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatChoices:
+    """What a chat request asks of its choices (`InputPreprocessor.prepare_chat`).
+
+    Attributes:
+        n: samples of the prompt (each its own engine request).
+        sampling: the `SamplingParams` of one sample given its ``max_tokens`` (the budget
+            the context leaves; 1 when only counted); `fan_out` seeds the others.
+        max_tokens: the request's own limit, or None.
+        max_tokens_param: the field that set it (errors name it).
+        default_max_tokens: the server's default for a request without one, or None.
+        max_tokens_cap: the server's cap on every output, or None.
+        stop_token_ids: the request's ``stop_token_ids`` (checked against the vocabulary).
+        count_only: only the prompt is wanted (``/v1/messages/count_tokens``): any length
+            is counted, nothing refused for the context.
+    """
+
+    n: int
+    sampling: Callable[[int], SamplingParams]
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
+    default_max_tokens: int | None = None
+    max_tokens_cap: int | None = None
+    stop_token_ids: list[int] | None = None
+    count_only: bool = False
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request's engine requests (`InputPreprocessor.prepare_chat`).
+
+    Attributes:
+        prompt: the tokenized prompt, with its rendered text.
+        budget: its output budget and what set it.
+        requests: ``(prompt_token_ids, params)`` per choice, in choice order.
+    """
+
+    prompt: Prompt
+    budget: OutputBudget
+    requests: list[tuple[list[int], SamplingParams]]

@@ -4,6 +4,9 @@ The HTTP routes, the WebSocket and the Python API (`trio_llm.async_engine`) all 
 prompt (a text, chat messages or token ids) and a `SamplingParams` into engine requests
 the same way, here:
 
+- `InputPreprocessor.prepare_chat` is the chat path's one call into this layer: a chat
+  request's prompt and what it asks of its choices (`ChatChoices`) in, each choice's
+  ``(token_ids, params)`` out (`PreparedChat`).
 - `InputPreprocessor.completion_prompts` and `chat_prompt` take a request's whole prompt
   (a completion's ``prompt`` field; a chat's `ChatPrompt`) and give its tokenized,
   checked prompts (`Prompt`), rendering and tokenizing long ones in a worker thread so
@@ -16,7 +19,6 @@ the same way, here:
 - `InputPreprocessor.check_token_ids` checks a token-id prompt against the vocabulary.
 - `InputPreprocessor.output_budget` fits the output budget into the context.
 - `fan_out` makes the ``n`` samples of one request (seeds ``seed + i``).
-- `run_all` drives many engine requests at once and ends them all at the first error.
 
 Every refusal is an `InvalidRequest` naming the parameter at fault: the HTTP layer answers
 it with a 400, the Python API raises it (it is a `ValueError`).
@@ -25,8 +27,7 @@ it with a 400, the Python API raises it (it is a `ValueError`).
 from __future__ import annotations
 
 import operator
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import trio
@@ -35,11 +36,17 @@ from trio_llm.config import MAX_TOKENS_POLICIES
 from trio_llm.errors import (
     ChatTemplateError,
     ContextLengthError,
-    EngineError,
     InvalidRequest,
     InvalidTextError,
 )
-from trio_llm.frontend.chat_prompt import ChatPrompt, fold_system_messages
+from trio_llm.frontend.chat_prompt import (
+    ChatChoices,
+    ChatPrompt,
+    OutputBudget,
+    PreparedChat,
+    Prompt,
+    fold_system_messages,
+)
 from trio_llm.messages import SamplingParams
 from trio_llm.text.template_guard import TemplateLimits
 from trio_llm.text.tokenizer import Tokenizer
@@ -50,41 +57,6 @@ INLINE_ENCODE_CHARS = 8192
 
 #: A completion request's ``prompt``: a text, token ids, or a batch of either.
 CompletionPrompt = str | list[int] | list[str] | list[list[int]]
-
-
-#: What ends an output that reaches its budget (`OutputBudget.bound`): the request's own
-#: ``max_tokens``, the server's (its generation config's ``max_new_tokens``: the default of
-#: a request without one, or the cap of ``--override-generation-config``), or the room
-#: the prompt leaves in the context.
-OUTPUT_BOUNDS = ("request", "server", "context")
-
-
-@dataclass(frozen=True)
-class OutputBudget:
-    """One prompt's output budget.
-
-    Attributes:
-        tokens: the most output tokens (the engine request's ``max_tokens``).
-        bound: which limit set it (`OUTPUT_BOUNDS`; the context where several are equal,
-            then the request's own): an answer that ends at ``tokens`` was cut by it.
-    """
-
-    tokens: int
-    bound: str
-
-
-@dataclass
-class Prompt:
-    """One tokenized prompt.
-
-    Attributes:
-        token_ids: what the engine is given.
-        text: the text it came from (a completion's as given, for ``echo``; a chat's as
-            rendered), or None for a prompt given as token ids.
-    """
-
-    token_ids: list[int]
-    text: str | None = None
 
 
 class InputPreprocessor:
@@ -262,6 +234,33 @@ class InputPreprocessor:
             token_ids = await self.encode_async(text, "messages", special_tokens=False)
         return Prompt(token_ids, text)
 
+    async def prepare_chat(self, chat: ChatPrompt, choices: ChatChoices) -> PreparedChat:
+        """A chat request's engine requests: its stop token ids checked, its prompt
+        rendered and tokenized (`chat_prompt`), its output budget fitted into the context
+        (`output_budget`; with ``choices.count_only`` none: the prompt is only counted),
+        and ``choices.n`` samples of ``choices.sampling(max_tokens)`` (`fan_out`).
+
+        Raises:
+            InvalidRequest: a stop token id outside the vocabulary; as `chat_prompt`.
+            ContextLengthError: as `output_budget`.
+            APIError: what ``choices.sampling`` raises (a field the budget contradicts).
+        """
+        if choices.stop_token_ids:
+            self.check_token_ids(choices.stop_token_ids, "stop_token_ids")
+        prompt = await self.chat_prompt(chat, count_only=choices.count_only)
+        budget = OutputBudget(1, "request")  # counted only: no check against the context
+        if not choices.count_only:
+            budget = self.output_budget(
+                choices.max_tokens,
+                len(prompt.token_ids),
+                choices.max_tokens_param,
+                "messages",
+                default=choices.default_max_tokens,
+                cap=choices.max_tokens_cap,
+            )
+        params = fan_out(choices.sampling(budget.tokens), choices.n)
+        return PreparedChat(prompt, budget, [(prompt.token_ids, p) for p in params])
+
     def count_chat_tokens(self, chat: ChatPrompt) -> int:
         """The token count of ``chat``'s prompt, rendered as `chat_prompt` renders it
         (whatever its length: no context check), on the calling thread.
@@ -399,26 +398,3 @@ def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
         return [params]
     fields = {name: getattr(params, name) for name in params.__struct_fields__}
     return [SamplingParams(**{**fields, "seed": child_seed(params.seed, i)}) for i in range(n)]
-
-
-async def run_all(jobs: Sequence[Callable[[], Awaitable[None]]]) -> None:
-    """Run every job concurrently until all end; the first `EngineError` of any job
-    cancels the others and is raised (once the others have ended).
-
-    Raises:
-        EngineError: the first one a job raised.
-    """
-    errors: list[EngineError] = []
-    async with trio.open_nursery() as nursery:
-
-        async def run(job: Callable[[], Awaitable[None]]) -> None:
-            try:
-                await job()
-            except EngineError as exc:
-                errors.append(exc)
-                nursery.cancel_scope.cancel()
-
-        for job in jobs:
-            nursery.start_soon(run, job)
-    if errors:
-        raise errors[0]

@@ -11,6 +11,7 @@ resumes it once its consumer reads again (see `trio_llm.frontend.engine_client`)
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -217,3 +218,26 @@ class RequestStream:
             with trio.CancelScope(shield=True):
                 await self._client._resume(self.request_id)
         return delta
+
+
+async def run_all(jobs: Sequence[Callable[[], Awaitable[None]]]) -> None:
+    """Run every job concurrently until all end; the first `EngineError` of any job
+    cancels the others and is raised (once the others have ended).
+
+    Raises:
+        EngineError: the first one a job raised.
+    """
+    errors: list[EngineError] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run(job: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await job()
+            except EngineError as exc:
+                errors.append(exc)
+                nursery.cancel_scope.cancel()
+
+        for job in jobs:
+            nursery.start_soon(run, job)
+    if errors:
+        raise errors[0]

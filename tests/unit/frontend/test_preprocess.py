@@ -4,7 +4,8 @@ import pytest
 import trio
 
 from trio_llm.errors import EngineDeadError, InvalidRequest
-from trio_llm.frontend.preprocess import INLINE_ENCODE_CHARS, InputPreprocessor, fan_out, run_all
+from trio_llm.frontend.preprocess import INLINE_ENCODE_CHARS, InputPreprocessor, fan_out
+from trio_llm.frontend.request_stream import run_all
 from trio_llm.messages import SamplingParams
 
 

@@ -12,6 +12,7 @@ here, and `BlockFormat`, the base of the formats that write a chat response's me
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -244,7 +245,7 @@ class Block:
     name: str | None = None
 
 
-class BlockFormat(ChatFormat):
+class BlockFormat(ChatFormat, ABC):
     """A chat response written as blocks: a thinking block (with a reasoning parser),
     text blocks and tool-call blocks, in order.
 
@@ -327,18 +328,18 @@ class BlockFormat(ChatFormat):
         block, self._open = self._open, None
         return [] if block is None else self.block_stopped(plan, block)
 
+    @abstractmethod
     def block_started(self, plan: Plan, block: Block) -> list[Event]:
         """The events that open ``block`` (its text is still empty)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def block_delta(self, plan: Plan, block: Block, text: str) -> list[Event]:
         """The events that carry ``text``, the block's newest piece."""
-        raise NotImplementedError
 
+    @abstractmethod
     def block_stopped(self, plan: Plan, block: Block) -> list[Event]:
         """The events that close ``block`` (its text is whole)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def message_finished(self, plan: Plan, choice: Choice, finish_reason: str) -> list[Event]:
         """The events after the last block, given the chat finish reason."""
-        raise NotImplementedError

@@ -16,6 +16,7 @@ carries an echoed prompt, or the chat role) went out.
 from __future__ import annotations
 
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +111,7 @@ def usage(plan: Plan, choices: list[Choice]) -> dict[str, Any]:
     }
 
 
-class ResponseFormat:
+class ResponseFormat(ABC):
     """Renders the choices of one response (base class; see the module doc).
 
     Attributes:
@@ -157,9 +158,9 @@ class ResponseFormat:
             body["usage"] = usage(plan, choices)
         return body
 
+    @abstractmethod
     def final_choice(self, plan: Plan, choice: Choice) -> dict[str, Any]:
         """One entry of a whole response's ``choices`` (the choice has finished)."""
-        raise NotImplementedError
 
     # ------------------------------------------------ streamed (server-sent events)
 
@@ -196,15 +197,15 @@ class ResponseFormat:
         Responses API's ``response.completed``), else None (here: none does)."""
         return None
 
+    @abstractmethod
     def chunk_choice(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> dict[str, Any] | None:
         """The ``choices`` entry of the stream chunk that carries ``piece``, or None when
         there is nothing to send yet."""
-        raise NotImplementedError
 
+    @abstractmethod
     def delta_logprobs(self, plan: Plan, choice: Choice, piece: ChoiceDelta) -> Any:
         """The ``logprobs`` of the WebSocket ``delta`` event that carries ``piece``
         (only called when the request asked for logprobs)."""
-        raise NotImplementedError
 
 
 def choice_entry(

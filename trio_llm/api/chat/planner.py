@@ -26,9 +26,9 @@ from trio_llm.api.chat.translated import ChatTranslated
 from trio_llm.api.http.errors import bad_request
 from trio_llm.api.tools.calls import NamedCallParser, ToolCallParser
 from trio_llm.api.tools.parsers import make_parser, required_parser
-from trio_llm.frontend.chat_prompt import ChatPrompt, RequestTemplate
+from trio_llm.frontend.chat_prompt import ChatChoices, ChatPrompt, OutputBudget, RequestTemplate
 from trio_llm.frontend.generation_defaults import GenerationDefaults
-from trio_llm.frontend.preprocess import InputPreprocessor, OutputBudget, fan_out
+from trio_llm.frontend.preprocess import InputPreprocessor, fan_out
 from trio_llm.messages import SamplingParams, Scheduling
 from trio_llm.server_config import RequestLimits
 from trio_llm.text.reasoning import ReasoningFormat, reasoning_format
@@ -94,6 +94,11 @@ class Planner:
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer (with chat template)."""
         return self.inputs.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids (valid ids are ``0 .. vocab_size - 1``)."""
+        return self.inputs.vocab_size
 
     # ------------------------------------------------------------ completions
 
@@ -180,16 +185,12 @@ class Planner:
                 "continue_final_message",
             )
         chat = to_chat_prompt(request, self.tokenizer.special_tokens, own_template)
-        prompt = await self.inputs.chat_prompt(chat, count_only=count_only)
-        budget = OutputBudget(1, "request")  # counted only: no check against the context
-        if not count_only:
-            param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-            requested = request.max_completion_tokens or request.max_tokens
-            budget = self._max_tokens(requested, len(prompt.token_ids), param, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        choices = self._chat_choices(request, logprobs, count_only)
+        prepared = await self.inputs.prepare_chat(chat, choices)  # the one crossing
         reasoning = None
         if self.reasoning_parser is not None:
-            text = prompt.text or ""  # a chat prompt always has its rendered text
+            text = prepared.prompt.text or ""  # a chat prompt always has its rendered text
             reasoning = reasoning_format(self.reasoning_parser, text, chat.template_kwargs)
         chat_format = make_format(
             self.tokenizer,
@@ -199,11 +200,29 @@ class Planner:
         )
         plan = Plan(chat_format, model, num_top_logprobs=logprobs, scheduling=scheduling)
         plan.structured_param = request.structured_param
-        params = self._params(request, budget.tokens, logprobs=logprobs)
+        params = [params for _, params in prepared.requests]
         if reasoning is not None:
             params = [self._after_reasoning(p, reasoning) for p in params]
-        plan.add_prompt(prompt.token_ids, params, None, budget.bound)
+        plan.add_prompt(prepared.prompt.token_ids, params, None, prepared.budget.bound)
         return plan
+
+    def _chat_choices(
+        self, request: ChatCompletionRequest, logprobs: int | None, count_only: bool
+    ) -> ChatChoices:
+        """What ``request`` asks of its choices, for `InputPreprocessor.prepare_chat`."""
+        defaults = self.generation_defaults
+        return ChatChoices(
+            n=request.n,
+            sampling=partial(self._sampling, request, logprobs=logprobs),
+            max_tokens=request.max_completion_tokens or request.max_tokens,
+            max_tokens_param=(
+                "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+            ),
+            default_max_tokens=defaults.max_tokens,
+            max_tokens_cap=defaults.max_tokens_cap,
+            stop_token_ids=request.stop_token_ids,
+            count_only=count_only,
+        )
 
     def count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
         """The prompt tokens of a chat request, rendered as `plan_chat` renders it
@@ -330,7 +349,8 @@ class Planner:
             disable_additional_properties=self.disable_additional_properties,
         )
         request.check_supported()
-        if request.stop_token_ids:
+        if request.stop_token_ids and not isinstance(request, ChatCompletionRequest):
+            # (A chat request's are checked with its prompt: `InputPreprocessor.prepare_chat`.)
             self.inputs.check_token_ids(request.stop_token_ids, "stop_token_ids")
         stops = request.stop_strings
         if sum(map(len, stops)) > INLINE_STOP_CHARS:
@@ -381,13 +401,32 @@ class Planner:
         prompt_logprobs: int | None = None,
     ) -> list[SamplingParams]:
         """One `SamplingParams` per sample (``n``), seeds ``seed + i``."""
+        base = self._sampling(
+            request, max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
+        return fan_out(base, request.n)
+
+    def _sampling(
+        self,
+        request: GenerationRequest,
+        max_tokens: int,
+        *,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """The `SamplingParams` of the request's first sample, with ``max_tokens``.
+
+        Raises:
+            APIError: a ``min_tokens`` above ``max_tokens``, or parameters the engine
+                refuses (400s).
+        """
         if max_tokens and request.min_tokens > max_tokens:
             raise bad_request(
                 f"min_tokens={request.min_tokens} is more than the {max_tokens} output tokens "
                 "allowed",
                 "min_tokens",
             )
-        vocab_size = self.inputs.vocab_size
+        vocab_size = self.vocab_size
         base = request.sampling_params(
             max_tokens,
             vocab_size,
@@ -399,4 +438,4 @@ class Planner:
             base.validate(vocab_size)
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
-        return fan_out(base, request.n)
+        return base

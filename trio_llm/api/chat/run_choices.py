@@ -21,8 +21,7 @@ from trio_llm.api.http.errors import engine_error
 from trio_llm.errors import EngineError
 from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.handle import EngineHandle
-from trio_llm.frontend.preprocess import run_all
-from trio_llm.frontend.request_stream import RequestStream
+from trio_llm.frontend.request_stream import RequestStream, run_all
 from trio_llm.text.choice import Choice, ChoiceDelta
 
 #: What a caller of `run_choices` is given for each piece of a choice's output.

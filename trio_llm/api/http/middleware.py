@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 from fastapi import FastAPI
@@ -81,7 +82,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-class _RequestCheck:
+class _RequestCheck(ABC):
     """A middleware that looks at each HTTP request's head and either passes the request
     on or answers one fixed error: subclasses set `status`, `message`, `code` and
     `headers` and define `refused`.
@@ -98,9 +99,9 @@ class _RequestCheck:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
+    @abstractmethod
     def refused(self, scope: Scope) -> bool:
         """Whether the HTTP request with this scope gets the error."""
-        raise NotImplementedError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on, or answer the error with an OpenAI-style body."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +109,7 @@ def _merged(pieces: list[CallDelta]) -> list[CallDelta]:
     return list(calls.values())
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     """Reads tool calls out of one choice's text (base class).
 
     `feed` takes each new piece of text, `finish` ends the text; both return what can be
@@ -141,13 +142,13 @@ class ToolCallParser:
         if name is not None and self.accepts(name):
             out.calls.append(self._start(name))
 
+    @abstractmethod
     def feed(self, text: str) -> ParsedDelta:
         """Take the next piece of output text."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finish(self) -> ParsedDelta:
         """The text has ended: release whatever is held back."""
-        raise NotImplementedError
 
     def parse(self, text: str) -> ParsedDelta:
         """A whole text at once (`feed` then `finish`)."""

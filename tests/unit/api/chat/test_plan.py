@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from functools import partial
-from types import SimpleNamespace
+from types import FrameType, SimpleNamespace
 
 import pytest
 import trio
@@ -11,6 +12,7 @@ import trio
 from trio_llm.api.anthropic.format import MessagesFormat
 from trio_llm.api.chat.completion_request import CompletionRequest
 from trio_llm.api.chat.format import ChatFormat, CompletionFormat
+from trio_llm.api.chat.plan import Plan
 from trio_llm.api.chat.planner import Planner
 from trio_llm.api.chat.request import ChatCompletionRequest
 from trio_llm.api.http.errors import APIError
@@ -162,3 +164,37 @@ def test_tools_without_a_template_say_what_is_missing(
     assert says in error.value.message and error.value.param == param
     if template is None:
         assert "cannot show tools" not in error.value.message
+
+
+def test_a_chat_request_enters_the_prompt_layer_once(smol_tokenizer: Tokenizer) -> None:
+    """Issue 43's target 5: `Planner.plan_chat` calls into `frontend/preprocess.py` once
+    (`prepare_chat`), and the request stays within 6 modules outside the API."""
+    request = ChatCompletionRequest.model_validate(
+        {"messages": CHAT, "n": 2, "stop_token_ids": [5], "max_tokens": 3}
+    )
+    entered: list[tuple[str, str]] = []
+    outside: set[str] = set()
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event != "call" or not module.startswith("trio_llm."):
+            return
+        if not module.startswith("trio_llm.api."):
+            outside.add(module)
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+        if caller.startswith("trio_llm.api.") and module == "trio_llm.frontend.preprocess":
+            entered.append((caller, frame.f_code.co_name))
+
+    planner = _planner(smol_tokenizer)
+
+    async def plan() -> Plan:
+        sys.setprofile(profile)
+        try:
+            return await planner.plan_chat(request, "tiny")
+        finally:
+            sys.setprofile(None)
+
+    made = trio.run(plan)
+    assert [params.max_tokens for _, params in made.requests] == [3, 3]  # it was planned
+    assert entered == [("trio_llm.api.chat.planner", "prepare_chat")]
+    assert "trio_llm.text.tokenizer" in outside and len(outside) <= 6, sorted(outside)
