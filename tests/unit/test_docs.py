@@ -102,3 +102,28 @@ def test_relative_links_resolve(doc: Path) -> None:
         elif anchor and destination.suffix == ".md" and anchor not in heading_anchors(destination):
             broken.append(f"{target} (no such heading)")
     assert broken == [], f"{doc.relative_to(ROOT)}: {broken}"
+
+
+#: A package path a doc names (``api/chat/planner.py``, ``engine/kernels/csrc/...``):
+#: relative to ``trio_llm/``, a folder of it first.
+PACKAGE_PATH = re.compile(
+    r"(?<![\w/.-])((?:api|frontend|engine|text|server|cli|model_files|store|structured_output"
+    r"|detokenizer)(?:/\w+)*/\w+\.(?:py|cpp|h))\b"
+)
+
+
+def named_paths(text: str) -> set[str]:
+    return set(PACKAGE_PATH.findall(text))
+
+
+def test_the_path_scan_finds_paths() -> None:
+    text = "see `api/chat/planner.py:Planner` and engine/kernels/csrc/layer_ops.cpp, not x/api/y.py"
+    assert named_paths(text) == {"api/chat/planner.py", "engine/kernels/csrc/layer_ops.cpp"}
+
+
+@pytest.mark.parametrize("doc", MARKDOWN, ids=lambda path: path.name)
+def test_every_package_path_a_doc_names_exists(doc: Path) -> None:
+    missing = sorted(
+        path for path in named_paths(doc.read_text()) if not (ROOT / "trio_llm" / path).exists()
+    )
+    assert missing == []
