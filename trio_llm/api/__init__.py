@@ -1,9 +1,14 @@
-"""The HTTP and WebSocket server of the API server process: the ASGI app and its routes
-(`trio_llm.api.app`, the table in `trio_llm.api.http.routes`), the request models of the
-OpenAI, Anthropic Messages and vLLM APIs and their validation, the translation of each
-request into the engine's `SamplingParams` and prompt, and the response formats (JSON,
-server-sent events, WebSocket events), errors and metrics.
+"""The HTTP and WebSocket server of the API server process.
 
-It talks to the engine core through `trio_llm.frontend`'s engine client. Nothing is
+Its own modules are what spans the APIs: the ASGI app (`trio_llm.api.app`), which model
+answers a request (`trio_llm.api.model_router`) and the routes about the models
+(`trio_llm.api.model_cards`), ``/metrics``, vLLM's utility routes, embeddings and the chat
+page. Beside them, one package per concern: `trio_llm.api.http` (what every route
+shares, the route table), `trio_llm.api.chat` (the one request path every API runs on),
+`trio_llm.api.tools`, and one package per API built on chat (`trio_llm.api.anthropic`,
+`trio_llm.api.responses`), files and batches (`trio_llm.api.batch`) and the WebSocket
+(`trio_llm.api.websocket`).
+
+It talks to the engine core through `trio_llm.frontend`'s engine handle. Nothing is
 imported here: import the modules themselves.
 """

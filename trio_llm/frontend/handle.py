@@ -10,6 +10,7 @@ AdmissionControl`); a handler never needs to know which it has.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,26 +25,13 @@ if TYPE_CHECKING:
     from trio_llm.frontend.engine_client import EngineClient
 
 
-class EngineHandle(Protocol):
-    """The engine as the request path sees it.
-
-    Attributes:
-        draining: set by `close_admissions`: new requests are refused, open ones go on.
-        stopping: set by `stop`.
-        ended: set once no engine serves any more, for good (or `stop` was called).
-    """
-
-    draining: bool
-    stopping: bool
-    ended: trio.Event
+class EngineState(Protocol):
+    """Whether engines serve, as every reader of that sees it: `EngineHandle` (one
+    model's engines), the batch runner over a router's models
+    (`trio_llm.api.model_router.RouterEngines`)."""
 
     @property
-    def info(self) -> EngineReady:
-        """The (first) engine's `EngineReady`: model folder, context length, vocabulary."""
-        ...
-
-    @property
-    def engines(self) -> list[EngineClient]:
+    def engines(self) -> Sequence[EngineClient]:
         """The clients of the engine cores behind this handle, in rank order."""
         ...
 
@@ -53,8 +41,8 @@ class EngineHandle(Protocol):
         ...
 
     @property
-    def is_restarting(self) -> bool:
-        """True while no engine serves and one is restarting (requests wait for it)."""
+    def ended(self) -> trio.Event:
+        """Set once no engine serves any more, for good (or `stop` was called)."""
         ...
 
     @property
@@ -63,13 +51,35 @@ class EngineHandle(Protocol):
         ...
 
     @property
-    def num_in_flight(self) -> int:
-        """Requests sent to an engine and not yet finished."""
+    def num_waiting(self) -> int:
+        """Requests admitted or sent that have produced no output yet."""
+        ...
+
+
+class EngineHandle(EngineState, Protocol):
+    """The engine as the request path sees it: its `EngineState`, and the way in.
+
+    Attributes:
+        draining: set by `close_admissions`: new requests are refused, open ones go on.
+        stopping: set by `stop`.
+    """
+
+    draining: bool
+    stopping: bool
+
+    @property
+    def info(self) -> EngineReady:
+        """The (first) engine's `EngineReady`: model folder, context length, vocabulary."""
         ...
 
     @property
-    def num_waiting(self) -> int:
-        """Requests admitted or sent that have produced no output yet."""
+    def is_restarting(self) -> bool:
+        """True while no engine serves and one is restarting (requests wait for it)."""
+        ...
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests sent to an engine and not yet finished."""
         ...
 
     def admit(self, count: int, limit: int | None) -> Admission:

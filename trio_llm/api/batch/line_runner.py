@@ -11,8 +11,7 @@ the line's failure; a 4xx answer is the line's failure, and so is a 5xx that com
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Mapping
 
 import trio
 from starlette.types import ASGIApp
@@ -25,7 +24,7 @@ from trio_llm.api.batch.lines import (
     error_line,
 )
 from trio_llm.errors import EngineDeadError, EngineError
-from trio_llm.frontend.engine_client import EngineClient
+from trio_llm.frontend.handle import EngineState
 
 logger = logging.getLogger(__name__)
 
@@ -37,36 +36,6 @@ RETRY_MAX = 5.0
 MAX_SERVER_ERRORS = 3
 #: HTTP status of a request whose client left (`trio_llm.api.chat.serving`): not an answer.
 CLIENT_CLOSED_REQUEST = 499
-
-
-class LineEngines(Protocol):
-    """What `LineRunner` reads of the engines behind the app: an `EngineHandle`'s
-    attributes (`trio_llm.api.model_router.RouterEngines` over several models)."""
-
-    @property
-    def engines(self) -> Sequence[EngineClient]:
-        """The engine clients."""
-        ...
-
-    @property
-    def is_alive(self) -> bool:
-        """Whether requests can be served now."""
-        ...
-
-    @property
-    def ended(self) -> trio.Event:
-        """Set once nothing serves any more, for good."""
-        ...
-
-    @property
-    def error(self) -> EngineError | None:
-        """Why nothing serves."""
-        ...
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests waiting for an engine."""
-        ...
 
 
 def api_key_headers(api_key: str | None) -> dict[str, str]:
@@ -91,7 +60,7 @@ class LineRunner:
     def __init__(
         self,
         app: ASGIApp,
-        engine: LineEngines,
+        engine: EngineState,
         headers: Mapping[str, str],
         max_waiting: int | None = None,
     ) -> None:

@@ -29,7 +29,6 @@ import trio
 from starlette.types import ASGIApp
 
 from trio_llm.api.batch.line_runner import (
-    LineEngines,
     LineRunner,
     Wakeup,
     api_key_headers,
@@ -38,6 +37,7 @@ from trio_llm.api.batch.line_runner import (
 )
 from trio_llm.api.batch.lines import InputLines, check_input, error_line, parse_line
 from trio_llm.errors import EngineError
+from trio_llm.frontend.handle import EngineState
 from trio_llm.store import Store, StoreError, StoreUnavailable
 from trio_llm.store import batches as stored
 from trio_llm.store.files import content_path, remove_orphans
@@ -60,7 +60,7 @@ class BatchRunner:
 
     Args:
         app: the server's ASGI app (lines run through it, in this process).
-        engine: the engines behind it (`trio_llm.api.batch.line_runner.LineEngines`).
+        engine: the engines behind it (`trio_llm.frontend.handle.EngineState`).
         store: the server's store.
         max_in_flight: most lines (of all batches) running at once.
         api_key: the server's API key (lines carry it), or None.
@@ -70,7 +70,7 @@ class BatchRunner:
     def __init__(
         self,
         app: ASGIApp,
-        engine: LineEngines,
+        engine: EngineState,
         store: Store,
         *,
         max_in_flight: int,
