@@ -163,5 +163,29 @@ struct FQ6_K {
   }
 };
 
+// Calls f(Format{}) with the format traits of GGML `type` (FQ4_0, FQ4_1, FQ8_0, FQ4_K,
+// FQ6_K); false, without calling it, for any other type.
+template <typename F>
+inline bool with_format(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0:
+      f(FQ4_0{});
+      return true;
+    case kQ4_1:
+      f(FQ4_1{});
+      return true;
+    case kQ8_0:
+      f(FQ8_0{});
+      return true;
+    case kQ4_K:
+      f(FQ4_K{});
+      return true;
+    case kQ6_K:
+      f(FQ6_K{});
+      return true;
+  }
+  return false;
+}
+
 }  // namespace gguf_blocks
 }  // namespace trio_llm

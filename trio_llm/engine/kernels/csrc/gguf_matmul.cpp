@@ -241,20 +241,11 @@ int64_t values_per_block(int64_t type) {
 }
 
 int64_t bytes_per_block(int64_t type) {
-  switch (type) {
-    case kQ4_0:
-      return FQ4_0::kBytes;
-    case kQ4_1:
-      return FQ4_1::kBytes;
-    case kQ8_0:
-      return FQ8_0::kBytes;
-    case kQ4_K:
-      return FQ4_K::kBytes;
-    case kQ6_K:
-      return FQ6_K::kBytes;
+  int64_t bytes = 0;
+  if (!with_format(type, [&](auto format) { bytes = decltype(format)::kBytes; })) {
+    values_per_block(type);  // raises
   }
-  values_per_block(type);  // raises
-  return 0;
+  return bytes;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x) {
@@ -330,23 +321,9 @@ static at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t type
   if (tiles && M >= kTileMinRows && gguf_matmul_tiles(x, wp, row_bytes, type, N, yp)) return y;
   auto [q, d, ds] = quantize(x);
   const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>(), K, K / 32};
-  switch (type) {
-    case kQ4_0:
-      matmul<FQ4_0>(wp, row_bytes, a, M, N, yp);
-      break;
-    case kQ4_1:
-      matmul<FQ4_1>(wp, row_bytes, a, M, N, yp);
-      break;
-    case kQ8_0:
-      matmul<FQ8_0>(wp, row_bytes, a, M, N, yp);
-      break;
-    case kQ4_K:
-      matmul<FQ4_K>(wp, row_bytes, a, M, N, yp);
-      break;
-    case kQ6_K:
-      matmul<FQ6_K>(wp, row_bytes, a, M, N, yp);
-      break;
-  }
+  with_format(type, [&](auto format) {
+    matmul<decltype(format)>(wp, row_bytes, a, M, N, yp);
+  });
   return y;
 }
 

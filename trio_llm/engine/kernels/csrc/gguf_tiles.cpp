@@ -211,24 +211,9 @@ bool gguf_matmul_tiles(const at::Tensor& x, const uint8_t* w, int64_t row_bytes,
   const int64_t Mp = (M + 15) / 16 * 16;
   std::vector<uint16_t> xv(Mp * K);
   pack_activations(x, M, Mp, K, xv.data());
-  switch (type) {
-    case kQ4_0:
-      matmul_tiles<FQ4_0>(w, row_bytes, xv.data(), M, Mp, K, N, y);
-      return true;
-    case kQ4_1:
-      matmul_tiles<FQ4_1>(w, row_bytes, xv.data(), M, Mp, K, N, y);
-      return true;
-    case kQ8_0:
-      matmul_tiles<FQ8_0>(w, row_bytes, xv.data(), M, Mp, K, N, y);
-      return true;
-    case kQ4_K:
-      matmul_tiles<FQ4_K>(w, row_bytes, xv.data(), M, Mp, K, N, y);
-      return true;
-    case kQ6_K:
-      matmul_tiles<FQ6_K>(w, row_bytes, xv.data(), M, Mp, K, N, y);
-      return true;
-  }
-  return false;
+  return with_format(type, [&](auto format) {
+    matmul_tiles<decltype(format)>(w, row_bytes, xv.data(), M, Mp, K, N, y);
+  });
 }
 
 #else
