@@ -187,6 +187,12 @@ class CacheConfig(CheckedFields):
         disable_hybrid_kv_cache_manager: keep every layer's keys and values for the whole
             context, even in sliding-window layers that no longer read them (vLLM's flag;
             by default they free the blocks behind their window).
+        prefix_cache_dir: a folder for the prefix cache's tier on disk
+            (`trio_llm.engine.prefix_tier`): full prompt blocks written there are read
+            back by any engine, restart or server of the same model, dtype and layout;
+            None: in memory only.
+        prefix_cache_disk_bytes: the bound on that folder's files of one model and
+            layout (least recently used removed first); None: a tenth of the free disk.
     """
 
     block_size: int = setting(16, range=Range(1))
@@ -195,6 +201,8 @@ class CacheConfig(CheckedFields):
     kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int | None = setting(None, range=Range(1, unit="byte"))
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
@@ -323,6 +331,8 @@ def engine_config(
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
     disable_hybrid_kv_cache_manager: bool = CacheConfig.disable_hybrid_kv_cache_manager,
+    prefix_cache_dir: str | None = CacheConfig.prefix_cache_dir,
+    prefix_cache_disk_bytes: int | None = None,
     max_num_seqs: int = SchedulerConfig.max_num_seqs,
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
     long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold,

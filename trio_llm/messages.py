@@ -105,6 +105,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
         structured_output: constrain the output to a JSON Schema, a regex, a choice or a
             grammar (`StructuredOutput`); None: unconstrained.
+        cache_salt: vLLM's ``cache_salt``: requests share prefix-cache blocks (in memory
+            and on disk) only with requests of the same salt; None shares with every
+            request without one.
     """
 
     max_tokens: int = 16
@@ -126,6 +129,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
+    cache_salt: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field that is out of range.

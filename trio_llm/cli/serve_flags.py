@@ -92,6 +92,11 @@ def _auto_is_none(value: int | str | None) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _none_is_none(value: str | None) -> str | None:
+    """``--prefix-cache-dir none`` keeps the prefix cache in memory only."""
+    return None if value is None or value.strip().lower() == "none" else value
+
+
 _SECONDS = {"type": parse.parse_seconds, "metavar": "SECONDS"}
 _COUNT = {"type": parse.parse_positive_int, "metavar": "N"}
 
@@ -183,6 +188,18 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
         "disable_hybrid_kv_cache_manager": Flag(
             "keep the whole context's keys and values in sliding-window layers too "
             "(by default they free the KV blocks behind their window)"
+        ),
+        "prefix_cache_dir": Flag(
+            "a folder for the prefix cache's tier on disk: prompt blocks survive restarts "
+            "and are shared by every engine and server of the same model (none: memory "
+            "only; default %(default)s)",
+            metavar="DIR|none",
+            convert=_none_is_none,
+        ),
+        "prefix_cache_disk_bytes": Flag(
+            "the bound on the disk tier's files of one model (default: a tenth of the free disk)",
+            type=parse.parse_bytes,
+            metavar="BYTES",
         ),
     },
     EngineConfig: {

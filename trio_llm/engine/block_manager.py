@@ -111,6 +111,9 @@ class BlockManager:
         # Free blocks in eviction order (front first); a dict keeps insertion order and
         # removes a block from the middle in O(1) when a cache hit revives it.
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        #: ``(group, key, block)`` of each block `cache_full_blocks` registered since the
+        #: last `take_registered`, when a disk tier reads them (None: not recorded).
+        self.registered: list[tuple[int, bytes, int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -306,7 +309,34 @@ class BlockManager:
                 if self._key_of[block] is None and key not in self._cached:
                     self._cached[key] = block
                     self._key_of[block] = key
+                    if self.registered is not None:
+                        self.registered.append((group, key[1], block))
             request.num_registered[group] = max(request.num_registered[group], num_full)
+
+    def cached_block(self, group: int, key: bytes) -> int | None:
+        """The block holding prefix block ``key`` of ``group``, or None."""
+        return self._cached.get((group, key))
+
+    def import_block(self, group: int, key: bytes) -> int | None:
+        """A free block to hold prefix block ``key`` of ``group`` (read from elsewhere:
+        the disk tier), registered under it and left free, most recently freed: the
+        caller writes its keys and values before the next step. None when no block is
+        free or ``key`` is cached already.
+        """
+        if not self._free or (group, key) in self._cached:
+            return None
+        block = self._fresh_block()
+        self._cached[(group, key)] = block
+        self._key_of[block] = (group, key)
+        self._release(block)
+        return block
+
+    def take_registered(self) -> list[tuple[int, bytes, int]]:
+        """The ``(group, key, block)`` registered since the last call (see `registered`)."""
+        if self.registered is None:
+            return []
+        taken, self.registered = self.registered, []
+        return taken
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached key (the blocks stay where they are); counters are kept."""
@@ -320,5 +350,25 @@ class BlockManager:
         while len(keys) <= index:
             i = len(keys)
             tokens = request.token_ids[i * bs : (i + 1) * bs]
-            keys.append(block_key(keys[-1] if keys else b"", tokens))
+            parent = keys[-1] if keys else key_root(request.params.cache_salt)
+            keys.append(block_key(parent, tokens))
         return keys[index]
+
+
+def key_root(cache_salt: str | None) -> bytes:
+    """The parent of block 0's key: empty, or a digest of the request's ``cache_salt``
+    (vLLM's field), so requests of different salts never share a block."""
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+    """The keys of the full blocks a request can find in the cache (never its last token:
+    see `BlockManager.lookup`), in order."""
+    keys: list[bytes] = []
+    parent = key_root(cache_salt)
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = block_key(parent, list(token_ids[i * block_size : (i + 1) * block_size]))
+        keys.append(parent)
+    return keys

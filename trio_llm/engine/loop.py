@@ -38,6 +38,7 @@ from trio_llm.engine.core import EngineCore
 from trio_llm.engine.cpu_share import CpuShare
 from trio_llm.engine.interface import EngineCoreProtocol
 from trio_llm.engine.pooling import PoolingCore, uses_pooling
+from trio_llm.engine.prefix_tier import PrefixTier
 from trio_llm.messages import (
     AbortRequests,
     AddRequest,
@@ -112,7 +113,12 @@ async def _run(channel: ipc.MessageChannel[ToEngine]) -> int:
         share = None
         if config.model.device == "cpu" and config.adapts_threads:
             share = CpuShare(torch.get_num_threads())
-        await _serve(core, _Outbox(channel, share), config.heartbeat_interval)
+        tier = PrefixTier.open(core, config) if isinstance(core, EngineCore) else None
+        try:
+            await _serve(core, _Outbox(channel, share), config.heartbeat_interval, tier)
+        finally:
+            if tier is not None:
+                tier.close()
     except Exception as exc:
         if ipc.channel_closed(exc):
             raise
@@ -241,7 +247,12 @@ class _Wakeup:
         return None
 
 
-async def _serve(core: EngineCoreProtocol, outbox: _Outbox, heartbeat_interval: float) -> None:
+async def _serve(
+    core: EngineCoreProtocol,
+    outbox: _Outbox,
+    heartbeat_interval: float,
+    tier: PrefixTier | None = None,
+) -> None:
     channel = outbox.channel
     inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
     wakeup = _Wakeup()
@@ -262,15 +273,17 @@ async def _serve(core: EngineCoreProtocol, outbox: _Outbox, heartbeat_interval: 
                 except trio.EndOfChannel:
                     break
                 if message is not None:
-                    if not await _apply(core, outbox, message):
+                    if not await _apply(core, outbox, message, tier):
                         break
                     # An abort of a paused request changes the stats without any step:
                     # the next idle turn reports them (a health check changes nothing).
                     reported_idle = reported_idle and isinstance(message, HealthCheck)
-            if not await _apply_pending(core, outbox, inbox):
+            if not await _apply_pending(core, outbox, inbox, tier):
                 break
             if core.has_work():
                 await outbox.run_step(core)
+                if tier is not None:
+                    tier.after_step()
                 reported_idle = False
         nursery.cancel_scope.cancel()
 
@@ -284,7 +297,10 @@ async def _read_messages(
 
 
 async def _apply_pending(
-    core: EngineCoreProtocol, outbox: _Outbox, inbox: trio.MemoryReceiveChannel[ToEngine]
+    core: EngineCoreProtocol,
+    outbox: _Outbox,
+    inbox: trio.MemoryReceiveChannel[ToEngine],
+    tier: PrefixTier | None = None,
 ) -> bool:
     """Apply every message already received; False once it is time to exit."""
     while True:
@@ -294,12 +310,16 @@ async def _apply_pending(
             return True
         except trio.EndOfChannel:
             return False
-        if not await _apply(core, outbox, message):
+        if not await _apply(core, outbox, message, tier):
             return False
 
 
-async def _apply(core: EngineCoreProtocol, outbox: _Outbox, message: ToEngine) -> bool:
+async def _apply(
+    core: EngineCoreProtocol, outbox: _Outbox, message: ToEngine, tier: PrefixTier | None = None
+) -> bool:
     if isinstance(message, AddRequest):
+        if tier is not None:
+            await tier.load(message)  # the prompt's blocks on disk, into the KV cache
         rejected = core.add_request(message)
         if rejected is not None:
             await outbox.send(StepOutputs([rejected], core.stats()))

@@ -113,6 +113,8 @@ class GenerationRequest(RequestBody):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: Priority = 0
+    # vLLM's: requests share prefix-cache blocks only with requests of the same salt.
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=1024)
     # Structured output (OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields); at most one of them, see `structured_output`.
     response_format: dict[str, Any] | None = None
@@ -232,6 +234,7 @@ class GenerationRequest(RequestBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_output=self.structured_output(),
+            cache_salt=self.cache_salt,
         )
 
     @property

@@ -198,3 +198,16 @@ def test_a_chat_request_enters_the_prompt_layer_once(smol_tokenizer: Tokenizer) 
     assert [params.max_tokens for _, params in made.requests] == [3, 3]  # it was planned
     assert entered == [("trio_llm.api.chat.planner", "prepare_chat")]
     assert "trio_llm.text.tokenizer" in outside and len(outside) <= 6, sorted(outside)
+
+
+def test_a_cache_salt_reaches_every_engine_request(smol_tokenizer: Tokenizer) -> None:
+    request = ChatCompletionRequest.model_validate(
+        {"messages": CHAT, "n": 2, "cache_salt": "tenant-a"}
+    )
+    plan = trio.run(_planner(smol_tokenizer).plan_chat, request, "tiny")
+    assert [params.cache_salt for _, params in plan.requests] == ["tenant-a", "tenant-a"]
+    unsalted = ChatCompletionRequest.model_validate({"messages": CHAT})
+    plan = trio.run(_planner(smol_tokenizer).plan_chat, unsalted, "tiny")
+    assert plan.requests[0][1].cache_salt is None
+    with pytest.raises(ValueError, match="cache_salt"):
+        ChatCompletionRequest.model_validate({"messages": CHAT, "cache_salt": ""})
