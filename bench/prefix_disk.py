@@ -1,0 +1,80 @@
+"""Time to first token of a long prompt, cold and read back from the prefix cache's tier
+on disk after a server restart (issue 44).
+
+    .venv/bin/python bench/prefix_disk.py [--prompt-tokens 7000] [--dtype auto]
+
+Starts a server with ``--prefix-cache-dir`` in a fresh folder, sends the prompt once
+(cold: nothing on disk), stops the server, starts a new one on the same folder and sends
+it again (warm: its blocks read from disk). Prints each TTFT, the cached tokens the warm
+one reported, whether the two greedy outputs are identical, and warm/cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from common import sonnet_prompts
+
+from tests.support.server_process import ServerProcess
+from trio_llm.config import DEFAULT_MODEL, default_cache_dir
+from trio_llm.model_files.loader import resolve_model_dir
+from trio_llm.text.tokenizer import Tokenizer
+
+
+def first_token(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy completion: its TTFT (s), text and cached prompt tokens."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft = None
+    text, cached = "", 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = httpx.Response(200, content=line[6:]).json()
+            if chunk.get("choices"):
+                ttft = ttft or time.perf_counter() - start
+                text += chunk["choices"][0]["text"]
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return {"ttft": ttft, "text": text, "cached": cached}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompt-tokens", type=int, default=7000)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    tokenizer = Tokenizer.load(resolve_model_dir(DEFAULT_MODEL, default_cache_dir()))
+    [prompt] = sonnet_prompts(tokenizer, 1, args.prompt_tokens, seed=44)
+    flags = ["--dtype", args.dtype, "--max-model-len", str(args.prompt_tokens + 512)]
+    with tempfile.TemporaryDirectory() as folder:
+        flags += ["--prefix-cache-dir", str(Path(folder) / "kv")]
+        runs = {}
+        for name in ("cold", "warm after a restart"):
+            with ServerProcess(flags, log_path=Path(folder) / f"{name}.log") as server:
+                runs[name] = first_token(server.url, prompt, args.max_tokens)
+                server.stop()
+        size = sum(p.stat().st_size for p in (Path(folder) / "kv").rglob("*.kv"))
+    cold, warm = runs["cold"], runs["warm after a restart"]
+    print(f"prompt: {len(prompt)} tokens, --dtype {args.dtype}; {size / 2**20:.0f} MiB on disk")
+    for name, run in runs.items():
+        print(f"  {name:22s} TTFT {run['ttft']:7.3f} s   cached tokens {run['cached']}")
+    print(f"  warm/cold: {warm['ttft'] / cold['ttft']:.3f}")
+    print(f"  outputs identical: {warm['text'] == cold['text']}")
+
+
+if __name__ == "__main__":
+    main()
