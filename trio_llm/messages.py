@@ -383,6 +383,9 @@ class StepStats(msgspec.Struct, array_like=True):
     ``prefix_cache_queries`` and ``prefix_cache_hits`` are running totals since the engine
     started: prompt tokens looked up in the prefix cache, and tokens found there.
     ``num_paused``: requests paused because their consumer is not reading (`PauseRequests`).
+    ``disk_*``: running totals of the prefix cache's tier on disk
+    (`trio_llm.engine.disk_tier.TierCounters`: blocks found and not found, bytes read and
+    written, files evicted and refused, blocks dropped); 0 without one.
     """
 
     num_running: int
@@ -396,6 +399,13 @@ class StepStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_paused: int = 0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_evicted: int = 0
+    disk_refused: int = 0
+    disk_dropped: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):

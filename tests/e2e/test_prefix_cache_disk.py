@@ -34,6 +34,16 @@ def _complete(url: str, **extra: Any) -> tuple[str, int, int]:
     return reply["choices"][0]["text"], usage["prompt_tokens"], cached
 
 
+def _disk_metrics(url: str) -> dict[str, float]:
+    """The ``trio_llm:prefix_cache_disk_*_total`` counters of ``/metrics``, by name."""
+    found = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("trio_llm:prefix_cache_disk_"):
+            name = line.split("{")[0].removeprefix("trio_llm:prefix_cache_disk_")
+            found[name.removesuffix("_total")] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def test_a_restarted_server_reads_the_prompt_from_disk_and_answers_the_same(
     tmp_path: Path,
 ) -> None:
@@ -52,6 +62,9 @@ def test_a_restarted_server_reads_the_prompt_from_disk_and_answers_the_same(
         warm, _, warm_cached = _complete(second.url)
         assert warm == cold
         assert warm_cached == (num_prompt - 1) // 16 * 16
+        disk = _disk_metrics(second.url)
+        assert disk["hits"] == warm_cached // 16 and disk["refused"] == 0
+        assert disk["bytes_read"] > 0
         salted, _, salted_cached = _complete(second.url, cache_salt="another tenant")
         assert (salted, salted_cached) == (cold, 0)
         assert "prefix cache on disk:" in second.log()

@@ -75,6 +75,18 @@ def _kv_cache_usage(engine: EngineClient) -> float:
     return 1 - free / num_blocks if num_blocks else 0.0
 
 
+#: The counters of the prefix cache's tier on disk (``--prefix-cache-dir``), each
+#: ``trio_llm:prefix_cache_disk_<name>``: ``(name, help)``.
+_DISK_SERIES = (
+    ("hits", "Blocks read back from the prefix cache's tier on disk."),
+    ("misses", "Blocks looked for on disk and not found there."),
+    ("bytes_read", "Bytes of block files read back from disk."),
+    ("bytes_written", "Bytes of block files written to disk."),
+    ("evicted", "Block files removed to keep --prefix-cache-disk-bytes."),
+    ("refused", "Block files that were not the block they should be (removed, recomputed)."),
+    ("dropped", "Blocks not written: the writer's queue was full, or the disk refused."),
+)
+
 #: Each engine's series: ``(kind, name, help, value of an engine client)``.
 ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineClient], float]], ...] = (
     ("gauge", "num_requests_running", "Requests in the running batch.", _last_step("num_running")),
@@ -144,6 +156,10 @@ ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineClient], float]], ...]
         "engine_steps_multi_request",
         "Engine steps that computed tokens for more than one request.",
         lambda engine: engine.stats.num_multi_request_steps,
+    ),
+    *(
+        ("counter", f"prefix_cache_disk_{name}", doc, _last_step(f"disk_{name}"))
+        for name, doc in _DISK_SERIES
     ),
 )
 

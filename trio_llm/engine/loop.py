@@ -173,8 +173,12 @@ class _Outbox:
         self._lock = trio.Lock()
         #: Monotonic time at which the step now computing started; None between steps.
         self.step_started: float | None = None
+        #: The disk tier whose running totals every step's stats carry, or None.
+        self.tier: PrefixTier | None = None
 
     async def send(self, message: StepOutputs | Heartbeat | HealthReply) -> None:
+        if self.tier is not None and isinstance(message, StepOutputs):
+            message = StepOutputs(message.outputs, self.tier.with_counters(message.stats))
         async with self._lock:
             await self.channel.send(message)
 
@@ -254,6 +258,7 @@ async def _serve(
     tier: PrefixTier | None = None,
 ) -> None:
     channel = outbox.channel
+    outbox.tier = tier
     inbox_send, inbox = trio.open_memory_channel[ToEngine](math.inf)
     wakeup = _Wakeup()
     core.on_grammar_event = wakeup.notify

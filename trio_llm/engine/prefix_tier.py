@@ -23,13 +23,14 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 import trio
 
 from trio_llm.engine import kv_files
 from trio_llm.engine.block_manager import prefix_keys
 from trio_llm.engine.disk_tier import DiskTier, TierCounters
-from trio_llm.messages import AddRequest
+from trio_llm.messages import AddRequest, StepStats
 
 if TYPE_CHECKING:
     from trio_llm.config import EngineConfig
@@ -85,6 +86,11 @@ class PrefixTier:
     def counters(self) -> TierCounters:
         """The disk tier's running totals."""
         return self.disk.counters
+
+    def with_counters(self, stats: StepStats) -> StepStats:
+        """``stats`` with the tier's running totals (its ``disk_*`` fields)."""
+        fields = {f"disk_{name}": value for name, value in vars(self.counters).items()}
+        return msgspec.structs.replace(stats, **fields)
 
     async def load(self, message: AddRequest) -> int:
         """Bring the blocks of ``message``'s prompt found on disk, and not in memory, into
