@@ -160,6 +160,11 @@ class ModelConfig(CheckedFields):
         return None if self.quantization == "none" else self.quantization
 
 
+#: Bytes of KV block copies the prefix cache's disk tier holds in memory at most, waiting
+#: for its writer (`trio_llm.engine.disk_tier`; counted in a model's memory estimate).
+PREFIX_CACHE_QUEUE_BYTES = 32 * 2**20
+
+
 @dataclass(frozen=True)
 class CacheConfig(CheckedFields):
     """Size of the paged KV cache.

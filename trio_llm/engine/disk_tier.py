@@ -32,12 +32,13 @@ from pathlib import Path
 
 import torch
 
+from trio_llm.config import PREFIX_CACHE_QUEUE_BYTES
 from trio_llm.engine import kv_files
 
 logger = logging.getLogger(__name__)
 
-#: Blocks waiting for the writer at most; more are dropped.
-WRITE_QUEUE_BLOCKS = 256
+#: Bytes of block copies waiting for the writer at most (more are dropped).
+WRITE_QUEUE_BYTES = PREFIX_CACHE_QUEUE_BYTES
 
 
 @dataclass
@@ -115,7 +116,7 @@ class DiskTier:
         self._index = _Index()
         self._scan()
         self._queue: queue.Queue[tuple[int, bytes, list[torch.Tensor]] | None] = queue.Queue(
-            WRITE_QUEUE_BLOCKS
+            max(1, WRITE_QUEUE_BYTES // payload)
         )
         self._writer = threading.Thread(target=self._write_all, name="kv-disk-writer", daemon=True)
         self._writer.start()
@@ -247,11 +248,14 @@ class DiskTier:
     # ------------------------------------------------------------ the bound
 
     def _scan(self) -> None:
-        """Index the folder's block files (another engine's and earlier runs' too)."""
+        """Index the folder's block files (another engine's and earlier runs' too), and
+        remove the temporary files of writers that are gone (killed mid-write)."""
         for entry in os.scandir(self.folder):
             if entry.name.endswith(".kv") and entry.is_file(follow_symlinks=False):
                 info = entry.stat(follow_symlinks=False)
                 self._index.add(entry.name, info.st_size, info.st_mtime)
+            elif entry.name.endswith(".tmp") and not _writer_alive(entry.name):
+                _unlink_quietly(Path(entry.path))
 
     def _evict(self) -> None:
         """Remove the least recently used files until the folder holds 90 % of the bound
@@ -267,6 +271,21 @@ class DiskTier:
                 _unlink_quietly(self.folder / name)
                 self._index.remove(name)
                 self.counters.evicted += 1
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that writes temporary file ``name`` (``.{file}.{pid}.{id}.tmp``)
+    still runs on this machine (a name of another shape counts as alive: left alone)."""
+    parts = name.split(".")
+    if len(parts) < 4 or not parts[-3].isdigit():
+        return True
+    try:
+        os.kill(int(parts[-3]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _now(path: Path) -> float:

@@ -17,7 +17,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, PREFIX_CACHE_QUEUE_BYTES, EngineConfig
 from trio_llm.model_files.dtype_choice import explain_quantization, resolve_dtype
 from trio_llm.model_files.named_models import NAMED_MODELS
 from trio_llm.model_files.weight_headers import read_gguf_header, safetensors_weights
@@ -77,6 +77,8 @@ def estimate(config: EngineConfig, kind: str, engines: int = 1) -> MemoryNeed:
     per_weight = _DTYPE_BYTES[resolve_dtype(dtype, model.device)]
     weights = weight_bytes(model.model, per_weight, _keeps_gguf_blocks(config))
     kv = 0 if pooling else (config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    if not pooling and config.cache.prefix_cache_dir is not None:
+        kv += PREFIX_CACHE_QUEUE_BYTES  # the disk tier's queue of block copies
     return MemoryNeed(weights * engines, kv * engines, ENGINE_OVERHEAD * engines, engines)
 
 

@@ -143,3 +143,45 @@ def test_the_folder_keeps_its_bound(tmp_path: Path) -> None:
     # The least recently used went first: the newest block is still there.
     assert tier.read(0, (39).to_bytes(32, "big")) is not None
     tier.close()
+
+
+def test_a_full_disk_stops_the_writing_and_reads_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = _tier(tmp_path)
+    tier.offer(0, KEY, _tensors())
+    tier.flush()
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("trio_llm.engine.disk_tier.os.replace", full)
+    assert tier.offer(0, bytes(32), _tensors(1))
+    tier.flush()
+    assert not tier.writing
+    assert not list(tier.folder.glob(".*.tmp"))  # the half-written file is gone
+    assert not tier.offer(0, bytes(31) + b"\1", _tensors(2)) and tier.counters.dropped == 1
+    assert tier.read(0, KEY) is not None  # what is on disk is still read
+    tier.close()
+
+
+def test_two_tiers_on_one_folder_write_and_read_each_others_blocks(tmp_path: Path) -> None:
+    """Two engines (or servers) of one model: every block written once, readable by both;
+    a killed writer's temporary file is removed by the next tier opened there."""
+    first, second = _tier(tmp_path), _tier(tmp_path)
+    keys = [i.to_bytes(32, "big") for i in range(30)]
+    for i, key in enumerate(keys):
+        first.offer(0, key, _tensors(i))
+        second.offer(0, key, _tensors(i))
+    first.flush()
+    second.flush()
+    assert len(list(first.folder.glob("*.kv"))) == len(keys)
+    for i, key in enumerate(keys):
+        back = second.read(0, key)
+        assert back is not None and torch.equal(back[0], _tensors(i)[0])
+    stale = first.folder / f".{first.name(0, keys[0])}.999999999.dead.tmp"
+    stale.write_bytes(b"half a block")
+    third = _tier(tmp_path)
+    assert not stale.exists()
+    for tier in (first, second, third):
+        tier.close()
