@@ -4,6 +4,7 @@ the first one did (float32, greedy); a request of another ``cache_salt`` finds n
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,25 @@ def test_a_restarted_server_reads_the_prompt_from_disk_and_answers_the_same(
         assert second.stop() == 0
     finally:
         second.close()
+
+
+def test_two_servers_on_one_folder_share_what_either_computed(tmp_path: Path) -> None:
+    """Two servers of one model running at once (as `-dp 2`'s engines, or two servers on
+    one machine): what the first computed, the second reads from disk."""
+    first, second = _serve(tmp_path, "first"), None
+    try:
+        second = _serve(tmp_path, "second")
+        cold, num_prompt, _ = _complete(first.url)
+        wanted = (num_prompt - 1) // 16
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "kv").rglob("*.kv"))) < wanted:  # the writer's pace
+            assert time.monotonic() < deadline, "the first server's blocks were not written"
+            time.sleep(0.05)
+        warm, _, warm_cached = _complete(second.url)
+        assert warm == cold
+        assert warm_cached == wanted * 16
+        assert _disk_metrics(second.url)["hits"] == wanted
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
