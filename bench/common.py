@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -20,6 +21,10 @@ if str(ROOT.parent) not in sys.path:
     sys.path.insert(0, str(ROOT.parent))
 
 from trio_llm.text.tokenizer import Tokenizer  # noqa: E402
+
+# Benchmarks time computing: a server they start reads no prompt blocks an earlier run left
+# on disk (bench/prefix_disk.py names its own folder).
+os.environ.setdefault("TRIO_LLM_PREFIX_CACHE_DIR", "none")
 
 SONNETS = ROOT / "data" / "sonnet.txt"
 

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# No test reads another test's (or an earlier run's) prompt blocks from disk: the prefix
+# cache's tier on disk is off unless a test names its own folder (--prefix-cache-dir).
+os.environ.setdefault("TRIO_LLM_PREFIX_CACHE_DIR", "none")
 
 from tests.support.postgres import PostgresServer, is_gone, unavailable_reason
 from tests.support.tiny_model import save_tiny_model

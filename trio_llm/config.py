@@ -26,6 +26,9 @@ GEMMA3_270M_MODEL = "gemma-3-270m"
 
 #: Environment variable that overrides the folder where converted models are cached.
 CACHE_DIR_ENV = "TRIO_LLM_CACHE_DIR"
+#: Where ``--prefix-cache-dir auto`` puts the prefix cache's tier on disk (``none``: no
+#: tier), instead of ``<cache folder>/prefix-cache``.
+PREFIX_CACHE_DIR_ENV = "TRIO_LLM_PREFIX_CACHE_DIR"
 
 #: KV cache size used when neither --num-kv-blocks nor --kv-cache-memory is given (bytes).
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
@@ -194,8 +197,10 @@ class CacheConfig(CheckedFields):
             by default they free the blocks behind their window).
         prefix_cache_dir: a folder for the prefix cache's tier on disk
             (`trio_llm.engine.prefix_tier`): full prompt blocks written there are read
-            back by any engine, restart or server of the same model, dtype and layout;
-            None: in memory only.
+            back by any engine, restart or server of the same model, dtype and layout.
+            ``auto`` (the default): ``$TRIO_LLM_PREFIX_CACHE_DIR``, else
+            ``<cache folder>/prefix-cache`` (`prefix_cache_folder`); None or ``none``:
+            in memory only.
         prefix_cache_disk_bytes: the bound on that folder's files of one model and
             layout (least recently used removed first); None: a tenth of the free disk.
     """
@@ -206,7 +211,7 @@ class CacheConfig(CheckedFields):
     kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
-    prefix_cache_dir: str | None = None
+    prefix_cache_dir: str | None = "auto"
     prefix_cache_disk_bytes: int | None = setting(None, range=Range(1, unit="byte"))
 
     def __post_init__(self) -> None:
@@ -315,6 +320,16 @@ class EngineConfig(CheckedFields):
         if self.model.download_dir:
             return Path(self.model.download_dir)
         return default_cache_dir()
+
+    def prefix_cache_folder(self) -> Path | None:
+        """The prefix cache's tier on disk (`CacheConfig.prefix_cache_dir` resolved), or
+        None: none (asked so, or prefix caching is off)."""
+        value = self.cache.prefix_cache_dir
+        if value == "auto":
+            value = os.environ.get(PREFIX_CACHE_DIR_ENV) or str(self.cache_dir() / "prefix-cache")
+        if not self.cache.enable_prefix_caching or value is None or value.lower() == "none":
+            return None
+        return Path(value).expanduser()
 
 
 def engine_config(

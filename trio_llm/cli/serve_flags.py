@@ -191,8 +191,9 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
         ),
         "prefix_cache_dir": Flag(
             "a folder for the prefix cache's tier on disk: prompt blocks survive restarts "
-            "and are shared by every engine and server of the same model (none: memory "
-            "only; default %(default)s)",
+            "and are shared by every engine and server of the same model (auto: "
+            "$TRIO_LLM_PREFIX_CACHE_DIR, else prefix-cache in the cache folder; none: "
+            "memory only; default %(default)s)",
             metavar="DIR|none",
             convert=_none_is_none,
         ),

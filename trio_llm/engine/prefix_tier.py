@@ -61,13 +61,12 @@ class PrefixTier:
     def open(cls, core: EngineCore, config: EngineConfig) -> PrefixTier | None:
         """The tier ``config`` asks for (``--prefix-cache-dir``), or None: none asked,
         prefix caching off, or a model of several KV cache groups (said in the log)."""
-        root = config.cache.prefix_cache_dir
-        if root is None or not config.cache.enable_prefix_caching:
+        root_path = config.prefix_cache_folder()
+        if root_path is None:
             return None
         if len(core.kv_groups.layers) != 1 or core.kv_groups.windows[0] is not None:
             logger.info("prefix cache on disk: off (a model with sliding-window layers)")
             return None
-        root_path = Path(root).expanduser()
         root_path.mkdir(parents=True, exist_ok=True)
         bound = config.cache.prefix_cache_disk_bytes
         if bound is None:
@@ -160,7 +159,7 @@ def namespace_fields(core: EngineCore, config: EngineConfig) -> dict[str, object
     """What makes two engines' blocks the same: the model's content, its dtype and
     quantization, the KV dtype, the block size and the layout of a block."""
     return {
-        "model": model_digest(Path(core.info.model_dir), Path(config.cache.prefix_cache_dir or "")),
+        "model": model_digest(Path(core.info.model_dir), config.prefix_cache_folder() or Path()),
         "dtype": core.info.dtype,
         "quantization": config.model.weight_quantization,
         "model_impl": config.model.model_impl,

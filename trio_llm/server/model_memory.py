@@ -77,7 +77,7 @@ def estimate(config: EngineConfig, kind: str, engines: int = 1) -> MemoryNeed:
     per_weight = _DTYPE_BYTES[resolve_dtype(dtype, model.device)]
     weights = weight_bytes(model.model, per_weight, _keeps_gguf_blocks(config))
     kv = 0 if pooling else (config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
-    if not pooling and config.cache.prefix_cache_dir is not None:
+    if not pooling and config.prefix_cache_folder() is not None:
         kv += PREFIX_CACHE_QUEUE_BYTES  # the disk tier's queue of block copies
     return MemoryNeed(weights * engines, kv * engines, ENGINE_OVERHEAD * engines, engines)
 

@@ -185,3 +185,21 @@ def test_two_tiers_on_one_folder_write_and_read_each_others_blocks(tmp_path: Pat
     assert not stale.exists()
     for tier in (first, second, third):
         tier.close()
+
+
+def test_the_tier_is_on_by_default_in_the_cache_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_llm.config import PREFIX_CACHE_DIR_ENV, engine_config
+
+    monkeypatch.delenv(PREFIX_CACHE_DIR_ENV, raising=False)
+    folder = engine_config(download_dir=str(tmp_path)).prefix_cache_folder()
+    assert folder == tmp_path / "prefix-cache"
+    monkeypatch.setenv(PREFIX_CACHE_DIR_ENV, str(tmp_path / "elsewhere"))
+    assert engine_config().prefix_cache_folder() == tmp_path / "elsewhere"
+    monkeypatch.setenv(PREFIX_CACHE_DIR_ENV, "none")
+    assert engine_config().prefix_cache_folder() is None
+    assert engine_config(prefix_cache_dir=str(tmp_path)).prefix_cache_folder() == tmp_path
+    assert engine_config(prefix_cache_dir="none").prefix_cache_folder() is None
+    off = engine_config(prefix_cache_dir=str(tmp_path), enable_prefix_caching=False)
+    assert off.prefix_cache_folder() is None

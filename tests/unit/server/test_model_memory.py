@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, engine_config
+from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, PREFIX_CACHE_QUEUE_BYTES, engine_config
 from trio_llm.model_files import dtype_choice
 from trio_llm.model_files.weight_headers import read_gguf_header
 from trio_llm.server.model_memory import (
@@ -76,6 +76,9 @@ def test_a_folders_estimate_has_weights_kv_cache_and_engines(tmp_path: Path) -> 
     assert embedding.weights == (32 + 16) * 2 and embedding.kv_cache == 0
     sized = estimate(engine_config(str(folder), dtype="float32", kv_cache_memory=2**20), "hf")
     assert sized.kv_cache == 2**20
+    # The prefix cache's tier on disk holds its writer's queue in memory.
+    tier = engine_config(str(folder), dtype="float32", prefix_cache_dir=str(tmp_path / "kv"))
+    assert estimate(tier, "hf").kv_cache == DEFAULT_KV_CACHE_MEMORY + PREFIX_CACHE_QUEUE_BYTES
 
 
 def test_auto_is_estimated_at_the_dtype_the_engine_loads(
