@@ -9,8 +9,9 @@
 - `PrefixTier.after_step`: the blocks the step registered, copied out of the KV cache and
   offered to the writer (`DiskTier.offer`).
 
-The tier serves models with one KV cache group of full attention (sliding-window groups
-keep only part of a prefix); other models keep their prefix cache in memory only.
+Every KV cache group is served (vLLM's hybrid manager: Gemma 3's sliding-window layers
+share a block table apart from its full-attention ones): a full-attention group reads its
+chain from the start, a sliding-window group only the blocks inside its window.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class PrefixTier:
         self.core = core
         self.disk = disk
         self.block_size = core.kv_cache.block_size
-        self._layers = core.kv_groups.layers[0]
         core.block_manager.registered = []
 
     @classmethod
@@ -63,9 +63,6 @@ class PrefixTier:
         prefix caching off, or a model of several KV cache groups (said in the log)."""
         root_path = config.prefix_cache_folder()
         if root_path is None:
-            return None
-        if len(core.kv_groups.layers) != 1 or core.kv_groups.windows[0] is not None:
-            logger.info("prefix cache on disk: off (a model with sliding-window layers)")
             return None
         root_path.mkdir(parents=True, exist_ok=True)
         bound = config.cache.prefix_cache_disk_bytes
@@ -93,38 +90,65 @@ class PrefixTier:
 
     async def load(self, message: AddRequest) -> int:
         """Bring the blocks of ``message``'s prompt found on disk, and not in memory, into
-        the KV cache; returns how many came."""
+        the KV cache; returns how many came (of every KV cache group)."""
         manager = self.core.block_manager
         keys = prefix_keys(message.prompt_token_ids, self.block_size, message.params.cache_salt)
-        start = 0
-        while start < len(keys) and manager.cached_block(0, keys[start]) is not None:
-            start += 1
-        wanted = keys[start : start + manager.num_free_blocks]
-        if not wanted:
-            return 0
-        found = await trio.to_thread.run_sync(self._read_chain, wanted)
-        for key, tensors in zip(wanted, found, strict=False):
-            block = manager.import_block(0, key)
+        wanted = await trio.to_thread.run_sync(self._read_prefix, keys, manager.num_free_blocks)
+        imported = 0
+        for group, key, tensors in wanted:
+            block = manager.import_block(group, key)
             if block is None:
                 break
-            self._write_block(block, tensors)
-        return len(found)
+            self._write_block(group, block, tensors)
+            imported += 1
+        return imported
 
-    def _read_chain(self, keys: list[bytes]) -> list[list[torch.Tensor]]:
-        """The blocks of ``keys`` on disk, in order, up to the first one that is not."""
-        found = []
-        for key in keys:
-            tensors = self.disk.read(0, key)
-            if tensors is None:
+    def _read_prefix(
+        self, keys: list[bytes], room: int
+    ) -> list[tuple[int, bytes, list[torch.Tensor]]]:
+        """The blocks of ``keys`` on disk that memory lacks, at most ``room`` of them: in
+        each full-attention group the chain up to the first block found nowhere (the hit
+        ends there), then in each sliding-window group the blocks inside the window
+        before the hit's end (`BlockManager.first_needed_block`: older ones are never
+        read by the request)."""
+        manager = self.core.block_manager
+        full = [g for g, window in enumerate(manager.windows) if window is None]
+        end = len(keys)
+        chain: list[tuple[int, int, bytes, list[torch.Tensor]]] = []
+        for index, key in enumerate(keys):
+            if len(chain) + len(full) > room:
+                end = index  # no room for this block in every group
                 break
-            found.append(tensors)
-        return found
+            for group in full:
+                if manager.cached_block(group, key) is not None:
+                    continue
+                tensors = self.disk.read(group, key)
+                if tensors is None:
+                    end = index  # this group has no block here: the hit ends before it
+                    break
+                chain.append((index, group, key, tensors))
+            if end == index:
+                break
+        found = [(group, key, tensors) for index, group, key, tensors in chain if index < end]
+        for group, window in enumerate(manager.windows):
+            if window is None:
+                continue
+            first = manager.first_needed_block(group, end * self.block_size)
+            for key in keys[first:end]:
+                if len(found) >= room:
+                    break
+                if manager.cached_block(group, key) is None:
+                    tensors = self.disk.read(group, key)
+                    if tensors is not None:
+                        found.append((group, key, tensors))
+        return found[:room]
 
-    def _write_block(self, block: int, tensors: list[torch.Tensor]) -> None:
-        """Copy one block's keys and values (layer by layer, keys first) into the cache."""
+    def _write_block(self, group: int, block: int, tensors: list[torch.Tensor]) -> None:
+        """Copy one block's keys and values (layer by layer of ``group``, keys first) into
+        the cache."""
         rows = slice(block * self.block_size, (block + 1) * self.block_size)
         cache = self.core.kv_cache
-        for i, layer in enumerate(self._layers):
+        for i, layer in enumerate(self.core.kv_groups.layers[group]):
             cache.keys[layer][rows].copy_(tensors[2 * i])
             cache.values[layer][rows].copy_(tensors[2 * i + 1])
 
@@ -135,7 +159,7 @@ class PrefixTier:
         for group, key, block in self.core.block_manager.take_registered():
             rows = slice(block * self.block_size, (block + 1) * self.block_size)
             tensors = []
-            for layer in self._layers:
+            for layer in self.core.kv_groups.layers[group]:
                 tensors.append(cache.keys[layer][rows].to("cpu", copy=True))
                 tensors.append(cache.values[layer][rows].to("cpu", copy=True))
             self.disk.offer(group, key, tensors)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.support.architectures import build_model, engine_copy
 from tests.support.tiny_model import build_tiny_model
 from trio_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from trio_llm.engine.attention import ATTENTION_NAME
@@ -23,9 +24,14 @@ BLOCK = 4
 PROMPT = list(range(30, 71))  # 41 tokens: 10 full blocks a later request can find
 
 
-def _engine(folder: Path) -> tuple[EngineCore, PrefixTier]:
-    model = build_tiny_model(seed=0)
-    model.set_attn_implementation(ATTENTION_NAME)
+def _engine(folder: Path, architecture: str | None = None) -> tuple[EngineCore, PrefixTier]:
+    """A tiny random Llama (or another architecture of `tests.support.architectures`)
+    with the tier in ``folder``."""
+    if architecture is None:
+        model = build_tiny_model(seed=0)
+        model.set_attn_implementation(ATTENTION_NAME)
+    else:
+        model = engine_copy(build_model(architecture), ATTENTION_NAME)
     config = EngineConfig(
         model=ModelConfig(model="tiny", max_model_len=128),
         cache=CacheConfig(block_size=BLOCK, num_kv_blocks=128, prefix_cache_dir=str(folder)),
@@ -104,4 +110,20 @@ def test_a_corrupted_block_file_is_refused_removed_and_computed_again(tmp_path: 
     assert second_tier.counters.hits == 3
     # Computed again, and written again by the writer.
     assert fourth.exists()
+    second_tier.close()
+
+
+def test_a_model_with_sliding_window_layers_reads_its_prefix_back(tmp_path: Path) -> None:
+    """Gemma 3's layout (sliding-window and full-attention KV cache groups): each group's
+    blocks are written, and a restart reads the full group's chain and the window group's
+    blocks inside its window, with the same tokens."""
+    first, first_tier = _engine(tmp_path, "gemma3_text")
+    assert len(first.kv_groups.windows) > 1 and None in first.kv_groups.windows
+    cold, _ = _generate(first, first_tier, "cold")
+    first_tier.close()
+    second, second_tier = _engine(tmp_path, "gemma3_text")
+    warm, warm_cached = _generate(second, second_tier, "warm")
+    assert warm == cold
+    assert warm_cached == (len(PROMPT) - 1) // BLOCK * BLOCK
+    assert second_tier.counters.refused == 0
     second_tier.close()
