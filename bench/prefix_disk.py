@@ -2,16 +2,25 @@
 on disk after a server restart (issue 44).
 
     .venv/bin/python bench/prefix_disk.py [--prompt-tokens 7000] [--dtype auto]
+    # Claude Code's first request (about 20,000 tokens; `make gemma3` first), two
+    # conversations with a restart between them:
+    .venv/bin/python bench/prefix_disk.py --claude-code
 
 Starts a server with ``--prefix-cache-dir`` in a fresh folder, sends the prompt once
 (cold: nothing on disk), stops the server, starts a new one on the same folder and sends
 it again (warm: its blocks read from disk). Prints each TTFT, the cached tokens the warm
 one reported, whether the two greedy outputs are identical, and warm/cold.
+
+With ``--claude-code`` the prompt is Claude Code's recorded first request
+(tests/fixtures/claude_code/first_request.json, to ``/v1/messages``) on Gemma 3 270M:
+the first conversation says "say hi", the second, after the restart, "say hello"; they
+share the system prompt and the 25 tools.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -51,12 +60,58 @@ def first_token(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {"ttft": ttft, "text": text, "cached": cached}
 
 
+FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/claude_code/first_request.json"
+GEMMA3_TEMPLATE = Path(__file__).resolve().parent / "data" / "gemma3_tools.jinja"
+GEMMA3_FLAGS = ["--model", "gemma-3-270m", "--chat-template", str(GEMMA3_TEMPLATE)]
+
+
+def claude_code_first(url: str, user_text: str) -> dict[str, Any]:
+    """Claude Code's first request of a conversation saying ``user_text``, streamed: its
+    TTFT (s) and the prompt tokens read from the cache."""
+    body = json.loads(FIXTURE.read_text())["body"]
+    body.update(model="gemma-3-270m", max_tokens=16)
+    body["messages"][0]["content"][-1]["text"] = user_text
+    start = time.perf_counter()
+    ttft, cached, text = None, 0, ""
+    with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=1200) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("type") == "message_start":
+                cached = event["message"]["usage"].get("cache_read_input_tokens", 0)
+            elif event.get("type") == "content_block_delta":
+                ttft = ttft or time.perf_counter() - start
+                text += event["delta"].get("text", "")
+    return {"ttft": ttft, "text": text, "cached": cached}
+
+
+def claude_code(folder: str) -> None:
+    """Two Claude Code conversations' first requests, a server restart between them."""
+    flags = [*GEMMA3_FLAGS, "--prefix-cache-dir", str(Path(folder) / "kv")]
+    runs = {}
+    for name, user in (("first conversation", "say hi"), ("second, restarted", "say hello")):
+        with ServerProcess(flags, log_path=Path(folder) / f"{name}.log") as server:
+            runs[name] = claude_code_first(server.url, user)
+            server.stop()
+    print("Claude Code's first request on gemma-3-270m, a restart between two conversations")
+    for name, run in runs.items():
+        print(f"  {name:22s} TTFT {run['ttft']:7.3f} s   cached tokens {run['cached']}")
+    first, second = runs.values()
+    print(f"  second/first: {second['ttft'] / first['ttft']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompt-tokens", type=int, default=7000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--claude-code", action="store_true")
     args = parser.parse_args()
+    if args.claude_code:
+        with tempfile.TemporaryDirectory() as folder:
+            claude_code(folder)
+        return
     tokenizer = Tokenizer.load(resolve_model_dir(DEFAULT_MODEL, default_cache_dir()))
     [prompt] = sonnet_prompts(tokenizer, 1, args.prompt_tokens, seed=44)
     flags = ["--dtype", args.dtype, "--max-model-len", str(args.prompt_tokens + 512)]
