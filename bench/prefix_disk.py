@@ -62,7 +62,10 @@ def first_token(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/claude_code/first_request.json"
 GEMMA3_TEMPLATE = Path(__file__).resolve().parent / "data" / "gemma3_tools.jinja"
-GEMMA3_FLAGS = ["--model", "gemma-3-270m", "--chat-template", str(GEMMA3_TEMPLATE)]
+GEMMA3_FLAGS = [
+    *("--model", "gemma-3-270m", "--chat-template", str(GEMMA3_TEMPLATE)),
+    *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),  # as `make serve`
+]
 
 
 def claude_code_first(url: str, user_text: str) -> dict[str, Any]:
@@ -74,15 +77,19 @@ def claude_code_first(url: str, user_text: str) -> dict[str, Any]:
     start = time.perf_counter()
     ttft, cached, text = None, 0, ""
     with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=1200) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {response.read().decode()[:500]}")
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
             if event.get("type") == "message_start":
                 cached = event["message"]["usage"].get("cache_read_input_tokens", 0)
-            elif event.get("type") == "content_block_delta":
+            elif event.get("type") == "error":
+                raise RuntimeError(f"error event: {event}")
+            elif event.get("type") in ("content_block_start", "content_block_delta"):
                 ttft = ttft or time.perf_counter() - start
-                text += event["delta"].get("text", "")
+                text += event.get("delta", {}).get("text", "")
     return {"ttft": ttft, "text": text, "cached": cached}
 
 
