@@ -108,7 +108,7 @@ def decode(
     start = _PREFIX + _LENGTH.unpack_from(data, len(MAGIC))[0]
     if header.get("payload_bytes") != size or len(data) - start != size:
         raise BlockFileError(f"a payload of {len(data) - start} bytes, not {size}")
-    payload = data[start:]
+    payload = memoryview(data)[start:]  # no copy: the tensors below copy it once
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise BlockFileError("its payload's sha256 does not match its header")
     flat = torch.frombuffer(bytearray(payload), dtype=dtype)
