@@ -206,10 +206,14 @@ class Scheduling(msgspec.Struct, frozen=True, array_like=True):
             every interactive request whatever the policy and priorities, and while
             interactive requests wait the batch lane holds at most
             ``SchedulerConfig.max_batch_share`` of the batch slots.
+        data_parallel_rank: the engine of ``--data-parallel-size N`` that serves the
+            request (vLLM's ``X-data-parallel-rank`` header), or None: the front end's
+            router chooses (`trio_llm.frontend.data_parallel`). Read by the front end only.
     """
 
     priority: int = 0
     batch: bool = False
+    data_parallel_rank: int | None = None
 
     def validate(self, policy: str) -> None:
         """Raise ValueError (vLLM's refusal) for a nonzero priority under a ``policy``

@@ -26,8 +26,8 @@ from trio_llm.api.chat_page import install_chat_page
 from trio_llm.api.embeddings import EmbeddingRequest, EmbeddingsAPI
 from trio_llm.api.http.access_log import AccessLogMiddleware
 from trio_llm.api.http.body_reading import read_body
-from trio_llm.api.http.errors import install_error_handlers
-from trio_llm.api.http.lanes import lane_of
+from trio_llm.api.http.errors import bad_request, install_error_handlers
+from trio_llm.api.http.lanes import DATA_PARALLEL_RANK_HEADER, data_parallel_rank_of, lane_of
 from trio_llm.api.http.middleware import install_middleware
 from trio_llm.api.http.routes import ROUTES
 from trio_llm.api.model_cards import install_model_routes
@@ -149,11 +149,22 @@ def _add_table_routes(app: FastAPI, router: ModelRouter, owners: dict[str, Any])
     _document_bodies(app, tuple(body_models))
 
 
-def _bind(body: BaseModel, request: Request) -> None:
+def _bind(body: BaseModel, request: Request, num_engines: int | None = None) -> None:
     """Give a parsed body its lane (the ASGI scope's: `trio_llm.api.http.lanes`, the batch
-    runner's requests run in the batch lane) and a response its client's address."""
+    runner's requests run in the batch lane), the engine rank its headers name when
+    ``num_engines`` engines serve its model, and a response its client's address.
+
+    Raises:
+        APIError: 400 naming the ``X-data-parallel-rank`` header: not a rank it can have.
+    """
     if isinstance(body, RequestBody):
         body.bind_lane(lane_of(request.scope))
+        if num_engines is not None:
+            try:
+                rank = data_parallel_rank_of(request.headers, num_engines)
+            except ValueError as exc:
+                raise bad_request(str(exc), DATA_PARALLEL_RANK_HEADER) from None
+            body.bind_data_parallel_rank(rank)
     if isinstance(body, ResponsesRequest):
         body.bind_connection(tuple(request.client) if request.client else None)
 
@@ -172,7 +183,7 @@ def _routed_endpoint(
         hold(request.scope, lease)
         serving = lease.serving
         body = await serving.parse(body_model, request)
-        _bind(body, request)
+        _bind(body, request, len(serving.engine.engines))
         if owner is None:
             return await getattr(serving, method)(body, request.receive)
         return await getattr(owner, method)(body, request.receive, serving)

@@ -141,7 +141,7 @@ class AdmissionControl(ABC):
         try:
             if admission is None and self.draining:
                 raise EngineShutdownError("the server is shutting down")
-            submit = await self._prepare(requests)
+            submit = await self._prepare(requests, scheduling)
         finally:
             if admission is not None:
                 self.release(admission)
@@ -149,10 +149,10 @@ class AdmissionControl(ABC):
             yield streams
 
     @abstractmethod
-    async def _prepare(self, requests: Requests) -> Submit:
+    async def _prepare(self, requests: Requests, scheduling: Scheduling) -> Submit:
         """The handle's own part of `open_requests` before the admission is released:
         count ``requests`` as open (synchronously, after its last checkpoint) and return
-        what sends them and yields their streams."""
+        what sends them and yields their streams (``scheduling``: as `open_requests`)."""
 
     @asynccontextmanager
     async def open_request(

@@ -20,6 +20,9 @@ choices) goes to one engine:
    approximates the engine's cache; a wrong guess only costs a cache miss.
 3. Otherwise the least-loaded candidate (requests open or admitted), ties taken in turn.
 
+A request that names its engine (vLLM's ``X-data-parallel-rank`` header,
+`trio_llm.messages.Scheduling.data_parallel_rank`) goes to that one, serving or not.
+
 Failure. Each engine fails and restarts on its own (``--engine-restart on-failure``):
 only its in-flight requests fail. The handle serves while any engine does; `is_alive`
 is False, and `ended` set, only when none is left.
@@ -226,16 +229,34 @@ class DataParallelClient(AdmissionControl):
         self._records[chosen].add(hashes)
         return chosen
 
-    # ------------------------------------------------------------ requests
-
-    async def _prepare(self, requests: Requests) -> Submit:
-        """Choose the engine (`route` on the first prompt) and move the places to it
-        (see `AdmissionControl.open_requests`).
+    def pin(self, prompt_token_ids: Sequence[int], rank: int) -> None:
+        """Record a request the client sent to engine ``rank`` itself (vLLM's
+        ``X-data-parallel-rank``): its prompt's blocks are that engine's from now on.
 
         Raises:
-            EngineError: no engine serves, or the chosen one is stopping.
+            EngineError: the server is stopping, or no engine serves.
+            IndexError: no engine has this rank (checked before, at the header).
         """
-        engine = self._engines[self.route(requests[0][0] if requests else [])]
+        self._check_open()
+        if self.prefix_aware:
+            self._records[rank].add(prefix_block_hashes(prompt_token_ids, self.info.block_size))
+
+    # ------------------------------------------------------------ requests
+
+    async def _prepare(self, requests: Requests, scheduling: Scheduling) -> Submit:
+        """Choose the engine (``scheduling.data_parallel_rank``'s, else `route` on the
+        first prompt) and move the places to it (see `AdmissionControl.open_requests`).
+
+        Raises:
+            EngineError: no engine serves, or the chosen one is stopping or dead.
+        """
+        prompt = requests[0][0] if requests else []
+        rank = scheduling.data_parallel_rank
+        if rank is None:
+            rank = self.route(prompt)
+        else:
+            self.pin(prompt, rank)
+        engine = self._engines[rank]
         # The places move from this handle to the engine in one synchronous step.
         inner = engine.admit(len(requests), None)
         self._num_open_calls += 1

@@ -204,7 +204,7 @@ class EngineClient(AdmissionControl):
 
     # ------------------------------------------------------------ requests
 
-    async def _prepare(self, requests: Requests) -> Submit:
+    async def _prepare(self, requests: Requests, scheduling: Scheduling) -> Submit:
         """Wait until the engine serves, then open a mailbox for each request (see
         `AdmissionControl.open_requests`).
 

@@ -7,13 +7,14 @@ engine holds which request, and when one dies, is known exactly.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import httpx
 import pytest
 import trio
 import trio.testing
 
-from tests.unit.conftest import INFO, FakeEngine, engine_client_pair
+from tests.unit.conftest import INFO, FakeEngine, ScriptedEngine, engine_client_pair
 from trio_llm.api.app import build_app
 from trio_llm.api.chat.serving import ModelServing
 from trio_llm.config import EngineConfig, engine_config
@@ -38,14 +39,21 @@ BLOCK = INFO.block_size
 class Fleet:
     """N engine clients, each with its fake engine core, behind one `DataParallelClient`."""
 
-    def __init__(self, nursery: trio.Nursery, size: int, *, prefix_aware: bool = True) -> None:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        size: int,
+        *,
+        prefix_aware: bool = True,
+        make: Callable[[trio.abc.Stream], FakeEngine] = FakeEngine,
+    ) -> None:
         self.clients: list[EngineClient] = []
         self.fakes: list[FakeEngine] = []
         self.streams: list[trio.abc.Stream] = []
         self.scopes: list[tuple[trio.CancelScope, trio.Event]] = []
         for _ in range(size):
             client, stream = engine_client_pair()
-            fake = FakeEngine(stream)
+            fake = make(stream)
             scope, done = trio.CancelScope(), trio.Event()
             nursery.start_soon(client.route_outputs)
             nursery.start_soon(self._run, fake, scope, done)
@@ -226,6 +234,37 @@ async def test_health_is_degraded_with_the_count_and_metrics_label_each_engine(
             gone = await client.get("/health")
             assert gone.status_code == 503
             assert "exited unexpectedly" in gone.json()["error"]["message"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_naming_its_engine_goes_there_and_a_bad_rank_is_a_400(
+    smol_tokenizer,
+) -> None:
+    """vLLM's ``X-data-parallel-rank`` header: the engine it names takes the request
+    (whatever the router would choose), in any letter case; a rank past the engines, or
+    not a number, is a 400 naming the header, and nothing reaches an engine."""
+    async with trio.open_nursery() as nursery:
+        fleet = Fleet(nursery, 2, make=lambda stream: ScriptedEngine(stream, [28, 29]))
+        serving = ModelServing(fleet.group, smol_tokenizer, ("m",))
+        transport = httpx.ASGITransport(app=build_app(serving, lambda: True))
+        body = {"model": "m", "prompt": "Hello there", "max_tokens": 4}
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            expected = [0, 0]
+            for rank in (1, 1, 0, 1):  # the same prompt: the router alone would keep it
+                name = "X-data-parallel-rank" if rank else "x-DATA-parallel-RANK"
+                reply = await client.post("/v1/completions", json=body, headers={name: str(rank)})
+                assert reply.status_code == 200, reply.text
+                expected[rank] += 1
+                assert [len(fake.added) for fake in fleet.fakes] == expected
+            assert expected == [1, 3]
+            for bad in ("2", "-1", "one", "1.0", "", "+1", "9" * 400):
+                refused = await client.post(
+                    "/v1/completions", json=body, headers={"X-data-parallel-rank": bad}
+                )
+                assert refused.status_code == 400, (bad, refused.text)
+                error = refused.json()["error"]
+                assert error["param"] == "X-data-parallel-rank" and "[0, 2)" in error["message"]
+            assert [len(fake.added) for fake in fleet.fakes] == [1, 3]
         nursery.cancel_scope.cancel()
 
 

@@ -97,10 +97,22 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     _lane: Lane = PrivateAttr(default=INTERACTIVE_LANE)
+    _data_parallel_rank: int | None = PrivateAttr(default=None)
 
     def bind_lane(self, lane: Lane) -> None:
         """Put the request in ``lane`` (`trio_llm.api.http.lanes.lane_of` its ASGI scope)."""
         self._lane = lane
+
+    def bind_data_parallel_rank(self, rank: int | None) -> None:
+        """Send the request to the engine of this rank (vLLM's ``X-data-parallel-rank``
+        header, checked by `trio_llm.api.http.lanes.data_parallel_rank_of`), or None:
+        the router chooses."""
+        self._data_parallel_rank = rank
+
+    def bind_like(self, other: RequestBody) -> None:
+        """Give this request (a translation of ``other``) ``other``'s lane and rank."""
+        self._lane = other._lane
+        self._data_parallel_rank = other._data_parallel_rank
 
     @property
     def lane(self) -> Lane:
@@ -108,8 +120,8 @@ class RequestBody(BaseModel):
         return self._lane
 
     def scheduling(self, priority: int, policy: str) -> Scheduling:
-        """The `Scheduling` of the request's engine requests: ``priority`` (its field)
-        and its lane.
+        """The `Scheduling` of the request's engine requests: ``priority`` (its field),
+        its lane and its data-parallel rank.
 
         Args:
             policy: the engine's scheduling policy (`EngineReady.scheduling_policy`).
@@ -117,7 +129,9 @@ class RequestBody(BaseModel):
         Raises:
             APIError: 400 naming ``priority``: a nonzero one under ``fcfs``.
         """
-        scheduling = Scheduling(priority, batch=self._lane == BATCH_LANE)
+        scheduling = Scheduling(
+            priority, batch=self._lane == BATCH_LANE, data_parallel_rank=self._data_parallel_rank
+        )
         try:
             scheduling.validate(policy)
         except ValueError as exc:

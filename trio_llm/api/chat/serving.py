@@ -276,7 +276,7 @@ class ModelServing:
                 # The translation re-validates every message and checks echoed fields:
                 # work that grows with the request, so it runs in a worker thread.
                 chat = await trio.to_thread.run_sync(to_chat or request.to_chat)
-                chat.bind_lane(request.lane)
+                chat.bind_like(request)
                 self.planner.map_thinking_switch(request, chat)
                 plan = await self.plan(chat, make_format, request.ENDPOINT, count_only=count_only)
             except InvalidRequest as exc:

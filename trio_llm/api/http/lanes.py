@@ -1,4 +1,5 @@
-"""Which lane an HTTP request runs in: interactive (every client's), or the batch lane.
+"""Which lane an HTTP request runs in: interactive (every client's), or the batch lane;
+and which engine of ``--data-parallel-size N`` serves it, when the client says so.
 
 Batch-lane requests are background work: the engine ranks them after every interactive
 request and, while interactive requests wait, lets them hold at most
@@ -9,6 +10,9 @@ API request (each choice, each prompt) goes in the batch lane::
 
     scope = {"type": "http", ..., LANE_SCOPE_KEY: BATCH_LANE}
     await app(scope, receive, send)
+
+A client (or a router in front of the server, as with vLLM) can send a request to one
+engine of ``-dp N`` with vLLM's ``X-data-parallel-rank`` header (`data_parallel_rank_of`).
 
 Data only (this module imports nothing of the server), so such a caller can import it
 without the request models.
@@ -43,3 +47,31 @@ def lane_of(scope: Mapping[str, Any]) -> Lane:
             f"got {lane!r}"
         )
     return lane
+
+
+#: vLLM's header naming the engine of ``-dp N`` a request goes to (any letter case).
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
+
+def data_parallel_rank_of(headers: Mapping[str, str], num_engines: int) -> int | None:
+    """The engine rank a request's ``headers`` ask for (`DATA_PARALLEL_RANK_HEADER`), or
+    None when they name none.
+
+    Args:
+        headers: the request's headers, looked up case-insensitively (Starlette's).
+        num_engines: the engines serving the model (``--data-parallel-size``).
+
+    Raises:
+        ValueError: the header is not an integer in ``[0, num_engines)`` (the message
+            names it; answered as a 400).
+    """
+    value = headers.get(DATA_PARALLEL_RANK_HEADER)
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isascii() or not text.isdigit() or int(text) >= num_engines:
+        raise ValueError(
+            f"the {DATA_PARALLEL_RANK_HEADER} header must be an engine rank in "
+            f"[0, {num_engines}) (this model runs {num_engines} engine(s)), got {value[:40]!r}"
+        )
+    return int(text)
