@@ -1,15 +1,22 @@
 """Time to first token of a long prompt, cold and read back from the prefix cache's tier
-on disk after a server restart (issue 44).
+on disk after a server restart, on the other engine of ``-dp 2`` and after the model was
+unloaded and loaded again (issue 44).
 
-    .venv/bin/python bench/prefix_disk.py [--prompt-tokens 7000] [--dtype auto]
+    .venv/bin/python bench/prefix_disk.py [--prompt-tokens 7000] [--dtype auto] [--no-dp]
     # Claude Code's first request (about 20,000 tokens; `make gemma3` first), two
     # conversations with a restart between them:
     .venv/bin/python bench/prefix_disk.py --claude-code
 
 Starts a server with ``--prefix-cache-dir`` in a fresh folder, sends the prompt once
 (cold: nothing on disk), stops the server, starts a new one on the same folder and sends
-it again (warm: its blocks read from disk). Prints each TTFT, the cached tokens the warm
-one reported, whether the two greedy outputs are identical, and warm/cold.
+it again (warm: its blocks read from disk). Then (unless ``--no-dp``) a server of
+``--data-parallel-size 2 --keep-alive forever`` in another fresh folder: the prompt on
+engine 0 (cold; vLLM's ``X-data-parallel-rank`` header picks the engine), on engine 1
+(warm: read from disk), then ``POST /models/unload`` and the prompt again (warm: the new
+engine reads it from disk). Each of the two engines has one of the two cores, so that
+case's figures compare with each other, not with the first one's. Prints each TTFT, the
+cached tokens each warm one reported, whether the greedy outputs are identical, and
+warm/cold.
 
 With ``--claude-code`` the prompt is Claude Code's recorded first request
 (tests/fixtures/claude_code/first_request.json, to ``/v1/messages``) on Gemma 3 270M:
@@ -35,8 +42,11 @@ from trio_llm.model_files.loader import resolve_model_dir
 from trio_llm.text.tokenizer import Tokenizer
 
 
-def first_token(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy completion: its TTFT (s), text and cached prompt tokens."""
+def first_token(
+    url: str, prompt: list[int], max_tokens: int, rank: int | None = None
+) -> dict[str, Any]:
+    """One streamed greedy completion (on engine ``rank`` of ``-dp N``): its TTFT (s),
+    text and cached prompt tokens."""
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -47,7 +57,10 @@ def first_token(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     ttft = None
     text, cached = "", 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=600
+    ) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -108,12 +121,46 @@ def claude_code(folder: str) -> None:
     print(f"  second/first: {second['ttft'] / first['ttft']:.3f}")
 
 
+def data_parallel(flags: list[str], prompt: list[int], max_tokens: int, folder: Path) -> dict:
+    """The ``-dp 2`` case: cold on engine 0, warm on engine 1, warm after an unload."""
+    kv = folder / "kv-dp"
+    flags = [*flags, "--prefix-cache-dir", str(kv), "-dp", "2", "--keep-alive", "forever"]
+    runs = {}
+    with ServerProcess(flags, log_path=folder / "dp.log") as server:
+        runs["cold, -dp 2 engine 0"] = first_token(server.url, prompt, max_tokens, rank=0)
+        wanted = (len(prompt) - 1) // 16
+        while len(list(kv.rglob("*.kv"))) < wanted:  # the writer's pace
+            time.sleep(0.05)
+        runs["warm, the other engine"] = first_token(server.url, prompt, max_tokens, rank=1)
+        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        httpx.post(f"{server.url}/models/unload", json={"model": model}, timeout=600)
+        runs["warm, after an unload"] = first_token(server.url, prompt, max_tokens, rank=0)
+        server.stop()
+    return runs
+
+
+def report(runs: dict[str, dict[str, Any]]) -> None:
+    """Each run's TTFT and cached tokens; each warm one's ratio to the cold one before
+    it, and whether its output is the cold one's."""
+    cold = None
+    for name, run in runs.items():
+        if name.startswith("cold"):
+            cold = run
+            extra = ""
+        else:
+            assert cold is not None
+            same = run["text"] == cold["text"]
+            extra = f"   warm/cold {run['ttft'] / cold['ttft']:.3f}   identical: {same}"
+        print(f"  {name:24s} TTFT {run['ttft']:7.3f} s   cached {run['cached']:5d}{extra}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompt-tokens", type=int, default=7000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--claude-code", action="store_true")
+    parser.add_argument("--no-dp", action="store_true", help="skip the -dp 2 case")
     args = parser.parse_args()
     if args.claude_code:
         with tempfile.TemporaryDirectory() as folder:
@@ -125,17 +172,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         flags += ["--prefix-cache-dir", str(Path(folder) / "kv")]
         runs = {}
-        for name in ("cold", "warm after a restart"):
+        for name in ("cold", "warm, after a restart"):
             with ServerProcess(flags, log_path=Path(folder) / f"{name}.log") as server:
                 runs[name] = first_token(server.url, prompt, args.max_tokens)
                 server.stop()
         size = sum(p.stat().st_size for p in (Path(folder) / "kv").rglob("*.kv"))
-    cold, warm = runs["cold"], runs["warm after a restart"]
-    print(f"prompt: {len(prompt)} tokens, --dtype {args.dtype}; {size / 2**20:.0f} MiB on disk")
-    for name, run in runs.items():
-        print(f"  {name:22s} TTFT {run['ttft']:7.3f} s   cached tokens {run['cached']}")
-    print(f"  warm/cold: {warm['ttft'] / cold['ttft']:.3f}")
-    print(f"  outputs identical: {warm['text'] == cold['text']}")
+        print(f"prompt: {len(prompt)} tokens, --dtype {args.dtype}; {size / 2**20:.0f} MiB on disk")
+        report(runs)
+        if not args.no_dp:
+            report(data_parallel(flags[:4], prompt, args.max_tokens, Path(folder)))
 
 
 if __name__ == "__main__":

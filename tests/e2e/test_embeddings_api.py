@@ -137,3 +137,101 @@ def test_models_and_metrics_describe_the_embedding_server(embed_server: str) -> 
         if line.startswith("trio_llm:request_success_total") and 'finished_reason="stop"' in line
     ]
     assert finished and float(finished[0].rsplit(" ", 1)[1]) > 0
+
+
+QUERY = "What colour is the sky?"
+DOCUMENTS = [
+    "The sky is blue today.",
+    "Bananas are yellow when ripe.",
+    "Hello there",
+    "On a clear day the sky looks blue.",
+]
+
+
+@pytest.fixture(scope="module")
+def reference_scores(minilm_dir: Path) -> list[list[float]]:
+    """sentence-transformers' cosines of `QUERY` (row 0), then of each of `DOCUMENTS`,
+    against each of `DOCUMENTS`."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.SentenceTransformer(str(minilm_dir), device="cpu")
+    texts, documents = model.encode([QUERY, *DOCUMENTS]), model.encode(DOCUMENTS)
+    return sentence_transformers.util.cos_sim(texts, documents).tolist()
+
+
+def test_score_and_rerank_are_sentence_transformers_cosines(
+    embed_server: str, reference_scores: list[list[float]]
+) -> None:
+    """/score (one against many, many against as many) and the rerank routes (vLLM's,
+    Jina's and Cohere's paths) give sentence-transformers' cosines, best first."""
+    one_to_many, rerank, v2, plain, pairwise = parallel(
+        lambda: httpx.post(
+            f"{embed_server}/v1/score", json={"model": NAME, "text_1": QUERY, "text_2": DOCUMENTS}
+        ),
+        lambda: httpx.post(
+            f"{embed_server}/v1/rerank",
+            json={"model": NAME, "query": QUERY, "documents": DOCUMENTS, "top_n": 2},
+        ),
+        lambda: httpx.post(
+            f"{embed_server}/v2/rerank",
+            json={
+                "model": NAME,
+                "query": QUERY,
+                "documents": [{"text": d, "id": i} for i, d in enumerate(DOCUMENTS)],
+                "return_documents": False,
+            },
+        ),
+        lambda: httpx.post(f"{embed_server}/rerank", json={"query": QUERY, "documents": DOCUMENTS}),
+        lambda: httpx.post(
+            f"{embed_server}/score",
+            json={"text_1": [QUERY, DOCUMENTS[0]], "text_2": [DOCUMENTS[3], DOCUMENTS[3]]},
+        ),
+    )
+    reference, cosines = reference_scores[0], reference_scores[1:]
+    body = one_to_many.json()
+    assert one_to_many.status_code == 200, body
+    assert body["object"] == "list" and body["model"] == NAME
+    assert [item["index"] for item in body["data"]] == [0, 1, 2, 3]
+    assert {item["object"] for item in body["data"]} == {"score"}
+    scores = [item["score"] for item in body["data"]]
+    assert scores == pytest.approx(reference, abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+
+    best = sorted(range(len(DOCUMENTS)), key=lambda j: -reference[j])
+    results = rerank.json()["results"]
+    assert [r["index"] for r in results] == best[:2]  # top_n
+    assert [r["document"]["text"] for r in results] == [DOCUMENTS[j] for j in best[:2]]
+    assert [r["relevance_score"] for r in results] == pytest.approx(
+        [reference[j] for j in best[:2]], abs=1e-5
+    )
+    assert rerank.json()["usage"]["total_tokens"] == body["usage"]["total_tokens"]
+    for reply in (v2, plain):
+        assert [r["index"] for r in reply.json()["results"]] == best
+    assert all("document" not in r for r in v2.json()["results"])
+
+    pair_scores = [item["score"] for item in pairwise.json()["data"]]
+    assert pair_scores == pytest.approx([reference[3], cosines[0][3]], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
+        ("/v1/rerank", {"query": QUERY, "documents": ["a", ""]}, "documents"),
+        ("/v1/rerank", {"query": QUERY, "documents": ["a"] * 2049}, "documents"),
+        ("/v1/rerank", {"query": QUERY, "documents": ["a"], "max_tokens_per_doc": 8}, None),
+        ("/v1/rerank", {"query": "word " * 600, "documents": ["a"]}, "query"),
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
+        ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 4}, None),
+        ("/v1/score", {"text_1": [], "text_2": "b"}, "text_1"),
+    ],
+)
+def test_bad_score_and_rerank_requests_are_400s_naming_the_field(
+    embed_server: str, path: str, body: dict, param: str | None
+) -> None:
+    reply = httpx.post(f"{embed_server}{path}", json={"model": NAME, **body}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    expected = param or next(
+        k for k in ("max_tokens_per_doc", "truncate_prompt_tokens") if k in body
+    )
+    assert error["param"] == expected, error

@@ -40,6 +40,7 @@ from trio_llm.api.responses.conversations import (
 )
 from trio_llm.api.responses.handlers import ResponsesAPI
 from trio_llm.api.responses.request import ResponsesRequest
+from trio_llm.api.scoring import RerankRequest, ScoreRequest, ScoringAPI
 from trio_llm.api.tokenize_routes import tokenize_router
 from trio_llm.api.websocket.handler import install_websocket
 from trio_llm.server_config import ServerConfig
@@ -52,6 +53,8 @@ _BODY_MODELS: dict[str, type[BaseModel]] = {
     "messages": MessagesRequest,
     "count_tokens": CountTokensRequest,
     "embeddings": EmbeddingRequest,
+    "score": ScoreRequest,
+    "rerank": RerankRequest,
     "conversation": ConversationCreateRequest,
     "conversation_update": ConversationUpdateRequest,
     "conversation_items": ConversationItemsRequest,
@@ -91,6 +94,7 @@ def build_app(
         "conversations": ConversationsAPI(router),
         "anthropic": MessagesAPI(),
         "embeddings": EmbeddingsAPI(),
+        "scoring": ScoringAPI(),
     }
     _add_table_routes(app, router, owners)
     # Files and batches (issue 34): the routes, and the batch runner the supervisor starts.

@@ -21,6 +21,7 @@ import math
 import struct
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,7 +42,7 @@ from trio_llm.errors import ContextLengthError, InvalidRequest
 from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.handle import EngineHandle
 from trio_llm.frontend.preprocess import InputPreprocessor
-from trio_llm.messages import EngineReady, SamplingParams
+from trio_llm.messages import EngineReady, SamplingParams, Scheduling
 
 #: Most inputs in one request (OpenAI's limit).
 MAX_INPUTS = 2048
@@ -161,8 +162,7 @@ async def embedding_plan(
     request: EmbeddingRequest, model: str, inputs: InputPreprocessor, info: EngineReady
 ) -> Plan:
     """Check ``request`` against the model (``info``) and tokenize its inputs: a `Plan`
-    with one engine request per input, in order (its format only serves admission's
-    bookkeeping).
+    with one engine request per input, in order (`pooling_plan`).
 
     Raises:
         APIError: 400 for a ``dimensions`` the model cannot give, a nonzero ``priority``
@@ -172,6 +172,14 @@ async def embedding_plan(
     check_dimensions(request.dimensions, info.embedding_dim, matryoshka_dimensions(info.model_dir))
     scheduling = request.scheduling(request.priority, info.scheduling_policy)
     prompts = await embedding_prompts(inputs, request.inputs())
+    return pooling_plan(prompts, scheduling, model, inputs)
+
+
+def pooling_plan(
+    prompts: list[list[int]], scheduling: Scheduling, model: str, inputs: InputPreprocessor
+) -> Plan:
+    """A `Plan` of one pooling (embedding) engine request per prompt, in order; its
+    format only serves admission's bookkeeping."""
     plan = Plan(ChatFormat(inputs.tokenizer), model, scheduling=scheduling)
     params = SamplingParams(max_tokens=0)
     for ids in prompts:
@@ -180,10 +188,11 @@ async def embedding_plan(
 
 
 async def embedding_prompts(
-    inputs: InputPreprocessor, items: list[str | list[int]]
+    inputs: InputPreprocessor, items: Sequence[str | list[int]], param: str = "input"
 ) -> list[list[int]]:
     """The token ids of every input (`EmbeddingRequest.inputs`), texts with the
     tokenizer's special tokens; in a worker thread unless there is little of it.
+    ``param`` is the request field they came from (named by a 400).
 
     Raises:
         APIError: 400 for an input the preprocessor refuses (a token id outside the
@@ -195,11 +204,11 @@ async def embedding_prompts(
         prompts = []
         for item in items:
             if isinstance(item, str):
-                ids = inputs.encode(item, "input", special_tokens=True)
+                ids = inputs.encode(item, param, special_tokens=True)
             else:
-                ids = inputs.check_token_ids(item, "input")
+                ids = inputs.check_token_ids(item, param)
             if len(ids) > max_model_len:
-                raise ContextLengthError(max_model_len, len(ids), "input", prompt_name="input")
+                raise ContextLengthError(max_model_len, len(ids), param, prompt_name=param)
             prompts.append(ids)
         return prompts
 

@@ -27,11 +27,11 @@ class Route:
         handler: what answers the route, registered by `trio_llm.api.app.build_app` from
             this table: a method of the model's `trio_llm.api.chat.serving.ModelServing`,
             or ``owner.method`` of an API's own handlers (the owners `build_app` names:
-            ``responses``, ``conversations``, ``anthropic``, ``embeddings``). A route with
-            a ``body`` and no path parameter is parsed first and its handler given the
-            request model and ``receive`` (and, when ``routed``, the model's serving);
-            any other handler is given the request. None: the route is registered with
-            its own code.
+            ``responses``, ``conversations``, ``anthropic``, ``embeddings``,
+            ``scoring``). A route with a ``body`` and no path parameter is parsed first
+            and its handler given the request model and ``receive`` (and, when
+            ``routed``, the model's serving); any other handler is given the request.
+            None: the route is registered with its own code.
         body: the key of the request model the body is parsed as (`build_app`'s table of
             body models; with ``handler``; a route with path parameters parses it
             itself: the key documents it).
@@ -86,6 +86,12 @@ ROUTES = (
     _routed("POST", "/v1/messages", "anthropic.create", "messages", "anthropic"),
     _routed("POST", _COUNT_TOKENS, "anthropic.count_tokens", "count_tokens", "anthropic"),
     _routed("POST", "/v1/embeddings", "embeddings.create", "embeddings"),
+    # Score and rerank (issue 45): vLLM's paths, with and without a version.
+    _routed("POST", "/score", "scoring.score", "score"),
+    _routed("POST", "/v1/score", "scoring.score", "score"),
+    _routed("POST", "/rerank", "scoring.rerank", "rerank"),
+    _routed("POST", "/v1/rerank", "scoring.rerank", "rerank"),
+    _routed("POST", "/v2/rerank", "scoring.rerank", "rerank"),
     Route("GET", "/v1/models"),
     # Files and batches (issue 34); the paths under them are registered with these.
     Route("POST", "/v1/files", own_body_limit=True),
