@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import torch
 
-from tests.support.procfs import descendants, engine_children
+from tests.support.procfs import descendants, engine_children, is_running
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
 from trio_llm.engine import kv_files
 from trio_llm.engine.block_manager import prefix_keys
@@ -225,7 +225,7 @@ def test_kills_mid_write_and_damaged_files_never_change_an_answer(tmp_path: Path
         _kill_when_written(first, kv, first.pid, OTHER_PROMPT)
         first.wait(60)
         deadline = time.monotonic() + 60
-        while any(os.path.exists(f"/proc/{pid}") for pid in tree - {first.pid}):
+        while any(is_running(pid) for pid in tree - {first.pid}):  # a zombie is dead
             assert time.monotonic() < deadline, "the engine outlived its killed server"
             time.sleep(0.05)
     finally:

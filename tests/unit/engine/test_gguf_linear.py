@@ -136,12 +136,14 @@ PACKS = REASON is None and torch.ops.trio_llm.gguf_packed_type(int(T.Q4_1)) >= 0
 
 
 @pytest.mark.skipif(not PACKS, reason="no AVX-512 VNNI: blocks are not repacked on this CPU")
-@pytest.mark.parametrize("m", [1, 3, 6, 15, 16, 33])
+@pytest.mark.parametrize("m", [1, 3, 6, 15, 16, 33, 40])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
 def test_packed_blocks_give_the_same_products(qtype: GGMLQuantizationType, m: int) -> None:
     """Blocks repacked 16 rows at a time (`GGUFLinear.packed`): below 16 rows the VNNI
     kernel takes the same integer dot products as the row kernel (only float32 summation
-    order differs); from 16 rows, where the CPU has AMX, the tiles' bfloat16 product."""
+    order differs); from 16 rows where the CPU has AMX tiles, and from 32 where it has
+    AVX512_BF16 dot products, the bfloat16 product (weights and activations rounded to
+    bfloat16, float32 sums)."""
     k, n = 256, 48
     raw = torch.from_numpy(_random_blocks(qtype, n, k, seed=m))
     layer = GGUFLinear(raw, int(qtype), k)
@@ -156,7 +158,8 @@ def test_packed_blocks_give_the_same_products(qtype: GGMLQuantizationType, m: in
     vnni = ops.gguf_matmul_int8(x, packed.blocks, packed.kernel_type)
     assert (vnni - row).abs().max() <= 1e-5 * scale
     y = packed(x)
-    if m >= 16 and ops.gguf_tiles_available():
+    tiles, bf16_dots = ops.gguf_tiles_available(), "avx512_bf16" in ops.isa().split()
+    if (m >= 16 and tiles) or (m >= 32 and bf16_dots):
         weight = dequantize(raw.numpy(), qtype).reshape(n, k)
         want = _bfloat16(x.numpy()) @ _bfloat16(weight).T
         assert np.abs(y.numpy() - want).max() <= 1e-5 * np.abs(want).max()

@@ -187,6 +187,11 @@ constexpr int64_t kTileMinRows = 4;
 // The same for repacked blocks, whose VNNI kernel (gguf_packed.cpp) stays ahead of the tiles
 // up to about 16 rows (SmolLM2's layers, Intel Xeon with AMX: 227 against 342 us at 8 rows).
 constexpr int64_t kPackedTileMinRows = 16;
+// Without tiles, from this many rows on repacked blocks multiply in bfloat16 (AVX512_BF16 dot
+// products) rather than with int8 activations: closer to the float32 model at prefill (the
+// teacher-forced agreement, AMD EPYC with AVX512_BF16: top-1 97.9 % -> 99.4 %), at the int8
+// kernel's speed from 32 rows on (SmolLM2's layers: 0.9-1.2x its time), slower below.
+constexpr int64_t kPackedBf16MinRows = 32;
 
 constexpr int64_t kRowsPerTask = 4;   // output channels per parallel work item, at least
 constexpr int64_t kMTile = 64;        // activation rows per work item (prefill)
@@ -291,6 +296,7 @@ static at::Tensor packed_product(const at::Tensor& x, const at::Tensor& w, int64
   if (M == 0 || N == 0) return y;
   float* yp = y.data_ptr<float>();
   if (tiles && M >= kPackedTileMinRows && gguf_packed_tiles(x, w, type, yp)) return y;
+  if (tiles && M >= kPackedBf16MinRows && gguf_packed_dpbf16(x, w, type, yp)) return y;
   auto [q, d, ds] = quantize(x);
   gguf_packed_vnni(q.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>(), M, K, w,
                    type, yp);

@@ -173,7 +173,7 @@ void vnni_task(const uint8_t* w, int64_t nb, int64_t g, const PackedActs& a, int
   }
 }
 
-#if defined(TRIO_LLM_TILES)
+#if defined(__AVX512BF16__)
 // Group g's block b de-quantized into one B tile: 16 rows (k pairs) of 16 lanes (n), each
 // lane the bfloat16 pair (k = 2p, 2p + 1) of row n.
 template <bool kQ8>
@@ -214,19 +214,59 @@ inline void dequantize_tile(const uint8_t* blk, uint16_t* tile) {
   }
 }
 
+// Groups g0 .. g0 + ng (ng = 1 or 2) de-quantized into bbuf, block b of group j at
+// (j nb + b) 512: the B tile layout of dequantize_tile.
+template <bool kQ8>
+void dequantize_groups(const uint8_t* w, int64_t nb, int64_t g0, int64_t ng, uint16_t* bbuf) {
+  constexpr int64_t G = kQ8 ? 576 : 320;
+  for (int64_t j = 0; j < ng; ++j) {
+    const uint8_t* base = w + (g0 + j) * nb * G;
+    for (int64_t b = 0; b < nb; ++b) dequantize_tile<kQ8>(base + b * G, bbuf + (j * nb + b) * 512);
+  }
+}
+
+// y[m0 + r, 16 g0 .. 16 (g0 + kN)) for r < R with AVX-512 BF16 dot products: x pairs
+// (bfloat16 [M, K] read as uint32) broadcast against the de-quantized B rows in bbuf.
+template <int R, int kN>
+inline void dpbf16_rows(const uint32_t* xp, int64_t nb, const uint16_t* bbuf, int64_t m0,
+                        int64_t K, int64_t N, int64_t g0, float* y) {
+  __m512 acc[R][kN];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kN; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int kp = 0; kp < 16; ++kp) {
+      __m512bh bv[kN];
+      for (int j = 0; j < kN; ++j) {
+        bv[j] = (__m512bh)_mm512_loadu_si512(bbuf + (j * nb + b) * 512 + kp * 32);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xa = (__m512bh)_mm512_set1_epi32(xp[(m0 + r) * (K / 2) + b * 16 + kp]);
+        for (int j = 0; j < kN; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xa, bv[j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kN; ++j) _mm512_storeu_ps(y + (m0 + r) * N + (g0 + j) * kGroup, acc[r][j]);
+}
+
+// Every row of y[:, 16 g0 .. 16 (g0 + kN)) from bbuf: 6 rows at a time, then the rest.
+template <int kN>
+void dpbf16_task(const uint32_t* xp, int64_t nb, const uint16_t* bbuf, int64_t M, int64_t K,
+                 int64_t N, int64_t g0, float* y) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) dpbf16_rows<6, kN>(xp, nb, bbuf, m, K, N, g0, y);
+  for (; m < M; ++m) dpbf16_rows<1, kN>(xp, nb, bbuf, m, K, N, g0, y);
+}
+#endif
+
+#if defined(TRIO_LLM_TILES)
 // y[:Mp, 16 g0 .. 16 (g0 + ng)) on tiles (ng = 1 or 2 groups); xb bfloat16 A tiles
 // [Mp / 16, K / 32, 16, 32] (Mp a multiple of 16), y [Mp, N]. Per 32 activation rows and block: 2 A tiles (x), ng B tiles
 // (the groups' de-quantized blocks, made once per task), 2 ng accumulators.
 template <bool kQ8>
 void tiles_task(const uint8_t* w, int64_t nb, int64_t g0, int64_t ng, const uint16_t* xb,
                 int64_t Mp, int64_t K, int64_t N, float* y, std::vector<uint16_t>& bbuf) {
-  constexpr int64_t G = kQ8 ? 576 : 320;
-  for (int64_t j = 0; j < ng; ++j) {
-    const uint8_t* base = w + (g0 + j) * nb * G;
-    for (int64_t b = 0; b < nb; ++b) {
-      dequantize_tile<kQ8>(base + b * G, bbuf.data() + (j * nb + b) * 512);
-    }
-  }
+  dequantize_groups<kQ8>(w, nb, g0, ng, bbuf.data());
   const uint16_t* b1 = bbuf.data() + nb * 512;
   const int64_t ystride = N * 4;
   for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
@@ -330,6 +370,39 @@ bool gguf_packed_tiles(const at::Tensor& x, const at::Tensor& w, int64_t packed_
 #endif
 }
 
+bool gguf_packed_dpbf16(const at::Tensor& x, const at::Tensor& w, int64_t packed_type,
+                        float* y) {
+#if defined(__AVX512BF16__)
+  const bool q8 = packed_type - kPacked == kQ8_0;
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  const int64_t N = w.size(0) * kGroup, groups = N / kGroup;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr<c10::BFloat16>());
+  thread_local std::vector<uint16_t> bbuf;
+  dynamic_tasks(
+      (groups + 1) / 2,
+      [&](int64_t t) {
+        const int64_t ng = std::min<int64_t>(2, groups - 2 * t);
+        if (q8) {
+          dequantize_groups<true>(wp, nb, 2 * t, ng, bbuf.data());
+        } else {
+          dequantize_groups<false>(wp, nb, 2 * t, ng, bbuf.data());
+        }
+        if (ng == 2) {
+          dpbf16_task<2>(xp, nb, bbuf.data(), M, K, N, 2 * t, y);
+        } else {
+          dpbf16_task<1>(xp, nb, bbuf.data(), M, K, N, 2 * t, y);
+        }
+      },
+      [&] { bbuf.resize(2 * nb * 512); }, [] {});
+  return true;
+#else
+  (void)x, (void)w, (void)packed_type, (void)y;
+  return false;
+#endif
+}
+
 void gguf_packed_vnni(const int8_t* q, const float* d, const float* ds, int64_t M, int64_t K,
                       const at::Tensor& w, int64_t packed_type, float* y) {
   const bool q8 = packed_type - kPacked == kQ8_0;
@@ -362,6 +435,8 @@ at::Tensor gguf_repack(const at::Tensor&, int64_t type, int64_t) {
 }
 
 bool gguf_packed_tiles(const at::Tensor&, const at::Tensor&, int64_t, float*) { return false; }
+
+bool gguf_packed_dpbf16(const at::Tensor&, const at::Tensor&, int64_t, float*) { return false; }
 
 void gguf_packed_vnni(const int8_t*, const float*, const float*, int64_t, int64_t,
                       const at::Tensor&, int64_t packed_type, float*) {

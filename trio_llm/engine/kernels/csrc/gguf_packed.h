@@ -31,6 +31,11 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t type, int64_t K);
 // where the CPU or the kernel gives no tiles.
 bool gguf_packed_tiles(const at::Tensor& x, const at::Tensor& w, int64_t packed_type, float* y);
 
+// y float [M, N] = x [M, K] @ W.T with AVX-512 BF16 dot products (x rounded to bfloat16,
+// each task's weights de-quantized to bfloat16 once for every row), for CPUs with
+// AVX512_BF16 but no AMX tiles; false (y untouched) where the library has no AVX512_BF16.
+bool gguf_packed_dpbf16(const at::Tensor& x, const at::Tensor& w, int64_t packed_type, float* y);
+
 // y float [M, N] = the quantized activations @ W.T with VNNI dot products.
 void gguf_packed_vnni(const int8_t* q, const float* d, const float* ds, int64_t M, int64_t K,
                       const at::Tensor& w, int64_t packed_type, float* y);
