@@ -108,6 +108,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         cache_salt: vLLM's ``cache_salt``: requests share prefix-cache blocks (in memory
             and on disk) only with requests of the same salt; None shares with every
             request without one.
+        second_text_start: for a cross-encoder (an engine of task ``score``), where the
+            pair's second text starts in the prompt: the tokens before it are segment 0,
+            the rest segment 1 (BERT's ``token_type_ids``). None: one segment.
     """
 
     max_tokens: int = 16
@@ -130,6 +133,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
     cache_salt: str | None = None
+    second_text_start: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field that is out of range.

@@ -69,3 +69,29 @@ def save_tiny_model(
             if source.exists():
                 shutil.copy(source, Path(path) / name)
     return Path(path)
+
+
+def save_tiny_cross_encoder(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Write a tiny random BERT cross-encoder (``BertForSequenceClassification``, one
+    label, two segment types) with ``tokenizer_dir``'s WordPiece tokenizer: the folder
+    sentence-transformers' ``CrossEncoder`` and the server both load. Its weights are
+    drawn wide (``initializer_range`` 0.5) so that pairs get clearly different scores."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+        num_labels=1,
+        initializer_range=0.5,
+    )
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(Path(tokenizer_dir) / name, Path(path) / name)
+    return Path(path)

@@ -176,14 +176,19 @@ async def embedding_plan(
 
 
 def pooling_plan(
-    prompts: list[list[int]], scheduling: Scheduling, model: str, inputs: InputPreprocessor
+    prompts: list[list[int]],
+    scheduling: Scheduling,
+    model: str,
+    inputs: InputPreprocessor,
+    params: Sequence[SamplingParams] | None = None,
 ) -> Plan:
-    """A `Plan` of one pooling (embedding) engine request per prompt, in order; its
-    format only serves admission's bookkeeping."""
+    """A `Plan` of one pooling (embedding or score) engine request per prompt, in order,
+    with ``params[i]`` (default: ``max_tokens=0`` for all); its format only serves
+    admission's bookkeeping."""
     plan = Plan(ChatFormat(inputs.tokenizer), model, scheduling=scheduling)
-    params = SamplingParams(max_tokens=0)
-    for ids in prompts:
-        plan.add_prompt(ids, [params], None)
+    default = SamplingParams(max_tokens=0)
+    for i, ids in enumerate(prompts):
+        plan.add_prompt(ids, [params[i] if params is not None else default], None)
     return plan
 
 

@@ -21,6 +21,7 @@ from trio_llm.api.http.errors import APIError, unknown_model, without_host_paths
 from trio_llm.api.model_router import ModelRouter, ModelStatus, keep_alive_of
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
+from trio_llm.server.model_catalog import POOLING_KINDS
 
 
 class ModelRequest(RequestBody):
@@ -151,7 +152,7 @@ def _model_card(name: str, status: ModelStatus, created: int) -> dict[str, Any]:
         max_model_len, generates = info.max_model_len, info.task == "generate"
     else:
         max_model_len = None
-        generates = status.kind != "sentence-transformers"
+        generates = status.kind not in POOLING_KINDS
     state: dict[str, Any] = {"value": status.state}
     if status.error is not None:
         state["error"] = status.error

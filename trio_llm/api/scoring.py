@@ -1,10 +1,15 @@
 """Score and rerank: vLLM's ``POST /score`` and ``/v1/score``, and its ``/rerank``,
 ``/v1/rerank`` and ``/v2/rerank`` (the bodies Jina's and Cohere's rerank clients send).
 
-Served by an embedding model: each text is embedded once (the same plan, admission,
-engine batching and disconnect handling as ``/v1/embeddings``:
-`trio_llm.api.embeddings.pooling_plan`, `collect_embeddings`), and a pair's score is the
-cosine of its two vectors, as sentence-transformers' ``util.cos_sim`` gives it.
+Served by a cross-encoder (an engine of task ``score``: a sequence-classification model):
+each (query, document) pair is tokenized as the model's tokenizer encodes a pair (its
+special tokens, the second text's segment id 1 passed as `SamplingParams.second_text_start`)
+and its score is the model's activated logit, as sentence-transformers'
+``CrossEncoder.predict`` gives it. Or by an embedding model: each text is embedded once,
+and a pair's score is the cosine of its two vectors, as sentence-transformers'
+``util.cos_sim`` gives it. Both run the plan, admission, engine batching and disconnect
+handling of ``/v1/embeddings`` (`trio_llm.api.embeddings.pooling_plan`,
+`collect_embeddings`).
 
 - ``/score``: ``text_1`` and ``text_2``, each a string or a list of strings: one against
   one, one against many, or many against as many (pairs in order); ``data[i].score``.
@@ -26,10 +31,12 @@ import uuid
 from typing import Any
 
 import msgspec
+import trio
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.types import Receive
 
+from trio_llm.api.chat.plan import Plan
 from trio_llm.api.chat.request_body import Priority, RequestBody, Text
 from trio_llm.api.chat.run_choices import run_connected
 from trio_llm.api.chat.serving import ModelServing
@@ -40,8 +47,10 @@ from trio_llm.api.embeddings import (
     pooling_plan,
 )
 from trio_llm.api.http.body_reading import CLIENT_CLOSED_REQUEST
-from trio_llm.api.http.errors import bad_request
-from trio_llm.messages import Scheduling
+from trio_llm.api.http.errors import bad_request, invalid_request
+from trio_llm.errors import ContextLengthError, InvalidRequest
+from trio_llm.frontend.preprocess import InputPreprocessor
+from trio_llm.messages import SamplingParams, Scheduling
 
 #: Most documents of one rerank, and most texts on each side of one score request (the
 #: embeddings route's limit on inputs).
@@ -146,6 +155,107 @@ def cosine(a: list[float], b: list[float]) -> float:
     return dot / norm if norm else 0.0
 
 
+#: Pairs tokenized on the event loop; more go to a worker thread.
+INLINE_PAIRS = 8
+
+#: The pooling tasks (`EngineReady.task`) these routes serve.
+SCORING_TASKS = ("score", "embed")
+
+
+async def _run(serving: ModelServing, plan: Plan, receive: Receive) -> list[list[float]] | None:
+    """Admit ``plan`` and collect each request's vector (in order); None when the client
+    left."""
+    admission = serving.admit(plan)
+    vectors: list[list[float]] = [[] for _ in plan.requests]
+    collect = functools.partial(collect_embeddings, serving.engine, plan, admission, vectors)
+    if not await run_connected(serving.engine, receive, admission, collect):
+        return None
+    return vectors
+
+
+async def pair_prompts(
+    inputs: InputPreprocessor, pairs: list[tuple[str, str]], params: tuple[str, str]
+) -> tuple[list[list[int]], list[int | None]]:
+    """Each (first, second) text pair's token ids as the tokenizer encodes a pair (with its
+    special tokens), and where its second text's segment starts (None: the tokenizer
+    gives every token segment 0, as RoBERTa's does).
+
+    Raises:
+        APIError: 400 for a pair longer than the context (never cut), naming the field
+            (of ``params``, the two sides') of its longer text.
+    """
+    backend, max_model_len = inputs.tokenizer.backend, inputs.max_model_len
+
+    def tokenize() -> tuple[list[list[int]], list[int | None]]:
+        prompts, starts = [], []
+        for first, second in pairs:
+            encoding = backend.encode(first, second, add_special_tokens=True)
+            ids, types = encoding.ids, encoding.type_ids
+            param = params[0] if len(first) > len(second) else params[1]
+            if len(ids) > max_model_len:
+                raise ContextLengthError(max_model_len, len(ids), param, prompt_name=param)
+            start = types.index(1) if 1 in types else None
+            if start is not None and any(t != 1 for t in types[start:]):
+                raise bad_request("this model's tokenizer gives segment ids out of order", param)
+            prompts.append(ids)
+            starts.append(start)
+        return prompts, starts
+
+    try:
+        if len(pairs) <= INLINE_PAIRS:
+            return tokenize()
+        return await trio.to_thread.run_sync(tokenize)
+    except InvalidRequest as exc:
+        raise invalid_request(exc) from exc
+
+
+async def _pair_scores(
+    serving: ModelServing,
+    model: str,
+    sides: tuple[tuple[list[str], str], tuple[list[str], str]],
+    pairs: list[tuple[int, int]],
+    scheduling: Scheduling,
+    receive: Receive,
+) -> tuple[list[float], int] | None:
+    """Score ``pairs`` (indices into the sides) with a cross-encoder, one engine request a
+    pair (batched with other clients'); with the prompt tokens scored. None when the
+    client left.
+
+    Raises:
+        APIError: 400 for a pair longer than the context (naming the field of its longer
+            text); 503 when the waiting line is full.
+    """
+    (texts_1, param_1), (texts_2, param_2) = sides
+    texts = [(texts_1[i], texts_2[j]) for i, j in pairs]
+    prompts, starts = await pair_prompts(serving.inputs, texts, (param_1, param_2))
+    params = [SamplingParams(max_tokens=0, second_text_start=start) for start in starts]
+    plan = pooling_plan(prompts, scheduling, model, serving.inputs, params)
+    vectors = await _run(serving, plan, receive)
+    if vectors is None:
+        return None
+    return [vector[0] for vector in vectors], sum(plan.prompt_lengths)
+
+
+async def _scores(
+    serving: ModelServing,
+    model: str,
+    sides: tuple[tuple[list[str], str], tuple[list[str], str]],
+    pairs: list[tuple[int, int]],
+    scheduling: Scheduling,
+    receive: Receive,
+) -> tuple[list[float], int] | None:
+    """``pairs`` scored by the served model: a cross-encoder's scores, or an embedding
+    model's cosines."""
+    score = _pair_scores if serving.engine.info.task == "score" else _cosine_scores
+    return await score(serving, model, sides, pairs, scheduling, receive)
+
+
+def _check_scoring_model(serving: ModelServing, endpoint: str, model: str) -> None:
+    """Refuse a model that generates text (a 400 naming ``model``)."""
+    if serving.engine.info.task not in SCORING_TASKS:
+        serving.check_task("embed", endpoint, model)
+
+
 async def _cosine_scores(
     serving: ModelServing,
     model: str,
@@ -169,10 +279,8 @@ async def _cosine_scores(
         distinct.append(unique)
         prompts += await embedding_prompts(serving.inputs, unique, param)
     plan = pooling_plan(prompts, scheduling, model, serving.inputs)
-    admission = serving.admit(plan)
-    vectors: list[list[float]] = [[] for _ in plan.requests]
-    collect = functools.partial(collect_embeddings, serving.engine, plan, admission, vectors)
-    if not await run_connected(serving.engine, receive, admission, collect):
+    vectors = await _run(serving, plan, receive)
+    if vectors is None:
         return None
     first = {text: vectors[i] for i, text in enumerate(distinct[0])}
     offset = len(distinct[0])
@@ -195,12 +303,12 @@ class ScoringAPI:
                 sides of two lengths, or a field not served; 503 when the line is full.
         """
         model = serving.resolve_model(request.model)
-        serving.check_task("embed", "/score", model)
+        _check_scoring_model(serving, "/score", model)
         request.check_served()
         scheduling = request.scheduling(request.priority, serving.engine.info.scheduling_policy)
         first, second, pairs = request.pairs()
         sides = ((first, "text_1"), (second, "text_2"))
-        scored = await _cosine_scores(serving, model, sides, pairs, scheduling, receive)
+        scored = await _scores(serving, model, sides, pairs, scheduling, receive)
         if scored is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         scores, tokens = scored
@@ -224,13 +332,13 @@ class ScoringAPI:
             APIError: as `score`, naming ``query`` or ``documents``.
         """
         model = serving.resolve_model(request.model)
-        serving.check_task("embed", "/rerank", model)
+        _check_scoring_model(serving, "/rerank", model)
         request.check_served()
         scheduling = request.scheduling(request.priority, serving.engine.info.scheduling_policy)
         documents = request.document_texts()
         sides = (([request.query], "query"), (documents, "documents"))
         pairs = [(0, j) for j in range(len(documents))]
-        scored = await _cosine_scores(serving, model, sides, pairs, scheduling, receive)
+        scored = await _scores(serving, model, sides, pairs, scheduling, receive)
         if scored is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         scores, tokens = scored

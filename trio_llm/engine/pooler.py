@@ -10,6 +10,12 @@ How a vector is made follows the model folder:
   ``sentence_bert_config.json`` is the context length.
 - any other folder (``--runner pooling`` on a language model): the base model's last
   hidden state at the last token, L2-normalized (vLLM's default for decoders).
+
+A cross-encoder (`trio_llm.model_files.loader.is_cross_encoder`: a
+``...ForSequenceClassification`` model, as sentence-transformers' ``CrossEncoder`` loads
+it) is not pooled: its one logit per
+(query, document) pair goes through the activation ``CrossEncoder.predict`` applies
+(`cross_encoder_activation`), and that is the pair's score.
 """
 
 from __future__ import annotations
@@ -125,3 +131,47 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, spec: PoolingSpec) -> torch.T
     if spec.normalize:
         out = torch.nn.functional.normalize(out, p=2, dim=1)
     return out
+
+
+#: The activations a cross-encoder's folder may name (sentence-transformers' dotted paths),
+#: and what this core applies for them.
+CROSS_ENCODER_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.Identity": "identity",
+}
+
+
+def cross_encoder_activation(model_dir: Path, num_labels: int) -> str:
+    """``sigmoid`` or ``identity``: what sentence-transformers' ``CrossEncoder.predict``
+    applies to this folder's logits (``activation_fn`` of ``config_sentence_transformers.json``,
+    else of ``config.json``'s ``sentence_transformers``, else its older
+    ``sbert_ce_default_activation_function``; none named: sigmoid for one label).
+
+    Raises:
+        EngineConfigError: not one label (a reranker scores with one), or an activation
+            outside `CROSS_ENCODER_ACTIVATIONS`.
+    """
+    model_dir = Path(model_dir)
+    if num_labels != 1:
+        raise EngineConfigError(
+            f"{model_dir} is a sequence-classification model with {num_labels} labels; "
+            "trio-llm serves cross-encoders (rerankers) of one label"
+        )
+    names: list[Any] = []
+    st_config = model_dir / "config_sentence_transformers.json"
+    if st_config.is_file():
+        names.append(json.loads(st_config.read_text()).get("activation_fn"))
+    config = json.loads((model_dir / "config.json").read_text())
+    names.append((config.get("sentence_transformers") or {}).get("activation_fn"))
+    names.append(config.get("sbert_ce_default_activation_function"))
+    name = next((n for n in names if n), None)
+    if name is None:
+        return "sigmoid"
+    if name not in CROSS_ENCODER_ACTIVATIONS:
+        raise EngineConfigError(
+            f"the cross-encoder activation {name!r} is not supported; trio-llm applies "
+            f"{sorted(set(CROSS_ENCODER_ACTIVATIONS))}"
+        )
+    return CROSS_ENCODER_ACTIVATIONS[name]

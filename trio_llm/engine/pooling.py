@@ -6,7 +6,8 @@ treat it as they treat a generator: requests queue, each `step` runs one padded 
 waiting prompts (up to ``max_num_seqs`` requests and ``max_num_batched_tokens`` padded
 tokens) through the model, and every request of the batch finishes in that step with its
 vector in `RequestOutput.embedding`. There is no KV cache: an embedding is one forward
-pass.
+pass. A cross-encoder (task ``score``) runs the same way: each input is a (query,
+document) pair, and its "vector" is the pair's one score.
 
 Which waiting inputs a step takes is `trio_llm.engine.pooling_queue`'s (shared fairly
 between API requests); how a vector is made from the hidden states is
@@ -23,7 +24,12 @@ import torch
 
 from trio_llm.config import EngineConfig, ModelConfig
 from trio_llm.engine.model_info import ModelInfo
-from trio_llm.engine.pooler import PoolingSpec, is_sentence_transformers, pool
+from trio_llm.engine.pooler import (
+    PoolingSpec,
+    cross_encoder_activation,
+    is_sentence_transformers,
+    pool,
+)
 from trio_llm.engine.pooling_queue import PoolingQueue, Waiting
 from trio_llm.engine.request_queue import rank_of
 from trio_llm.errors import EngineConfigError
@@ -45,35 +51,46 @@ def uses_pooling(model: ModelConfig) -> bool:
     if model.runner != "auto":
         return model.runner == "pooling"
     from trio_llm.errors import ModelNotFoundError
-    from trio_llm.model_files.loader import locate_model
+    from trio_llm.model_files.loader import is_cross_encoder, locate_model
 
     try:
         path = locate_model(model.model)
     except ModelNotFoundError:
         return False  # the generating core reports it
-    return path.is_dir() and is_sentence_transformers(path)
+    return path.is_dir() and (is_sentence_transformers(path) or is_cross_encoder(path))
 
 
 class PoolingCore:
     """Continuous batching of embedding requests over one model (see the module doc).
 
     Args:
-        model: a transformers base model (``AutoModel``) returning ``last_hidden_state``.
-        spec: how its hidden states are pooled.
+        model: a transformers base model (``AutoModel``) returning ``last_hidden_state``,
+            or with ``activation`` a sequence-classification model returning ``logits``.
+        spec: how its hidden states are pooled (unused for a cross-encoder).
         config: the engine configuration (``max_num_seqs``, ``max_num_batched_tokens``,
             ``max_model_len``).
         model_dir: where the model came from (reported to the server).
+        activation: for a cross-encoder, ``sigmoid`` or ``identity`` on its one logit
+            (`cross_encoder_activation`); None for an embedding model.
 
     Raises:
         EngineConfigError: ``max_model_len`` longer than the model takes.
     """
 
     def __init__(
-        self, model: torch.nn.Module, spec: PoolingSpec, config: EngineConfig, model_dir: str
+        self,
+        model: torch.nn.Module,
+        spec: PoolingSpec,
+        config: EngineConfig,
+        model_dir: str,
+        activation: str | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
         self.config = config
+        self.activation = activation
+        #: ``embed`` (vectors) or ``score`` (a cross-encoder: one score per pair).
+        self.task = "embed" if activation is None else "score"
         mconf = model.config
         limit = spec.max_seq_length or mconf.max_position_embeddings
         max_model_len = config.model.max_model_len or limit
@@ -94,12 +111,22 @@ class PoolingCore:
             vocab_size=mconf.vocab_size,
             dtype=str(param.dtype).removeprefix("torch."),
         )
-        self.embedding_dim = int(mconf.hidden_size)
+        self.embedding_dim = int(mconf.hidden_size) if activation is None else 1
+        self.num_token_types = int(getattr(mconf, "type_vocab_size", 1) or 1)
         #: Waiting inputs by group, in turn order (`PoolingQueue`).
         self.queue = PoolingQueue()
         #: Called by the engine loop's protocol (a generator's grammar compiles); unused.
         self.on_grammar_event: Any = None
         self._last_batch = (0, 0)
+        if activation is not None:
+            logger.info(
+                "%s as a cross-encoder: (query, document) pairs scored by the %s of its "
+                "logit, up to %d tokens a pair",
+                type(model).__name__,
+                activation,
+                max_model_len,
+            )
+            return
         logger.info(
             "%s as an embedding model: %s pooling%s, %d dimensions, up to %d tokens",
             type(model).__name__,
@@ -117,26 +144,29 @@ class PoolingCore:
             trio_llm.errors.ModelNotFoundError: nothing loadable at ``config.model``.
             EngineConfigError: a pooling this core does not implement, or bad settings.
         """
-        from transformers import AutoModel
+        import transformers
 
         from trio_llm.model_files.dtype_choice import resolve_dtype
-        from trio_llm.model_files.loader import resolve_model_dir
+        from trio_llm.model_files.loader import is_cross_encoder, resolve_model_dir
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.model.weight_quantization is not None:
             raise EngineConfigError("--quantization applies to generating models only")
         model_dir = resolve_model_dir(config.model.model, config.cache_dir())
-        spec = PoolingSpec.from_folder(model_dir)
+        cross = is_cross_encoder(model_dir)
+        spec = PoolingSpec("cls_token", False) if cross else PoolingSpec.from_folder(model_dir)
         # float32 unless asked otherwise: the vectors are compared with the reference's.
         dtype = "float32" if config.model.dtype == "auto" else config.model.dtype
         dtype = resolve_dtype(dtype, config.model.device)
-        logger.info(f"loading {model_dir} ({dtype}, {config.model.device}) for embeddings")
-        model = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        logger.info(f"loading {model_dir} ({dtype}, {config.model.device}) for pooling")
+        auto = transformers.AutoModelForSequenceClassification if cross else transformers.AutoModel
+        model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        activation = cross_encoder_activation(model_dir, model.config.num_labels) if cross else None
         model.to(config.model.device)
         model.eval()
         model.requires_grad_(False)
-        return cls(model, spec, config, str(model_dir))
+        return cls(model, spec, config, str(model_dir), activation)
 
     def ready_message(self, pid: int) -> EngineReady:
         """The `EngineReady` message describing this core (task ``embed``)."""
@@ -150,7 +180,7 @@ class PoolingCore:
             vocab_size=info.vocab_size,
             dtype=info.dtype,
             pid=pid,
-            task="embed",
+            task=self.task,
             embedding_dim=self.embedding_dim,
             scheduling_policy=self.config.scheduler.scheduling_policy,
         )
@@ -171,7 +201,8 @@ class PoolingCore:
         elif not all(0 <= t < self.info.vocab_size for t in ids):
             error = f"token ids must be in [0, {self.info.vocab_size})"
         else:
-            error = self._scheduling_error(message.scheduling)
+            error = self._pair_error(message.params.second_text_start, len(ids))
+            error = error or self._scheduling_error(message.scheduling)
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)
         group = message.group if message.group is not None else message.request_id
@@ -181,7 +212,20 @@ class PoolingCore:
             message.scheduling.priority,
             by_priority=policy == "priority",
         )
-        self.queue.add(Waiting(message.request_id, ids, time.monotonic(), group, rank))
+        split = message.params.second_text_start
+        self.queue.add(Waiting(message.request_id, ids, time.monotonic(), group, rank, split))
+        return None
+
+    def _pair_error(self, second_text_start: int | None, length: int) -> str | None:
+        """Why a pair's split cannot be served (not a cross-encoder, or outside the
+        prompt), or None. A model without segment ids (RoBERTa's ``type_vocab_size`` 1)
+        takes the pair as one segment, as transformers feeds it."""
+        if second_text_start is None:
+            return None
+        if self.task != "score":
+            return "second_text_start is for a cross-encoder (task score)"
+        if not 0 < second_text_start < length:
+            return f"second_text_start must be in (0, {length})"
         return None
 
     def _scheduling_error(self, scheduling: Scheduling) -> str | None:
@@ -223,7 +267,7 @@ class PoolingCore:
         outputs = []
         if batch:
             now = time.monotonic()
-            vectors = self.embed([r.token_ids for r in batch])
+            vectors = self.embed([r.token_ids for r in batch], [r.second_text_start for r in batch])
             for request, vector in zip(batch, vectors.tolist(), strict=True):
                 outputs.append(
                     RequestOutput(
@@ -238,8 +282,12 @@ class PoolingCore:
         return StepOutputs(outputs, self.stats(time.perf_counter() - start))
 
     @torch.inference_mode()
-    def embed(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The vectors of ``prompts`` (token ids), run as one right-padded batch.
+    def embed(
+        self, prompts: list[list[int]], second_starts: list[int | None] | None = None
+    ) -> torch.Tensor:
+        """The vectors of ``prompts`` (token ids), run as one right-padded batch; for a
+        cross-encoder each prompt is a pair, its second text from ``second_starts[i]``
+        (segment 1 from there; None: one segment), and its vector its one score.
 
         Returns:
             ``[len(prompts), embedding_dim]`` float32 on the CPU.
@@ -251,8 +299,18 @@ class PoolingCore:
             ids[row, : len(prompt)] = torch.tensor(prompt)
             mask[row, : len(prompt)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        return pool(hidden, mask, self.spec).cpu()
+        if self.activation is None:
+            hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            return pool(hidden, mask, self.spec).cpu()
+        kwargs = {}
+        if self.num_token_types > 1:  # BERT's segment ids: 0, then 1 from the second text
+            types = torch.zeros_like(ids)
+            for row, start in enumerate(second_starts or []):
+                if start is not None:
+                    types[row, start : len(prompts[row])] = 1
+            kwargs["token_type_ids"] = types
+        logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits.float()
+        return (torch.sigmoid(logits) if self.activation == "sigmoid" else logits).cpu()
 
     def stats(self, step_seconds: float = 0.0) -> StepStats:
         """Queue state now, with the counts of the batch a step just ran."""

@@ -36,14 +36,16 @@ FILL_LENGTH_FACTOR = 2
 
 @dataclass
 class Waiting:
-    """One waiting input: its request id, token ids, arrival (``time.monotonic``), group
-    and rank (the same for every input of a group)."""
+    """One waiting input: its request id, token ids, arrival (``time.monotonic``), group,
+    rank (the same for every input of a group) and, for a cross-encoder's pair, where its
+    second text starts (`SamplingParams.second_text_start`)."""
 
     request_id: str
     token_ids: list[int]
     arrival: float
     group: str
     rank: Rank = (0, 0)
+    second_text_start: int | None = None
 
 
 def _interleave(queues: Iterable[deque[Waiting]], limit: int) -> list[Waiting]:

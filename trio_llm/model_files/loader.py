@@ -13,6 +13,7 @@ A GGUF file is converted once into a cached Hugging Face folder
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -138,3 +139,15 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def is_cross_encoder(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds a sequence-classification model (its ``config.json``
+    names a ``...ForSequenceClassification`` architecture): a cross-encoder, served by the
+    pooling engine as a reranker (`trio_llm.engine.pooler`)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        architectures = config.get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(str(name).endswith("ForSequenceClassification") for name in architectures)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trio_llm.model_files.loader import is_cross_encoder
 from trio_llm.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -34,9 +35,10 @@ class CatalogEntry:
         model: what the engine loads (`trio_llm.config.ModelConfig.model`): a path or a
             named model.
         source: ``flag`` (a ``--model``) or ``dir`` (found in ``--models-dir``).
-        kind: ``gguf``, ``hf`` (a Hugging Face folder), ``sentence-transformers`` or
-            ``named`` (a model known by name, `trio_llm.model_files.named_models`), as far as the
-            file system tells.
+        kind: ``gguf``, ``hf`` (a Hugging Face folder), ``sentence-transformers``,
+            ``cross-encoder`` (a sequence-classification folder) or ``named`` (a model
+            known by name, `trio_llm.model_files.named_models`), as far as the file system
+            tells.
     """
 
     names: tuple[str, ...]
@@ -58,11 +60,17 @@ class CatalogEntry:
         return self.name if self.source == "dir" or local else self.model
 
 
+#: The kinds of model the pooling engine serves (no KV cache).
+POOLING_KINDS = ("sentence-transformers", "cross-encoder")
+
+
 def _kind_of(path: Path) -> str | None:
     """What a models folder entry holds, or None for anything else."""
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"
     if path.is_dir() and (path / "config.json").is_file():
+        if is_cross_encoder(path):
+            return "cross-encoder"
         return "sentence-transformers" if (path / "modules.json").is_file() else "hf"
     return None
 

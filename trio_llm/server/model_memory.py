@@ -21,6 +21,7 @@ from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, PREFIX_CACHE_QUEUE_BYTES, E
 from trio_llm.model_files.dtype_choice import explain_quantization, resolve_dtype
 from trio_llm.model_files.named_models import NAMED_MODELS
 from trio_llm.model_files.weight_headers import read_gguf_header, safetensors_weights
+from trio_llm.server.model_catalog import POOLING_KINDS
 
 #: Bytes an engine process takes besides its weights and KV cache: the interpreter with
 #: torch and transformers loaded, the tokenizer, a step's activations (an idle CPU engine
@@ -62,16 +63,14 @@ def estimate(config: EngineConfig, kind: str, engines: int = 1) -> MemoryNeed:
     """What ``engines`` engines of ``config``'s model will take (reads file headers).
 
     Args:
-        kind: the catalog's kind of the model (``sentence-transformers`` has no KV cache
-            unless ``--runner generate``).
+        kind: the catalog's kind of the model (`POOLING_KINDS` have no KV cache unless
+            ``--runner generate``).
 
     Raises:
         OSError: a weight file cannot be read.
     """
     model = config.model
-    pooling = model.runner == "pooling" or (
-        model.runner == "auto" and kind == "sentence-transformers"
-    )
+    pooling = model.runner == "pooling" or (model.runner == "auto" and kind in POOLING_KINDS)
     # An embedding model's auto is float32 (`trio_llm.engine.pooling`).
     dtype = "float32" if pooling and model.dtype == "auto" else model.dtype
     per_weight = _DTYPE_BYTES[resolve_dtype(dtype, model.device)]

@@ -227,3 +227,59 @@ def test_pool_modes_on_a_padded_batch() -> None:
     assert torch.allclose(mean, torch.tensor([[2.0, 4.0], [14 / 3, 2.0]]))
     sqrt = pool(hidden, mask, PoolingSpec("mean_sqrt_len_tokens", False))
     assert torch.allclose(sqrt[0], torch.tensor([4.0, 8.0]) / 2**0.5)
+
+
+def test_a_cross_encoder_scores_pairs_as_sentence_transformers(
+    minilm_dir: Path, tmp_path: Path
+) -> None:
+    """A sequence-classification folder is served as a cross-encoder: each pair, tokenized
+    as the tokenizer encodes a pair and batched with pairs of other lengths, scores
+    ``CrossEncoder.predict``'s sigmoid of the logit, also for a text holding ``[SEP]``
+    (segment 1 starts where the tokenizer says, not at the first [SEP] token)."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    from tests.support.tiny_model import save_tiny_cross_encoder
+
+    folder = save_tiny_cross_encoder(tmp_path / "ce", minilm_dir)
+    core = PoolingCore.from_config(engine_config(str(folder)))
+    assert uses_pooling(engine_config(str(folder)).model)
+    assert core.task == "score" and core.ready_message(0).task == "score"
+    pairs = [(TEXTS[0], TEXTS[1]), ("is [SEP] this", "one"), (TEXTS[3], "A"), ("q", TEXTS[3])]
+    backend = Tokenizer.load(folder).backend
+    for i, (first, second) in enumerate(pairs):
+        encoding = backend.encode(first, second)
+        start = encoding.type_ids.index(1)
+        params = SamplingParams(max_tokens=0, second_text_start=start)
+        assert core.add_request(AddRequest(str(i), encoding.ids, params, "g")) is None
+    scores: dict[str, float] = {}
+    while core.has_work():
+        for output in core.step().outputs:
+            (scores[output.request_id],) = output.embedding
+    want = sentence_transformers.CrossEncoder(str(folder), device="cpu").predict(pairs)
+    assert [scores[str(i)] for i in range(len(pairs))] == pytest.approx(want.tolist(), abs=1e-6)
+    assert max(want) - min(want) > 0.05
+    out = core.add_request(AddRequest("bad", [101, 102], SamplingParams(second_text_start=5)))
+    assert out is not None and "second_text_start" in out.error
+
+
+@pytest.mark.parametrize(
+    ("saved", "labels", "expected"),
+    [
+        ({}, 1, "sigmoid"),
+        ({"activation_fn": "torch.nn.modules.linear.Identity"}, 1, "identity"),
+        ({"activation_fn": "torch.nn.modules.activation.Sigmoid"}, 1, "sigmoid"),
+        ({"activation_fn": "my.own.Activation"}, 1, "not supported"),
+        ({}, 3, "3 labels"),
+    ],
+)
+def test_cross_encoder_activation(tmp_path: Path, saved: dict, labels: int, expected: str) -> None:
+    import json
+
+    from trio_llm.engine.pooler import cross_encoder_activation
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(saved))
+    if expected in ("sigmoid", "identity"):
+        assert cross_encoder_activation(tmp_path, labels) == expected
+    else:
+        with pytest.raises(EngineConfigError, match=expected):
+            cross_encoder_activation(tmp_path, labels)

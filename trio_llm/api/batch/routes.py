@@ -64,7 +64,9 @@ async def create_batch(request: BatchRequest, store: Store, router: ModelRouter)
     serving = None if router.several else router.statuses()[0].serving
     task = serving.engine.info.task if serving is not None else None
     if task is not None and _ENDPOINT_TASKS[request.endpoint] != task:
-        kind = "an embedding model" if task == "embed" else "a model that generates text"
+        kind = {"embed": "an embedding model", "score": "a cross-encoder"}.get(
+            task, "a model that generates text"
+        )
         message = f"the model served here is {kind}: it does not serve {request.endpoint}"
         raise bad_request(message, "endpoint")
     create = partial(

@@ -59,17 +59,19 @@ from trio_llm.text.tokenizer import Tokenizer
 
 _Request = TypeVar("_Request", bound=BaseModel)
 
-#: The 400 of a route the served model cannot serve, by the task the route needs.
-WRONG_TASK = {
-    "embed": (
-        "{endpoint} needs an embedding model; the model `{model}` generates text "
-        "(ask for an embedding model this server serves: GET /v1/models; a server serves "
-        "one from a sentence-transformers folder, or with --runner pooling)"
-    ),
+#: The 400 of a route the served model cannot serve: what the route needs, by its task ...
+NEEDS = {
+    "embed": "an embedding model",
+    "generate": "a model that generates text",
+}
+#: ... and what the served model is, by its task (`EngineReady.task`).
+SERVES = {
+    "embed": "is an embedding model (it serves /v1/embeddings, /score and /rerank)",
     "generate": (
-        "{endpoint} needs a model that generates text; the model `{model}` is an "
-        "embedding model (it serves /v1/embeddings)"
+        "generates text (ask for an embedding model this server serves: GET /v1/models; a "
+        "server serves one from a sentence-transformers folder, or with --runner pooling)"
     ),
+    "score": "is a cross-encoder (it serves /score and /rerank)",
 }
 
 
@@ -218,14 +220,15 @@ class ModelServing:
             raise invalid_request(exc) from exc
 
     def check_task(self, task: str, endpoint: str, model: str) -> None:
-        """Refuse a route this model cannot serve (`WRONG_TASK`: ``task`` is ``embed`` or
-        ``generate``).
+        """Refuse a route this model cannot serve (``task``, the route's need: ``embed`` or
+        ``generate``; `NEEDS`, `SERVES`).
 
         Raises:
             APIError: 400 naming ``model``.
         """
-        if self.engine.info.task != task:
-            message = WRONG_TASK[task].format(endpoint=endpoint, model=model)
+        served = self.engine.info.task
+        if served != task:
+            message = f"{endpoint} needs {NEEDS[task]}; the model `{model}` {SERVES[served]}"
             raise APIError(400, message, param="model", code="model_not_supported")
 
     async def respond_translated(
