@@ -1,7 +1,7 @@
 """Every message type that crosses a process boundary.
 
-Hot-path messages are msgspec structs encoded as MessagePack (compact, typed, no pickle).
-Each is tagged so one decoder reads the union of what a peer may send. The only pickled
+Hot-path messages are msgspec structs encoded as MessagePack (compact, typed, no pickle),
+each tagged so one decoder reads the union of what a peer may send. The only pickled
 payload is the start-up `EngineConfig`, sent once over the same private socket.
 
 Direction          Messages
@@ -10,7 +10,7 @@ server -> engine   `AddRequest`, `AbortRequests`, `PauseRequests`, `ResumeReques
 engine -> server   `EngineReady`, `StepOutputs`, `Heartbeat`, `HealthReply`, `EngineFailed`
 
 In 3-process mode (``--detokenizer-mode process``) the detokenizer child sits between the
-two and speaks the same messages on both sides: it forwards what the server sends, and
+two and speaks the same messages on both sides: it forwards what the server sends and
 fills in `RequestOutput.text` and ``stop_reason`` on the way back.
 """
 
@@ -67,9 +67,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``top_k`` and ``top_p`` truncations. The token is drawn from the softmax of the result,
     and reported logprobs are the log-softmax of that same result.
 
-    The engine core ignores the last three fields (``stop``,
-    ``include_stop_str_in_output``, ``skip_special_tokens``): they are read by whichever
-    process detokenizes (the API server, or the detokenizer child in 3-process mode).
+    The engine core ignores ``stop``, ``include_stop_str_in_output`` and
+    ``skip_special_tokens``: whichever process detokenizes reads them (the API server,
+    or the detokenizer child in 3-process mode).
 
     Attributes:
         max_tokens: most output tokens to generate. 0 computes the prompt (and its
@@ -78,8 +78,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         temperature: softmax temperature; 0 (or below 1e-5) means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
-        min_p: drop tokens whose probability is below ``min_p`` times the top one's; 0
-            disables it.
+        min_p: drop tokens below ``min_p`` times the top token's probability; 0 disables it.
         presence_penalty: subtracted once from the logit of every token already in the
             output (OpenAI's definition), in [-2, 2].
         frequency_penalty: subtracted from a token's logit once per occurrence in the
@@ -91,8 +90,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         seed: per-request random seed: the draws do not depend on what else is in the
             batch. In float32 on the CPU the output then does not either; in bfloat16 the
             logits can (docs/api.md, "Batch invariance").
-        stop_token_ids: token ids that end generation (finish_reason "stop"), in addition
-            to the model's EOS ids.
+        stop_token_ids: token ids that end generation (finish_reason "stop"), besides EOS.
         ignore_eos: keep generating past EOS (benchmarks use it for a fixed output length).
         logprobs: report the sampled token's logprob plus this many most likely
             alternatives per output token; None reports nothing.
@@ -100,17 +98,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             this many alternatives; None reports nothing.
         stop: strings that end the output (finish_reason "stop", stop_reason the string);
             found across token boundaries; the stop string itself is left out of the text.
-        include_stop_str_in_output: keep the matched stop string, or the stop token's
-            text, in the output.
+        include_stop_str_in_output: keep the matched stop string (or stop token's text).
         skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
         structured_output: constrain the output to a JSON Schema, a regex, a choice or a
             grammar (`StructuredOutput`); None: unconstrained.
         cache_salt: vLLM's ``cache_salt``: requests share prefix-cache blocks (in memory
             and on disk) only with requests of the same salt; None shares with every
             request without one.
-        second_text_start: for a cross-encoder (an engine of task ``score``), where the
-            pair's second text starts in the prompt: the tokens before it are segment 0,
-            the rest segment 1 (BERT's ``token_type_ids``). None: one segment.
+        second_text_start: a cross-encoder's pair (task ``score``): where its second text
+            starts, segment (``token_type_ids``) 1 from there; None: one segment.
     """
 
     max_tokens: int = 16
@@ -305,9 +301,9 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
         eos_token_ids: ids that end generation unless ``ignore_eos``.
         dtype: torch dtype name of the weights.
         pid: the engine process id.
-        task: ``"generate"`` (a language model) or ``"embed"`` (an embedding model,
-            `trio_llm.engine.pooling`: outputs carry vectors, not tokens).
-        embedding_dim: length of the vectors of an ``"embed"`` model (0 otherwise).
+        task: ``"generate"``, or for `trio_llm.engine.pooling` (outputs carry vectors)
+            ``"embed"`` (an embedding model) or ``"score"`` (a cross-encoder: 1 score).
+        embedding_dim: length of the vectors of a pooling model (0 otherwise).
         scheduling_policy: the engine's ``--scheduling-policy`` (``fcfs`` or
             ``priority``): the server refuses a nonzero ``priority`` unless ``priority``.
     """

@@ -21,7 +21,9 @@ from trio_llm.api.http.errors import APIError, unknown_model, without_host_paths
 from trio_llm.api.model_router import ModelRouter, ModelStatus, keep_alive_of
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
-from trio_llm.server.model_catalog import POOLING_KINDS
+
+#: The kinds of model (`ModelStatus.kind`) that the pooling engine serves: no KV cache.
+POOLING_KINDS = ("sentence-transformers", "cross-encoder")
 
 
 class ModelRequest(RequestBody):

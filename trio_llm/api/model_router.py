@@ -74,7 +74,7 @@ class ModelStatus:
         names: the names clients use in ``model``.
         model: its model card's ``root``: a named model's ``--model`` string (vLLM's),
             a local one's name (`trio_llm.server.model_catalog.CatalogEntry.root`).
-        kind: ``gguf``, ``hf``, ``sentence-transformers`` or ``named``.
+        kind: ``gguf``, ``hf``, ``sentence-transformers``, ``cross-encoder`` or ``named``.
         state: `ModelState`.
         serving: its handlers while loaded, else None.
         error: why it failed (state ``failed``), else None.

@@ -60,10 +60,6 @@ class CatalogEntry:
         return self.name if self.source == "dir" or local else self.model
 
 
-#: The kinds of model the pooling engine serves (no KV cache).
-POOLING_KINDS = ("sentence-transformers", "cross-encoder")
-
-
 def _kind_of(path: Path) -> str | None:
     """What a models folder entry holds, or None for anything else."""
     if path.is_file() and path.suffix == ".gguf":

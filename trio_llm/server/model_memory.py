@@ -17,11 +17,11 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from trio_llm.api.model_cards import POOLING_KINDS
 from trio_llm.config import DEFAULT_KV_CACHE_MEMORY, PREFIX_CACHE_QUEUE_BYTES, EngineConfig
 from trio_llm.model_files.dtype_choice import explain_quantization, resolve_dtype
 from trio_llm.model_files.named_models import NAMED_MODELS
 from trio_llm.model_files.weight_headers import read_gguf_header, safetensors_weights
-from trio_llm.server.model_catalog import POOLING_KINDS
 
 #: Bytes an engine process takes besides its weights and KV cache: the interpreter with
 #: torch and transformers loaded, the tokenizer, a step's activations (an idle CPU engine

@@ -23,11 +23,15 @@ def test_a_models_dir_holds_gguf_files_and_both_kinds_of_folder(tmp_path: Path) 
     (tmp_path / "tiny.Q4_1.gguf").write_bytes(b"GGUF")
     _hf(tmp_path / "chat-model")
     _hf(tmp_path / "minilm", sentence_transformers=True)
+    reranker = _hf(tmp_path / "reranker", sentence_transformers=True)  # as CrossEncoder saves
+    config = {"model_type": "bert", "architectures": ["BertForSequenceClassification"]}
+    (reranker / "config.json").write_text(json.dumps(config))
     (tmp_path / "notes.txt").write_text("not a model")
     (tmp_path / "empty-folder").mkdir()
     _hf(tmp_path / ".hidden")
     found = {entry.name: entry for entry in scan_models_dir(tmp_path)}
-    assert sorted(found) == ["chat-model", "minilm", "tiny.Q4_1"]
+    assert sorted(found) == ["chat-model", "minilm", "reranker", "tiny.Q4_1"]
+    assert found["reranker"].kind == "cross-encoder"
     assert found["tiny.Q4_1"].kind == "gguf"
     assert found["chat-model"].kind == "hf"
     assert found["minilm"].kind == "sentence-transformers"
