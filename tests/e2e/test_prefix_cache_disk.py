@@ -3,7 +3,12 @@ the other engine of ``-dp 2`` and a model unloaded and loaded again read a long 
 blocks back, say so in ``cached_tokens``, and answer exactly as the first engine did
 (float32, greedy); a request of another ``cache_salt`` finds none. An engine and a server
 SIGKILLed while blocks are written leave no half block visible, and block files damaged
-on disk are refused and computed again, never answered from."""
+on disk are refused and computed again, never answered from.
+
+The two-server and the kill tests are the opt-in chaos tier (replicas and kills, over a
+minute together): ``TRIO_LLM_CHAOS_TRIALS=1 HF_HUB_OFFLINE=1 .venv/bin/pytest
+tests/e2e/test_prefix_cache_disk.py``. The damaged-file checks also run in-process in
+tests/unit/engine/test_prefix_tier.py and test_kv_files.py."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 
 from tests.support.procfs import descendants, engine_children, is_running
@@ -80,6 +86,15 @@ def _wait_for_files(folder: Path, count: int) -> None:
         time.sleep(0.05)
 
 
+#: The opt-in chaos tier's switch (tests/chaos/test_chaos.py reads the same variable).
+OPT_IN = pytest.mark.skipif(
+    not os.environ.get("TRIO_LLM_CHAOS_TRIALS"),
+    reason="opt-in chaos test: set TRIO_LLM_CHAOS_TRIALS=1",
+)
+
+
+@pytest.mark.chaos
+@OPT_IN
 def test_two_servers_on_one_folder_share_what_either_computed(tmp_path: Path) -> None:
     """Two servers of one model running at once (as `-dp 2`'s engines, or two servers on
     one machine): what the first computed, the second reads from disk."""
@@ -203,6 +218,8 @@ def _complete_quietly(url: str, prompt: str) -> None:
         pass
 
 
+@pytest.mark.chaos
+@OPT_IN
 def test_kills_mid_write_and_damaged_files_never_change_an_answer(tmp_path: Path) -> None:
     """SIGKILL of the engine, then of the whole server, while blocks are written: no half
     block is ever visible and the next server clears what the dead writers left. Block
