@@ -12,9 +12,10 @@ Starts a server with ``--prefix-cache-dir`` in a fresh folder, sends the prompt 
 it again (warm: its blocks read from disk). Then (unless ``--no-dp``) a server of
 ``--data-parallel-size 2 --keep-alive forever`` in another fresh folder: the prompt on
 engine 0 (cold; vLLM's ``X-data-parallel-rank`` header picks the engine), on engine 1
-(warm: read from disk), then ``POST /models/unload`` and the prompt again (warm: the new
-engine reads it from disk). Each of the two engines has one of the two cores, so that
-case's figures compare with each other, not with the first one's. Prints each TTFT, the
+(warm: read from disk), then ``POST /models/unload``, ``POST /models/load`` (timed apart)
+and the prompt again (warm: the new engine reads it from disk). Each of the two engines
+has one of the two cores, so that case's figures compare with each other, not with the
+first one's. Prints each TTFT, the
 cached tokens each warm one reported, whether the greedy outputs are identical, and
 warm/cold.
 
@@ -134,7 +135,12 @@ def data_parallel(flags: list[str], prompt: list[int], max_tokens: int, folder: 
         runs["warm, the other engine"] = first_token(server.url, prompt, max_tokens, rank=1)
         model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         httpx.post(f"{server.url}/models/unload", json={"model": model}, timeout=600)
+        start = time.perf_counter()  # the load, timed apart from the prompt's TTFT
+        loaded = httpx.post(f"{server.url}/models/load", json={"model": model}, timeout=600)
+        loaded.raise_for_status()
+        load_seconds = time.perf_counter() - start
         runs["warm, after an unload"] = first_token(server.url, prompt, max_tokens, rank=0)
+        runs["warm, after an unload"]["load"] = load_seconds
         server.stop()
     return runs
 
@@ -151,6 +157,8 @@ def report(runs: dict[str, dict[str, Any]]) -> None:
             assert cold is not None
             same = run["text"] == cold["text"]
             extra = f"   warm/cold {run['ttft'] / cold['ttft']:.3f}   identical: {same}"
+            if "load" in run:
+                extra += f"   (loaded first by POST /models/load: {run['load']:.2f} s)"
         print(f"  {name:24s} TTFT {run['ttft']:7.3f} s   cached {run['cached']:5d}{extra}")
 
 
