@@ -151,3 +151,21 @@ def test_a_pair_longer_than_the_context_is_a_400_naming_the_field(server: str) -
         f"{server}/v1/rerank", json={"model": RERANKER, "query": QUERY, "documents": ["a"]}
     )
     assert fine.status_code == 200, fine.text
+
+
+def test_a_rerank_of_100k_documents_is_refused_and_harms_nothing(server: str, predict) -> None:
+    """A hostile rerank (100,000 documents, past the 2,048 limit) is a 400 naming
+    ``documents`` before any is tokenized; a request beside it is served right."""
+    hostile = {"model": RERANKER, "query": QUERY, "documents": [f"doc {i}" for i in range(100_000)]}
+    fine = {"model": RERANKER, "query": QUERY, "documents": DOCUMENTS[:2]}
+    refused, served = parallel(
+        lambda: httpx.post(f"{server}/v1/rerank", json=hostile, timeout=120),
+        lambda: httpx.post(f"{server}/v1/rerank", json=fine, timeout=120),
+    )
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "documents" and "2048" in error["message"], error
+    assert served.status_code == 200, served.text
+    got = sorted(served.json()["results"], key=lambda r: r["index"])
+    want = predict([(QUERY, d) for d in DOCUMENTS[:2]])
+    assert [r["relevance_score"] for r in got] == pytest.approx(want, abs=1e-5)
