@@ -169,3 +169,23 @@ def test_a_rerank_of_100k_documents_is_refused_and_harms_nothing(server: str, pr
     got = sorted(served.json()["results"], key=lambda r: r["index"])
     want = predict([(QUERY, d) for d in DOCUMENTS[:2]])
     assert [r["relevance_score"] for r in got] == pytest.approx(want, abs=1e-5)
+
+
+def test_cohere_sdk_reranks_unchanged(server: str, predict) -> None:
+    """Cohere's own SDK pointed at the server: ``ClientV2.rerank`` (``/v2/rerank``) and
+    ``Client.rerank`` (``/v1/rerank``) read the scores ``CrossEncoder.predict`` gives."""
+    cohere = pytest.importorskip("cohere")
+    want = predict([(QUERY, d) for d in DOCUMENTS])
+    best = sorted(range(len(DOCUMENTS)), key=lambda j: -want[j])[:3]
+    v2 = cohere.ClientV2(api_key="unused", base_url=server)
+    reply = v2.rerank(model=RERANKER, query=QUERY, documents=DOCUMENTS, top_n=3)
+    assert [r.index for r in reply.results] == best
+    assert [r.relevance_score for r in reply.results] == pytest.approx(
+        [want[j] for j in best], abs=1e-5
+    )
+    v1 = cohere.Client(api_key="unused", base_url=server)
+    reply = v1.rerank(
+        model=RERANKER, query=QUERY, documents=DOCUMENTS, top_n=3, return_documents=True
+    )
+    assert [r.index for r in reply.results] == best
+    assert [r.document.text for r in reply.results] == [DOCUMENTS[j] for j in best]
