@@ -189,3 +189,20 @@ def test_cohere_sdk_reranks_unchanged(server: str, predict) -> None:
     )
     assert [r.index for r in reply.results] == best
     assert [r.document.text for r in reply.results] == [DOCUMENTS[j] for j in best]
+
+
+def test_langchains_cohere_reranker_compresses_retrieved_documents(server: str, predict) -> None:
+    """A RAG pipeline's reranking step, unchanged: LangChain's ``CohereRerank`` document
+    compressor keeps the top documents, best first, with the server's scores."""
+    rerank = pytest.importorskip("langchain_cohere").CohereRerank
+    from langchain_core.documents import Document
+
+    want = predict([(QUERY, d) for d in DOCUMENTS])
+    best = sorted(range(len(DOCUMENTS)), key=lambda j: -want[j])[:2]
+    compressor = rerank(model=RERANKER, top_n=2, cohere_api_key="unused", base_url=server)
+    docs = [Document(page_content=d, metadata={"source": i}) for i, d in enumerate(DOCUMENTS)]
+    kept = compressor.compress_documents(docs, QUERY)
+    assert [d.metadata["source"] for d in kept] == best
+    assert [d.metadata["relevance_score"] for d in kept] == pytest.approx(
+        [want[j] for j in best], abs=1e-5
+    )
