@@ -13,9 +13,9 @@ How a vector is made follows the model folder:
 
 A cross-encoder (`trio_llm.model_files.loader.is_cross_encoder`: a
 ``...ForSequenceClassification`` model, as sentence-transformers' ``CrossEncoder`` loads
-it) is not pooled: its one logit per
-(query, document) pair goes through the activation ``CrossEncoder.predict`` applies
-(`cross_encoder_activation`), and that is the pair's score.
+it) is not pooled: its one logit per (query, document) pair goes through the activation
+``CrossEncoder.predict`` applies (`cross_encoder_activation`), and that is the pair's
+score.
 """
 
 from __future__ import annotations
