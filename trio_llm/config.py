@@ -267,6 +267,36 @@ class SchedulerConfig(CheckedFields):
 
 
 @dataclass(frozen=True)
+class LoRAConfig(CheckedFields):
+    """LoRA adapters over the base model (vLLM's flags; `trio_llm.engine.lora`).
+
+    Attributes:
+        enable_lora: serve adapters (``--enable-lora``); off, a request naming one is
+            refused.
+        max_loras: most adapters the running batch holds at once (a step mixes them and
+            the base model); requests of another adapter wait for a place.
+        max_lora_rank: the largest rank an adapter may have (a larger one is refused).
+        max_cpu_loras: adapters kept loaded in the engine's memory, least recently used
+            dropped first (one in use stays while its requests run); None: ``max_loras``.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = setting(1, range=Range(1))
+    max_lora_rank: int = setting(16, range=Range(1))
+    max_cpu_loras: int | None = setting(None, range=Range(1))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be at least max_loras")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept loaded: ``max_cpu_loras``, or ``max_loras`` when not given."""
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig(CheckedFields):
     """Everything the engine-core child needs; sent to it once, pickled, at start-up.
 
@@ -287,6 +317,7 @@ class EngineConfig(CheckedFields):
             ready (the server sets it from ``--engine-step-timeout``).
         data_parallel_rank: this engine's rank among ``--data-parallel-size`` engines; on
             CUDA it runs on the rank-th visible GPU (``CUDA_VISIBLE_DEVICES`` order).
+        lora: the LoRA adapter settings.
         ps_tag: arguments the child appends to its command line (for ``ps``) when it
             started without them: a spare child (`trio_llm.frontend.spare_engine`).
     """
@@ -294,6 +325,7 @@ class EngineConfig(CheckedFields):
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     num_threads: int | None = None
     adaptive_threads: bool | None = None
     heartbeat_interval: float = setting(1.0, range=Range(0, exclusive=True))
@@ -361,11 +393,15 @@ def engine_config(
     max_batch_share: float = SchedulerConfig.max_batch_share,
     num_threads: int | None = None,
     adaptive_threads: bool | None = None,
+    enable_lora: bool = False,
+    max_loras: int = LoRAConfig.max_loras,
+    max_lora_rank: int = LoRAConfig.max_lora_rank,
+    max_cpu_loras: int | None = None,
 ) -> EngineConfig:
     """An `EngineConfig` from flat keyword arguments named like vLLM's engine arguments.
 
     Each argument is the field of the same name in `ModelConfig`, `CacheConfig`,
-    `SchedulerConfig` or `EngineConfig` (units there: tokens, bytes, threads).
+    `SchedulerConfig`, `LoRAConfig` or `EngineConfig` (units there: tokens, bytes, threads).
 
     Raises:
         ValueError: a value out of range (names the field).
@@ -375,6 +411,7 @@ def engine_config(
         model=ModelConfig(**_fields_of(ModelConfig, args)),
         cache=CacheConfig(**_fields_of(CacheConfig, args)),
         scheduler=SchedulerConfig(**_fields_of(SchedulerConfig, args)),
+        lora=LoRAConfig(**_fields_of(LoRAConfig, args)),
         num_threads=num_threads,
         adaptive_threads=adaptive_threads,
     )

@@ -31,9 +31,17 @@ MAX_PENALTY = 2
 #: ``logit_bias`` values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
 MAX_LOGIT_BIAS = 100.0
 
-
 #: `StructuredOutput.kind` values.
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class LoraRef(msgspec.Struct, frozen=True, array_like=True):
+    """The LoRA adapter a request runs with (`trio_llm.lora_files`): its served ``name``,
+    its folder and the ``digest`` of its files (the engine refuses files that changed)."""
+
+    name: str
+    path: str
+    digest: str
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -79,10 +87,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens below ``min_p`` times the top token's probability; 0 disables it.
-        presence_penalty: subtracted once from the logit of every token already in the
-            output (OpenAI's definition), in [-2, 2].
-        frequency_penalty: subtracted from a token's logit once per occurrence in the
-            output, in [-2, 2].
+        presence_penalty: subtracted once from every output token's logit, in [-2, 2].
+        frequency_penalty: subtracted once per occurrence in the output, in [-2, 2].
         repetition_penalty: tokens in the prompt or output have positive logits divided
             and negative logits multiplied by it (CTRL paper); 1 disables it. At least
             `MIN_REPETITION_PENALTY` (the HTTP API also caps it at 2, as vLLM does).
@@ -102,11 +108,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
         structured_output: constrain the output to a JSON Schema, a regex, a choice or a
             grammar (`StructuredOutput`); None: unconstrained.
-        cache_salt: vLLM's ``cache_salt``: requests share prefix-cache blocks (in memory
-            and on disk) only with requests of the same salt; None shares with every
-            request without one.
+        cache_salt: vLLM's ``cache_salt``: requests share prefix-cache blocks only with
+            requests of the same salt (None: with those without one).
         second_text_start: a cross-encoder's pair (task ``score``): where its second text
             starts, segment (``token_type_ids``) 1 from there; None: one segment.
+        lora: the LoRA adapter to apply (its KV blocks are shared only with requests of
+            the same adapter); None: the base model.
     """
 
     max_tokens: int = 16
@@ -130,6 +137,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     structured_output: StructuredOutput | None = None
     cache_salt: str | None = None
     second_text_start: int | None = None
+    lora: LoraRef | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field that is out of range.
@@ -344,9 +352,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
 
     Attributes:
         request_id: the id given in `AddRequest`.
-        new_token_ids: tokens sampled this step (usually one; empty on an error, in the
-            middle of a prefill (the request's first scheduling is told at once, and
-            prompt logprobs as they are computed), or for ``max_tokens=0``).
+        new_token_ids: tokens sampled this step (usually one; empty on an error, mid
+            prefill (first scheduling, prompt logprobs) or for ``max_tokens=0``).
         finish_reason: None while running; "stop" (EOS or a stop token), "length"
             (max_tokens or the context is full) or "abort" (error or abort).
         error: why the engine rejected the request (only with finish_reason "abort").
@@ -355,10 +362,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
             position 0 has no logprob) when ``SamplingParams.prompt_logprobs`` is set.
         queue_seconds: on the request's first output only: seconds from its arrival in
             the engine to its first scheduling (monotonic clock of the engine process).
-        num_cached_tokens: on the request's first output only: prompt tokens whose KV
-            came from the prefix cache when it was first scheduled (vLLM's
-            ``RequestOutput.num_cached_tokens``; a request preempted and scheduled again
-            keeps its first count).
+        num_cached_tokens: on the first output only: prompt tokens whose KV came from the
+            prefix cache at the first scheduling (vLLM's field).
         text: None from the engine core. From the detokenizer child: the text released
             by these tokens (held-back text comes later), and ``logprobs`` then holds the
             entries of exactly the tokens behind that text.
@@ -384,12 +389,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
 class StepStats(msgspec.Struct, array_like=True):
     """Scheduler state after one step (counts of requests and tokens).
 
-    ``prefix_cache_queries`` and ``prefix_cache_hits`` are running totals since the engine
-    started: prompt tokens looked up in the prefix cache, and tokens found there.
-    ``num_paused``: requests paused because their consumer is not reading (`PauseRequests`).
-    ``disk_*``: running totals of the prefix cache's tier on disk
-    (`trio_llm.engine.disk_tier.TierCounters`: blocks found and not found, bytes read and
-    written, files evicted and refused, blocks dropped); 0 without one.
+    ``prefix_cache_queries`` / ``_hits``: running totals of prompt tokens looked up in the
+    prefix cache and found there. ``num_paused``: requests whose consumer is not reading.
+    ``disk_*``: running totals of the prefix cache's tier on disk (`TierCounters`).
     """
 
     num_running: int
@@ -421,10 +423,8 @@ class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
     """The engine's event loop is alive; sent every `EngineConfig.heartbeat_interval` seconds.
-
-    The server treats the engine as hung when no message at all arrived for
-    ``--engine-step-timeout`` seconds (the process is stopped, or its event loop is stuck),
-    or when ``step_seconds`` exceeds that timeout (a step is stuck in a kernel).
+    The engine is hung when nothing arrived for ``--engine-step-timeout`` seconds, or
+    ``step_seconds`` exceeds it (a step stuck in a kernel).
 
     Attributes:
         step_seconds: how long the step now computing has been running (seconds,

@@ -27,6 +27,7 @@ from tests.support.procfs import descendants, engine_children, is_running
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess
 from trio_llm.engine import kv_files
 from trio_llm.engine.block_manager import prefix_keys
+from trio_llm.messages import SamplingParams
 
 #: About 800 tokens of a prompt (50 full blocks), within the small server's 1,024.
 PROMPT = " ".join(f"Item {i} is the number {i * 7 % 101}." for i in range(90))
@@ -160,7 +161,10 @@ def _block_files(folder: Path, url: str, prompt: str, salt: str | None = None) -
     (``url``'s server tokenizes the prompt)."""
     tokens = httpx.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
     (space,) = [p for p in folder.iterdir() if p.name != "digests"]
-    return [space / f"{key.hex()}.g0.kv" for key in prefix_keys(tokens, 16, salt)]
+    return [
+        space / f"{key.hex()}.g0.kv"
+        for key in prefix_keys(tokens, 16, SamplingParams(cache_salt=salt))
+    ]
 
 
 def _wait_for_paths(paths: list[Path]) -> None:

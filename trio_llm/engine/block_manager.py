@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trio_llm.engine.request import NO_BLOCK, Request
+from trio_llm.messages import SamplingParams
 
 
 def cdiv(a: int, b: int) -> int:
@@ -350,24 +351,29 @@ class BlockManager:
         while len(keys) <= index:
             i = len(keys)
             tokens = request.token_ids[i * bs : (i + 1) * bs]
-            parent = keys[-1] if keys else key_root(request.params.cache_salt)
+            parent = keys[-1] if keys else key_root(request.params)
             keys.append(block_key(parent, tokens))
         return keys[index]
 
 
-def key_root(cache_salt: str | None) -> bytes:
+def key_root(params: SamplingParams) -> bytes:
     """The parent of block 0's key: empty, or a digest of the request's ``cache_salt``
-    (vLLM's field), so requests of different salts never share a block."""
-    if cache_salt is None:
-        return b""
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    (vLLM's field) and of its LoRA adapter's files, so requests of different salts or
+    adapters never share a block."""
+    salt, lora = params.cache_salt, params.lora
+    root = b""
+    if salt is not None:
+        root = hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+    if lora is not None:
+        root = hashlib.sha256(b"lora\0" + lora.digest.encode("ascii") + b"\0" + root).digest()
+    return root
 
 
-def prefix_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
-    """The keys of the full blocks a request can find in the cache (never its last token:
-    see `BlockManager.lookup`), in order."""
+def prefix_keys(token_ids: Sequence[int], block_size: int, params: SamplingParams) -> list[bytes]:
+    """The keys of the full blocks a request of ``params`` (its salt and adapter) can find
+    in the cache (never its last token: see `BlockManager.lookup`), in order."""
     keys: list[bytes] = []
-    parent = key_root(cache_salt)
+    parent = key_root(params)
     for i in range((len(token_ids) - 1) // block_size):
         parent = block_key(parent, list(token_ids[i * block_size : (i + 1) * block_size]))
         keys.append(parent)

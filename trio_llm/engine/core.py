@@ -23,6 +23,7 @@ from trio_llm.engine.kv_cache import (
     size_kv_cache,
 )
 from trio_llm.engine.logprobs import gather_logprobs
+from trio_llm.engine.lora import attach_adapter
 from trio_llm.engine.model_info import ModelInfo, eos_token_ids_of, max_model_len_of
 from trio_llm.engine.model_runner import (
     PROMPT_LOGITS_ROWS,
@@ -119,6 +120,10 @@ class EngineCore:
             config, device.type, self.block_manager, max_model_len, self.info.eos_token_ids
         )
         self.runner = _model_runner(model, self.kv_cache, config)
+        #: The loaded LoRA adapters (``--enable-lora``), or None.
+        lora = config.lora
+        self.adapters = self.runner.enable_lora(lora, model_dir) if lora.enable_lora else None
+        self.scheduler.max_loras = lora.max_loras
         self._log_model(mconf, size)
         self.sampler = Sampler(config.model.seed, self.info.eos_token_ids)
         #: Matchers for constrained outputs, compiled in a worker thread; the engine loop
@@ -210,7 +215,8 @@ class EngineCore:
                 priority=message.scheduling.priority,
                 batch=message.scheduling.batch,
             )
-            if message.params.structured_output is not None:
+            error = attach_adapter(self.adapters, request)
+            if error is None and message.params.structured_output is not None:
                 error = self._grammar_waits.start(request)
         if error is not None:
             return RequestOutput(message.request_id, [], finish_reason="abort", error=error)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from trio_llm.config import EngineConfig
+from trio_llm.config import EngineConfig, LoRAConfig
 from trio_llm.engine.attention import ATTENTION_NAME, use_native_attention
 from trio_llm.engine.attention_metadata import (
     PagedAttentionMetadata,
@@ -31,6 +31,7 @@ from trio_llm.engine.attention_metadata import (
 from trio_llm.engine.cuda_graphs import DecodeGraphs
 from trio_llm.engine.gguf_linear import gguf_problem, read_gguf_weights
 from trio_llm.engine.kv_cache import KVCache
+from trio_llm.engine.lora import PER_MODULE, LoraAdapters, LoraBatch, hook_modules, lora_step
 from trio_llm.engine.native import native_decoder, native_unsupported
 from trio_llm.engine.output_head import OwnHead, plain_head_weight, quantized_head
 from trio_llm.engine.quantization import quantize_linears
@@ -167,6 +168,28 @@ class ModelRunner:
         )
         #: Decode batches replayed from CUDA graphs, or None (eager steps).
         self.graphs = self._decode_graphs(max_num_seqs) if cuda_graphs else None
+        #: The loaded LoRA adapters (`enable_lora`), or None: adapters are off.
+        self.lora: LoraAdapters | None = None
+
+    def enable_lora(self, config: LoRAConfig, model_dir: str) -> LoraAdapters:
+        """Apply each step's LoRA adapters to the decoder's projections from now on
+        (`trio_llm.engine.lora`); returns the engine's adapter set.
+
+        Raises:
+            EngineConfigError: the decoder has no ``layers`` to adapt.
+        """
+        if self.native is not None:
+            layout = self.native.wrap_lora()
+        else:
+            layers = getattr(self.decoder, "layers", None)
+            if layers is None:
+                raise EngineConfigError(
+                    f"--enable-lora: {describe(self.model.config)} has no decoder layers to adapt"
+                )
+            missing = hook_modules(layers)
+            layout = {m: c for m, c in PER_MODULE.items() if m not in missing}
+        self.lora = LoraAdapters(config, model_dir, layout, self.dtype, self.device)
+        return self.lora
 
     def _decode_graphs(self, max_num_seqs: int) -> DecodeGraphs | None:
         """The CUDA graphs of decode batches on a GPU where the model qualifies, else None
@@ -196,10 +219,14 @@ class ModelRunner:
             hidden states of prompt positions whose logprobs were asked for.
         """
         step = self.prepare(batch)
-        if self.graphs is not None and self.graphs.takes(step):
+        lora = None
+        if self.lora is not None:
+            lora = LoraBatch.from_scheduled(step.scheduled, _adapter_of, self.device)
+        if lora is None and self.graphs is not None and self.graphs.takes(step):
             hidden = self.graphs.run(step)
         else:
-            hidden = self.forward(step.input_ids[None], step.positions[None], step.attention)
+            with lora_step(lora):
+                hidden = self.forward(step.input_ids[None], step.positions[None], step.attention)
         prompt_hidden = [
             PromptHidden(request, first, hidden[row : row + count].clone())
             for request, first, row, count in step.prompt_rows
@@ -244,6 +271,10 @@ class ModelRunner:
         # logits^T = W @ h^T: with torch's BLAS this orientation runs 1.3-1.7x as fast as
         # h @ W^T for 4-32 rows against the 49k-row vocabulary matrix.
         return torch.mm(self.lm_head_weight, hidden.t()).t().contiguous().float()
+
+
+def _adapter_of(request: Request) -> object | None:
+    return request.adapter
 
 
 def load_quantized(model_dir: Path, config: EngineConfig) -> tuple[torch.nn.Module, EngineConfig]:

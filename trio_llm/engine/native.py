@@ -40,6 +40,7 @@ from trio_llm.engine import kernels
 from trio_llm.engine.attention import paged_attention
 from trio_llm.engine.attention_metadata import PagedAttentionMetadata, current_step
 from trio_llm.engine.gguf_linear import GGUFLinear, GGUFWeights
+from trio_llm.engine.lora import Layout, LoraProduct, current_lora, native_layout
 from trio_llm.engine.quantization import QuantizedLinear, can_quantize
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,15 @@ class NativeLlama:
                 for module in _projections(layer):
                     module.weight = torch.nn.Parameter(module.weight.new_empty(0, 0))
 
+    def wrap_lora(self) -> Layout:
+        """Add the step's LoRA terms to every product (`trio_llm.engine.lora`); returns
+        the products' layout."""
+        for index, layer in enumerate(self.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, LoraProduct(getattr(layer, name), (index, name)))
+        first = self.layers[0]
+        return native_layout(first.q_size, first.kv_size, first.intermediate)
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Final hidden states of a packed step.
@@ -270,7 +280,8 @@ class NativeLlama:
         num_tokens = hidden.shape[1]
         cos, sin = cos.contiguous(), sin.contiguous()
         delta = None
-        step = _decode_step(hidden) if self.one_call else None
+        one_call = self.one_call and current_lora() is None  # adapters: layer by layer
+        step = _decode_step(hidden) if one_call else None
         for layer in self.layers:
             if step is not None and layer.products is not None:
                 delta = self._one_call(layer, step, hidden, delta, cos, sin)

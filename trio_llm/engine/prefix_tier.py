@@ -92,7 +92,7 @@ class PrefixTier:
         """Bring the blocks of ``message``'s prompt found on disk, and not in memory, into
         the KV cache; returns how many came (of every KV cache group)."""
         manager = self.core.block_manager
-        keys = prefix_keys(message.prompt_token_ids, self.block_size, message.params.cache_salt)
+        keys = prefix_keys(message.prompt_token_ids, self.block_size, message.params)
         wanted = await trio.to_thread.run_sync(self._read_prefix, keys, manager.num_free_blocks)
         imported = 0
         for group, key, tensors in wanted:

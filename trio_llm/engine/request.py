@@ -62,6 +62,7 @@ class Request:
     """
 
     __slots__ = (
+        "adapter",
         "arrival_index",
         "arrival_time",
         "batch",
@@ -104,6 +105,8 @@ class Request:
         self.batch = batch
         self.arrival_index = next(_arrivals)
         self.params = params
+        #: The loaded LoRA adapter of ``params.lora`` (`trio_llm.engine.lora`), or None.
+        self.adapter: object | None = None
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0

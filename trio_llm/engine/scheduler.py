@@ -32,17 +32,14 @@ change nothing below.
    and a short one may go ahead of it. One that finds no KV blocks takes those of
    worse-ranked running requests (preempted, the worst first), or waits. With prefix
    caching, a joining request first takes the cached blocks of its longest cached prefix
-   and only computes the rest (`BlockManager.lookup`).
+   and only computes the rest (`BlockManager.lookup`). One of a LoRA adapter the running
+   batch has no place for (``max_loras``: `trio_llm.engine.lora.lora_fits`) waits.
 
 Steps 2 and 3 run for the interactive requests, then for the batch lane: interactive
 requests come first in the token budget, and the batch lane joins only while no
-interactive request waits.
-
-Paused requests (`pause`: their consumer stopped reading) sit outside both queues, with
-no KV blocks, until `resume` puts them back in line. A request waiting for its grammar
-(`Request.waits_for_grammar`: a structured output compiling in a worker thread) stays in
-the waiting queue, skipped: it is not admitted, holds no KV blocks and claims no batch
-slot until the engine core gives it its matcher.
+interactive request waits. Paused requests (`pause`: their consumer stopped reading) sit
+outside both queues, with no KV blocks, until `resume`. A request waiting for its grammar
+(`Request.waits_for_grammar`) stays in the waiting queue, skipped, holding nothing.
 
 After the model ran, `Scheduler.update` records the sampled tokens and finishes requests
 (EOS / stop token -> "stop", ``max_tokens`` or a full context -> "length").
@@ -58,6 +55,7 @@ from dataclasses import dataclass
 from trio_llm.config import SchedulerConfig
 from trio_llm.engine.batch_lane import BatchLaneThrottle
 from trio_llm.engine.block_manager import BlockManager, PrefixHit
+from trio_llm.engine.lora import lora_fits
 from trio_llm.engine.request import Request, RequestStatus
 from trio_llm.engine.request_queue import Rank, RequestQueue
 from trio_llm.engine.scheduled_batch import ScheduledBatch
@@ -123,6 +121,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.solo_prefill_tokens = 0
+        self.max_loras = 1  # LoRA adapters the running batch holds at most
         #: Waiting requests, best rank first (`RequestQueue`).
         self.waiting = RequestQueue(config.scheduling_policy)
         #: A request's rank (`RequestQueue.rank`): lane, then priority; lower is better.
@@ -276,7 +275,7 @@ class Scheduler:
         while step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             long_taken = step.num_long >= self.config.max_num_partial_prefills
             request = self.waiting.next_ready(level, self._num_running, self._is_long, long_taken)
-            if request is None:
+            if request is None or not lora_fits(self.running, request.params.lora, self.max_loras):
                 break
             hit = manager.lookup(request)
             num_cached = hit.num_blocks * manager.block_size

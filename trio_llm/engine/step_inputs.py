@@ -35,6 +35,8 @@ class StepInputs:
         sample_rows: int64 ``[S]`` packed rows whose logits are sampled.
         sample_requests: the ``S`` requests that sample a token this step.
         prompt_rows: ``(request, first_target, row, count)`` for prompt logprobs.
+        scheduled: ``(request, new tokens)`` in packed order (rows of a request follow
+            each other).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +45,7 @@ class StepInputs:
     sample_rows: torch.Tensor
     sample_requests: list[Request]
     prompt_rows: list[tuple[Request, int, int, int]]
+    scheduled: list[tuple[Request, int]]
 
 
 @dataclass
@@ -216,7 +219,13 @@ class StepBuilder:
         )
         rows = rest[:num_sampled]
         return StepInputs(
-            input_ids, positions, attention, rows, host.sample_requests, host.prompt_rows
+            input_ids,
+            positions,
+            attention,
+            rows,
+            host.sample_requests,
+            host.prompt_rows,
+            host.scheduled,
         )
 
     def _positions_and_slots(
