@@ -58,7 +58,12 @@ _REFUSED = {
 
 
 class AdapterError(ValueError):
-    """An adapter folder the server cannot serve right; the message names the problem."""
+    """An adapter the server cannot serve right; the message names the problem, ``param``
+    the request field at fault (``lora_path``, or ``lora_name`` for the name)."""
+
+    def __init__(self, message: str, param: str = "lora_path") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,7 @@ def read_adapter(path: str | Path, base_config: Mapping[str, Any], max_rank: int
     folder = Path(path).expanduser()
     try:
         folder = folder.resolve(strict=True)
-    except OSError:
+    except (OSError, RuntimeError, ValueError):
         raise AdapterError(f"no adapter folder at {str(path)!r}") from None
     if not folder.is_dir():
         raise AdapterError(f"{str(path)!r} is not a folder")

@@ -309,6 +309,10 @@ class ServerConfig(CheckedFields):
         store: the database of stored responses, conversations, files and batches.
         models: the models of a server of several (`ModelsConfig`); a server of one
             leaves it at its default.
+        lora_modules: ``(name, folder)`` of each LoRA adapter served over the (default)
+            model from the start (``--lora-modules``; needs ``engine.lora.enable_lora``).
+        allow_runtime_lora_updating: ``POST /v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` are served; loads read only ``allowed_lora_dir``.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -349,9 +353,18 @@ class ServerConfig(CheckedFields):
     data_parallel_size: int = setting(1, range=Range(1))
     store: StoreConfig = field(default_factory=StoreConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updating: bool = False
+    allowed_lora_dir: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if (
+            self.lora_modules or self.allow_runtime_lora_updating
+        ) and not self.engine.lora.enable_lora:
+            raise ValueError("--lora-modules and runtime adapter loads need --enable-lora")
+        if self.allow_runtime_lora_updating and self.allowed_lora_dir is None:
+            raise ValueError("--allow-runtime-lora-updating needs --allowed-lora-dir")
         cores = available_cores()
         if self.engine.model.device == "cpu" and self.data_parallel_size > cores:
             raise ValueError(
@@ -408,7 +421,9 @@ class ServerConfig(CheckedFields):
         engine = replace(self.engine, model=replace(self.engine.model, model=model))
         if kv_cache_memory is not None and engine.cache.num_kv_blocks is None:
             engine = replace(engine, cache=replace(engine.cache, kv_cache_memory=kv_cache_memory))
-        return replace(self, engine=engine, served_model_names=names)
+        other = model != self.engine.model.model  # adapters belong to the default model
+        lora = {"lora_modules": (), "allow_runtime_lora_updating": False} if other else {}
+        return replace(self, engine=engine, served_model_names=names, **lora)
 
 
 def _check_api_key(api_key: str) -> None:

@@ -87,7 +87,7 @@ def build_app(
     app.add_middleware(LeaseReleaser)
     app.include_router(tokenize_router(router))
     install_websocket(app, router, config)
-    install_model_routes(app, router, is_serving)
+    install_model_routes(app, router, is_serving, config.allow_runtime_lora_updating)
     _add_metrics(app, router, config)
     owners = {
         "responses": responses or ResponsesAPI(router),

@@ -2,6 +2,11 @@
 its ``status``), ``GET /v1/models/{model}``, ``/health``, and llama.cpp's router routes
 ``POST /models/load``, ``POST /models/unload`` and ``POST /models/reload``.
 
+With ``--enable-lora`` the cards list each LoRA adapter with its base model as
+``parent``; with ``--allow-runtime-lora-updating`` vLLM's ``POST /v1/load_lora_adapter``
+and ``POST /v1/unload_lora_adapter`` change which adapters are served
+(`trio_llm.frontend.lora_adapters`).
+
 ``/health`` of a server of one model is what it always was: an empty 200 while it
 serves, a body only while some data-parallel engines do not, 503 once stopping. A
 server of several models answers 200 while it serves, with each model's state.
@@ -11,16 +16,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+import trio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from trio_llm.api.chat.request_body import RequestBody, Text
 from trio_llm.api.http.errors import APIError, unknown_model, without_host_paths
 from trio_llm.api.model_router import ModelRouter, ModelStatus, keep_alive_of
 from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.handle import EngineHandle
+from trio_llm.frontend.lora_adapters import LoraAdapters
+from trio_llm.lora_files import AdapterError
 
 #: The kinds of model (`ModelStatus.kind`) that the pooling engine serves: no KV cache.
 POOLING_KINDS = ("sentence-transformers", "cross-encoder")
@@ -33,11 +42,29 @@ class ModelRequest(RequestBody):
     model: Text
 
 
-def install_model_routes(app: FastAPI, router: ModelRouter, is_serving: Callable[[], bool]) -> None:
-    """Add the routes of the module doc to ``app``."""
+class LoadLoraRequest(RequestBody):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): serve the adapter folder
+    ``lora_path`` as ``lora_name``."""
+
+    lora_name: Text
+    lora_path: Text
+
+
+class UnloadLoraRequest(RequestBody):
+    """``POST /v1/unload_lora_adapter``: stop serving ``lora_name``."""
+
+    lora_name: Text
+
+
+def install_model_routes(
+    app: FastAPI, router: ModelRouter, is_serving: Callable[[], bool], runtime_lora: bool = False
+) -> None:
+    """Add the routes of the module doc to ``app`` (``runtime_lora``: the adapter routes
+    load and unload; else they answer 404)."""
     _add_health(app, router, is_serving)
     _add_models(app, router)
     _add_model_management(app, router)
+    _add_adapter_routes(app, router, runtime_lora)
 
 
 def _add_health(app: FastAPI, router: ModelRouter, is_serving: Callable[[], bool]) -> None:
@@ -128,6 +155,11 @@ def _add_models(app: FastAPI, router: ModelRouter) -> None:
         for status in router.statuses():
             for name in status.names:
                 found[name] = _model_card(name, status, created)
+            adapters = status.serving.adapters if status.serving is not None else None
+            for ref in adapters or ():
+                card = _model_card(ref.name, status, created)
+                card.update(root=ref.path, parent=status.names[0], max_model_len=None)
+                found.setdefault(ref.name, card)
         return found
 
     @app.get("/v1/models")
@@ -208,3 +240,42 @@ def _add_model_management(app: FastAPI, router: ModelRouter) -> None:
     async def reload() -> JSONResponse:
         added, removed = await router.reload()
         return JSONResponse({"success": True, "added": added, "removed": removed})
+
+
+def _add_adapter_routes(app: FastAPI, router: ModelRouter, runtime: bool) -> None:
+    """vLLM's ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``: plain
+    text on success, as vLLM answers; 400 naming the field for an adapter that cannot be
+    served; 404 for an unknown name, and for both routes without ``runtime``."""
+
+    async def adapters_of() -> LoraAdapters:
+        if not runtime:
+            message = "runtime LoRA adapter loads are off (--allow-runtime-lora-updating)"
+            raise APIError(404, message, type="not_found_error")
+        lease = await router.acquire(None)
+        lease.release()  # the adapters outlive the lease: only the object is wanted
+        adapters = lease.serving.adapters
+        if adapters is None:
+            raise APIError(400, "this model serves no LoRA adapters", param="lora_name")
+        return adapters
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        adapters = await adapters_of()
+        body = await router.parse(LoadLoraRequest, request)
+        add = partial(adapters.add, body.lora_name, body.lora_path, runtime=True)
+        try:
+            await trio.to_thread.run_sync(add)
+        except AdapterError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_lora_adapter") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        adapters = await adapters_of()
+        body = await router.parse(UnloadLoraRequest, request)
+        try:
+            adapters.remove(body.lora_name)
+        except KeyError:
+            message = f"The lora adapter '{body.lora_name}' cannot be found."
+            raise APIError(404, message, type="not_found_error", param="lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -18,6 +18,7 @@ from trio_llm.config import (
     DEFAULT_MODEL,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     engine_config,
@@ -161,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         **model,
         **values(CacheConfig),
         **values(SchedulerConfig),
+        **values(LoRAConfig),
         **values(EngineConfig),
         adaptive_threads=True if args.num_threads == "auto" else None,
     )

@@ -23,6 +23,7 @@ from trio_llm.config import (
     GEMMA3_270M_MODEL,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
 )
@@ -203,6 +204,23 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             metavar="BYTES",
         ),
     },
+    LoRAConfig: {
+        "enable_lora": Flag(
+            "serve LoRA adapters over the model (--lora-modules; POST /v1/load_lora_adapter): "
+            "a request's model names one; a step mixes adapters and the base model"
+        ),
+        "max_loras": Flag(
+            "most adapters in the running batch at once; a request of another waits for a "
+            "place (default %(default)s)",
+            **_COUNT,
+        ),
+        "max_lora_rank": Flag("largest adapter rank served (default %(default)s)", **_COUNT),
+        "max_cpu_loras": Flag(
+            "adapters kept loaded in the engine's memory, least recently used dropped first "
+            "(default: --max-loras)",
+            **_COUNT,
+        ),
+    },
     EngineConfig: {
         "num_threads": Flag(
             "torch threads in the engine. Default and auto: all cores, one fewer per "
@@ -290,6 +308,21 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             default={},
             metavar="JSON",
             convert=_additional_properties,
+        ),
+        "lora_modules": Flag(
+            "LoRA adapters served from the start, as name=path or vLLM's JSON "
+            '{"name": ..., "path": ...}; each is checked against the model at start-up',
+            nargs="+",
+            type=parse.parse_lora_module,
+            metavar="NAME=PATH",
+        ),
+        "allow_runtime_lora_updating": Flag(
+            "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING); loads read only --allowed-lora-dir"
+        ),
+        "allowed_lora_dir": Flag(
+            "the folder runtime adapter loads may read (symbolic links are followed)",
+            metavar="DIR",
         ),
         "allowed_origins": Flag(
             "CORS: origins allowed to call the API from a browser ('*' for any; default: "

@@ -150,3 +150,24 @@ def parse_keep_alive(text: str) -> float | None:
         return keep_alive_seconds(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One ``--lora-modules`` entry, as vLLM takes it: ``name=path``, or a JSON object
+    ``{"name": ..., "path": ...}`` (a ``base_model_name`` in it must be left out or be
+    the served model: adapters apply to it); returns ``(name, path)``."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {text!r}") from None
+        name, path = (value.get("name"), value.get("path")) if isinstance(value, dict) else (0, 0)
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise argparse.ArgumentTypeError(f"needs string fields name and path: {text!r}")
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    if not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"an empty name or path: {text!r}")
+    return name.strip(), path.strip()

@@ -27,6 +27,8 @@ from trio_llm.frontend.engine_client import EngineClient
 from trio_llm.frontend.engine_process import run_engine_process
 from trio_llm.frontend.generation_defaults import load_generation_defaults
 from trio_llm.frontend.handle import EngineHandle
+from trio_llm.frontend.lora_adapters import LoraAdapters
+from trio_llm.lora_files import AdapterError
 from trio_llm.server_config import ServerConfig
 from trio_llm.text.tokenizer import Tokenizer
 
@@ -215,7 +217,7 @@ async def open_serving(engine: EngineHandle, config: ServerConfig) -> ModelServi
             "stop_reason max_tokens, Responses incomplete (max_output_tokens), whatever "
             "the client's own limit"
         )
-    return ModelServing(
+    serving = ModelServing(
         engine,
         tokenizer,
         config.model_names(),
@@ -230,3 +232,31 @@ async def open_serving(engine: EngineHandle, config: ServerConfig) -> ModelServi
         disable_additional_properties=config.disable_additional_properties,
         trust_request_chat_template=config.trust_request_chat_template,
     )
+    if config.engine.lora.enable_lora and engine.info.task == "generate":
+        serving.adapters = await trio.to_thread.run_sync(
+            open_adapters, engine.info.model_dir, config
+        )
+    return serving
+
+
+def open_adapters(model_dir: str, config: ServerConfig) -> LoraAdapters:
+    """The LoRA adapters served over the model of ``model_dir``: ``--lora-modules``, each
+    checked against it (`trio_llm.frontend.lora_adapters`).
+
+    Raises:
+        EngineStartupError: an adapter the server cannot serve (the message says why).
+    """
+    adapters = LoraAdapters(
+        model_dir,
+        config.engine.lora.max_lora_rank,
+        config.allowed_lora_dir if config.allow_runtime_lora_updating else None,
+        reserved=config.model_names(),
+    )
+    for name, path in config.lora_modules:
+        try:
+            adapters.add(name, path)
+        except AdapterError as exc:
+            raise EngineStartupError(f"--lora-modules {name}={path}: {exc}") from None
+    if config.lora_modules:
+        logger.info(f"LoRA adapters: {', '.join(name for name, _ in config.lora_modules)}")
+    return adapters

@@ -149,11 +149,8 @@ class ModelPool(ModelRouter):
         return statuses
 
     def engines(self) -> list[tuple[str, EngineHandle]]:
-        return [
-            (model.name, model.serving.engine)
-            for model in self._models.values()
-            if model.serving is not None
-        ]
+        models = self._models.values()
+        return [(m.name, m.serving.engine) for m in models if m.serving is not None]
 
     def on_loaded(self, callback: Callable[[str, EngineHandle], None]) -> None:
         self._listeners.append(callback)
@@ -179,7 +176,7 @@ class ModelPool(ModelRouter):
                 404 after checking the body, as they always did.
         """
         entry = self.catalog.default if name is None else self.catalog.get(name)
-        if entry is None and not strict and not self.several:
+        if entry is None and ((not strict and not self.several) or self._is_adapter(name)):
             entry = self.catalog.default
         if entry is None:
             raise unknown_model(str(name), self.catalog.names())
@@ -187,6 +184,12 @@ class ModelPool(ModelRouter):
         if model is None:
             model = self._models[entry] = PoolModel(entry, self.config.models.keep_alive)
         return model
+
+    def _is_adapter(self, name: str | None) -> bool:
+        """Whether ``name`` is a LoRA adapter of the default model (loaded)."""
+        model = self._models.get(self.catalog.default)
+        serving = model.serving if model is not None else None
+        return serving is not None and serving.adapters is not None and name in serving.adapters
 
     async def acquire(self, name: str | None, keep_alive: KeepAlive = UNCHANGED) -> Lease:
         model = self._model_of(name, strict=False)

@@ -23,6 +23,7 @@ from typing import TypeVar
 import trio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from msgspec.structs import replace
 from pydantic import BaseModel
 from starlette.types import Receive
 
@@ -50,6 +51,7 @@ from trio_llm.errors import EngineError, InvalidRequest
 from trio_llm.frontend.admission import Admission
 from trio_llm.frontend.generation_defaults import GenerationDefaults
 from trio_llm.frontend.handle import EngineHandle
+from trio_llm.frontend.lora_adapters import LoraAdapters
 from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.server_config import RequestLimits
 from trio_llm.store import Store
@@ -130,6 +132,8 @@ class ModelServing:
         self.request_body_timeout = request_body_timeout
         self.tokenizer = tokenizer
         self.model_names = model_names
+        #: The LoRA adapters served over this model (`LoraAdapters`), or None.
+        self.adapters: LoraAdapters | None = None
         self.max_num_waiting_requests = max_num_waiting_requests
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
@@ -172,11 +176,13 @@ class ModelServing:
         )
 
     def resolve_model(self, name: str | None) -> str:
-        """The served name to report; 404 for a name this server does not serve."""
+        """The served name to report (a model's or a LoRA adapter's); 404 for a name this
+        server does not serve."""
         if name is None:
             return self.model_names[0]
-        if name not in self.model_names:
-            raise unknown_model(name, list(self.model_names))
+        if name not in self.model_names and (self.adapters is None or name not in self.adapters):
+            served = [*self.model_names, *(ref.name for ref in self.adapters or ())]
+            raise unknown_model(name, served)
         return name
 
     # ------------------------------------------------------------ routes
@@ -212,12 +218,17 @@ class ModelServing:
         planner = self.planner
         try:
             if isinstance(request, ChatCompletionRequest):
-                return await planner.plan_chat(request, model, make_format, count_only=count_only)
-            if not isinstance(request, CompletionRequest):
+                plan = await planner.plan_chat(request, model, make_format, count_only=count_only)
+            elif isinstance(request, CompletionRequest):
+                plan = await planner.plan_completion(request, model)
+            else:
                 raise TypeError(f"no plan for a {type(request).__name__}")
-            return await planner.plan_completion(request, model)
         except InvalidRequest as exc:
             raise invalid_request(exc) from exc
+        lora = self.adapters.get(model) if self.adapters is not None else None
+        if lora is not None:  # the adapter's requests: its weights, its own cached blocks
+            plan.requests = [(ids, replace(p, lora=lora)) for ids, p in plan.requests]
+        return plan
 
     def check_task(self, task: str, endpoint: str, model: str) -> None:
         """Refuse a route this model cannot serve (``task``, the route's need: ``embed`` or
