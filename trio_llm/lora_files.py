@@ -227,7 +227,10 @@ def _check_tensors(
                     )
                 layer = int(match[1])
                 if layer >= num_layers:
-                    raise AdapterError(f"{key!r}: the base model has {num_layers} layers")
+                    raise AdapterError(
+                        f"{key!r}: the base model has {num_layers} layers (an adapter of "
+                        "another base model?)"
+                    )
                 shape = list(handle.get_slice(key).get_shape())
                 found.setdefault((layer, match[3]), {})[match[4]] = (key, shape)
     except SafetensorError as exc:
