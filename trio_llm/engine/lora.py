@@ -1,18 +1,22 @@
 """LoRA adapters in the forward pass (issue 45; vLLM's ``--enable-lora``).
 
 A request runs with at most one adapter (`SamplingParams.lora`); one step mixes requests
-of several adapters and of the base model. Each adapted product ``y = x @ W.T`` gets, for
-each adapter of the step, ``y[rows] += (x[rows] @ A.T) @ (s B).T`` over the packed rows of
-that adapter's requests only: one grouped pair of small products per adapter and product,
-never a forward pass per adapter, and the base product runs once over every row. The
-scaling ``s`` (``lora_alpha / r``) is folded into ``B`` when the adapter loads.
+of several adapters and of the base model. The base product ``y = x @ W.T`` runs once over
+every packed row, then each adapted product adds ``((x @ A_S.T) * M) @ B_S.T``: ``A_S``
+and ``B_S`` hold the step's adapters' matrices side by side (each adapter its own rank
+columns; ``B`` scaled by ``lora_alpha / r`` when the adapter loads), and the mask ``M``
+zeroes, in each row, the columns of the adapters it does not run with (all of them for a
+base-model row). Two products and a mask per projection whatever the number of adapters:
+never a forward pass per adapter, and no gather or scatter of rows (the rank columns a row
+does not use cost less than moving the rows would at these ranks). `_Stack` builds the
+side-by-side matrices once per set of adapters and keeps them for the next steps.
 
 Where the products are:
 
 - the engine's own decoder (`trio_llm.engine.native`): its four products per layer
   (``qkv``, ``o``, ``gate_up``, ``down``, concatenated) are wrapped (`LoraProduct`); an
-  adapter's q/k/v (and gate/up) ``A`` are concatenated too, each ``B`` writes its own
-  columns. A decode-only step with adapters does not take the GGUF one-call layer;
+  adapter's q/k/v (and gate/up) ``A`` are concatenated too, each module's ``B`` at its own
+  output columns. A decode-only step with adapters does not take the GGUF one-call layer;
 - transformers' modules (the reference path, every other family): a forward hook on each
   ``nn.Linear`` projection adds the same term (`hook_modules`).
 
@@ -40,9 +44,12 @@ from trio_llm.messages import LoraRef
 #: Where each module's output columns start in a product: ``{product: [(module, first
 #: column)]}`` (`LoraAdapter`). Per module (transformers' modules) each is a product.
 Layout = dict[str, list[tuple[str, int]]]
-#: One product of one adapter: ``A`` of its modules concatenated ``[sum r, in]``, and per
-#: module ``(first column, last column, first rank row, last rank row, s B [out, r])``.
-_Product = tuple[torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]
+#: One product of one adapter: ``A`` of its modules concatenated ``[R, in]``, and ``s B``
+#: ``[width, R]``: each module's ``B`` at its output columns and rank rows, zero elsewhere
+#: (``width``: up to the last adapted column).
+_Product = tuple[torch.Tensor, torch.Tensor]
+#: How many sets of a step's adapters keep their products stacked (`_Stack`).
+STACKS_KEPT = 8
 
 PER_MODULE: Layout = {name: [(name, 0)] for name in LORA_MODULES}
 
@@ -92,7 +99,7 @@ class LoraAdapter:
             (m.layer, m.module): (tensors[m.a_key], tensors[m.b_key] * files.scaling)
             for m in files.modules
         }
-        #: ``{(layer, product): (A, segments)}`` (`_Product`).
+        #: ``{(layer, product): (A, B)}`` (`_Product`).
         self.products: dict[tuple[int, str], _Product] = {}
         applied = {m for columns in layout.values() for m, _ in columns}
         for layer, module in found:
@@ -113,16 +120,54 @@ def _stack(
     dtype: torch.dtype,
     device: torch.device,
 ) -> _Product:
-    """One product's ``A`` rows concatenated and each module's ``B`` with its columns."""
+    """One product's ``A`` rows concatenated and its ``B`` placed at each module's
+    columns (`_Product`)."""
     a = torch.cat([a for (a, _), _ in parts]).to(device=device, dtype=dtype).contiguous()
-    segments = []
+    width = max(column + b.shape[0] for (_, b), column in parts)
+    b_all = torch.zeros(width, a.shape[0], dtype=dtype, device=device)
     rank_row = 0
     for (a_part, b), column in parts:
         rank = a_part.shape[0]
-        b = b.to(device=device, dtype=dtype).contiguous()
-        segments.append((column, column + b.shape[0], rank_row, rank_row + rank, b))
+        b_all[column : column + b.shape[0], rank_row : rank_row + rank] = b
         rank_row += rank
-    return a, segments
+    return a, b_all
+
+
+class _Stack:
+    """The products of a set of adapters side by side: for each ``(layer, product)``,
+    ``A`` ``[R, in]`` of every adapter having it, ``B`` ``[width, R]`` and which adapter
+    (its index in the set) each of the ``R`` rank columns belongs to. Built on first use."""
+
+    def __init__(self, adapters: list[LoraAdapter]) -> None:
+        self.adapters = adapters
+        self._products: dict[tuple[int, str], tuple | None] = {}
+        self._owners: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def get(self, key: tuple[int, str]) -> tuple | None:
+        """``(A, B, width, column owners)`` of product ``key``, or None (no adapter of the
+        set adapts it)."""
+        if key not in self._products:
+            self._products[key] = self._build(key)
+        return self._products[key]
+
+    def _build(self, key: tuple[int, str]) -> tuple | None:
+        found = [
+            (i, adapter.products[key])
+            for i, adapter in enumerate(self.adapters)
+            if key in adapter.products
+        ]
+        if not found:
+            return None
+        a = torch.cat([a for _, (a, _) in found])
+        width = max(b.shape[0] for _, (_, b) in found)
+        b_all = a.new_zeros(width, a.shape[0])
+        owners: list[int] = []
+        for i, (a_part, b) in found:
+            b_all[: b.shape[0], len(owners) : len(owners) + a_part.shape[0]] = b
+            owners += [i] * a_part.shape[0]
+        # One owners tensor per pattern: a step builds one mask per pattern, not per layer.
+        owner = self._owners.setdefault(tuple(owners), torch.tensor(owners, device=a.device))
+        return a, b_all, width, owner
 
 
 class LoraAdapters:
@@ -147,6 +192,8 @@ class LoraAdapters:
         self.base_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.layout, self.dtype, self.device = layout, dtype, device
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
+        #: Stacked products of the sets of adapters steps ran with, least recent first.
+        self._stacks: OrderedDict[tuple[str, ...], _Stack] = OrderedDict()
 
     def get(self, ref: LoraRef) -> LoraAdapter:
         """The adapter of ``ref``, loaded from its folder if it is not in memory.
@@ -167,58 +214,69 @@ class LoraAdapters:
     def __len__(self) -> int:
         return len(self._loaded)
 
-
-class LoraBatch:
-    """The adapters of one step and the packed rows of each (`from_scheduled`)."""
-
-    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor | None]]) -> None:
-        #: ``(adapter, int64 rows [n] or None for every row)``.
-        self.groups = groups
-
-    @staticmethod
-    def from_scheduled(
+    def batch(
+        self,
         scheduled: Sequence[tuple[object, int]],
         adapter_of: Callable[[object], LoraAdapter | None],
-        device: torch.device,
     ) -> LoraBatch | None:
-        """The step's groups from its ``(request, new tokens)`` in packed order, or None
+        """The `LoraBatch` of a step's ``(request, new tokens)`` in packed order, or None
         when no request has an adapter."""
-        rows: dict[str, tuple[LoraAdapter, list[int]]] = {}
-        start = 0
+        adapters: dict[str, int] = {}
+        found: list[LoraAdapter] = []
+        owner: list[int] = []
         for request, count in scheduled:
             adapter = adapter_of(request)
+            index = -1
             if adapter is not None:
-                rows.setdefault(adapter.digest, (adapter, []))[1].extend(
-                    range(start, start + count)
-                )
-            start += count
-        if not rows:
+                index = adapters.setdefault(adapter.digest, len(found))
+                if index == len(found):
+                    found.append(adapter)
+            owner += [index] * count
+        if not found:
             return None
-        groups = []
-        for adapter, indices in rows.values():
-            every = len(rows) == 1 and len(indices) == start
-            tensor = None if every else torch.tensor(indices, dtype=torch.int64, device=device)
-            groups.append((adapter, tensor))
-        return LoraBatch(groups)
+        key = tuple(adapters)
+        stack = self._stacks.pop(key, None) or _Stack(found)
+        self._stacks[key] = stack
+        while len(self._stacks) > STACKS_KEPT:
+            self._stacks.popitem(last=False)
+        every = len(found) == 1 and -1 not in owner
+        rows = None if every else torch.tensor(owner, dtype=torch.int64, device=self.device)
+        return LoraBatch(stack, rows)
+
+
+class LoraBatch:
+    """The adapters of one step (`LoraAdapters.batch`): their products stacked, and which
+    adapter each packed row runs with.
+
+    Args:
+        stack: the step's adapters' products (`_Stack`).
+        owner: int64 ``[T]``: each packed row's adapter (its index in the stack; -1: the
+            base model); None when every row runs with the stack's one adapter.
+    """
+
+    def __init__(self, stack: _Stack, owner: torch.Tensor | None) -> None:
+        self.stack, self.owner = stack, owner
+        self._masks: dict[int, torch.Tensor] = {}
 
     def apply(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add every adapter's term of product ``key`` to ``y`` (``[..., T, out]``, in
-        place) from its input ``x`` (``[..., T, in]``), on each adapter's rows."""
+        """Add the adapters' terms of product ``key`` to ``y`` (``[..., T, out]``, in
+        place) from its input ``x`` (``[..., T, in]``): ``(x A^T)`` with each row's
+        columns of other adapters zeroed, times ``B^T``: three products and a mask, for
+        any number of adapters."""
+        found = self.stack.get(key)
+        if found is None:
+            return
+        a, b, width, owners = found
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
-        for adapter, rows in self.groups:
-            product = adapter.products.get(key)
-            if product is None:
-                continue
-            a, segments = product
-            inputs = x2 if rows is None else x2.index_select(0, rows)
-            low = inputs @ a.t()  # [n, sum of ranks]
-            for first, last, rank_first, rank_last, b in segments:
-                delta = low[:, rank_first:rank_last] @ b.t()
-                if rows is None:
-                    y2[:, first:last] += delta
-                else:
-                    y2[:, first:last].index_add_(0, rows, delta)
+        low = x2 @ a.t()  # [T, R]
+        if self.owner is not None:
+            mask = self._masks.get(id(owners))
+            if mask is None:
+                mask = (self.owner[:, None] == owners[None, :]).to(low.dtype)
+                self._masks[id(owners)] = mask
+            low.mul_(mask)
+        y2[:, :width].addmm_(low, b.t())
 
 
 _CURRENT: contextvars.ContextVar[LoraBatch | None] = contextvars.ContextVar(

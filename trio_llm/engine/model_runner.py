@@ -31,7 +31,7 @@ from trio_llm.engine.attention_metadata import (
 from trio_llm.engine.cuda_graphs import DecodeGraphs
 from trio_llm.engine.gguf_linear import gguf_problem, read_gguf_weights
 from trio_llm.engine.kv_cache import KVCache
-from trio_llm.engine.lora import PER_MODULE, LoraAdapters, LoraBatch, hook_modules, lora_step
+from trio_llm.engine.lora import PER_MODULE, LoraAdapters, hook_modules, lora_step
 from trio_llm.engine.native import native_decoder, native_unsupported
 from trio_llm.engine.output_head import OwnHead, plain_head_weight, quantized_head
 from trio_llm.engine.quantization import quantize_linears
@@ -221,7 +221,7 @@ class ModelRunner:
         step = self.prepare(batch)
         lora = None
         if self.lora is not None:
-            lora = LoraBatch.from_scheduled(step.scheduled, _adapter_of, self.device)
+            lora = self.lora.batch(step.scheduled, _adapter_of)
         if lora is None and self.graphs is not None and self.graphs.takes(step):
             hidden = self.graphs.run(step)
         else:
