@@ -122,8 +122,10 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument(
         "--server-args",
-        default="--max-model-len 1024 --kv-cache-memory 512MiB",
-        help="more trio-llm serve flags, one string (both servers)",
+        default="--max-model-len 1024 --kv-cache-memory 512MiB --no-enable-prefix-caching",
+        help="more trio-llm serve flags, one string (both servers; prefix caching is off "
+        "so that every load computes its prompts: an adapter's requests never hit blocks "
+        "of the base model's)",
     )
     parser.add_argument("--json", help="also write every figure here")
     args = parser.parse_args()

@@ -95,6 +95,8 @@ class RequestLimits(CheckedFields):
             (UTF-8 bytes; with ``trust_request_chat_template``).
         request_chat_template_timeout: seconds a request's ``chat_template`` may take
             to render (`trio_llm.text.template_guard`).
+        max_score_texts: most texts on each side of a ``/score`` request and most
+            documents of a ``/rerank`` (`trio_llm.api.scoring`).
     """
 
     max_choices: int = setting(1024, range=Range(1))
@@ -103,6 +105,7 @@ class RequestLimits(CheckedFields):
     max_stop_string_length: int = setting(256, range=Range(1))
     max_request_chat_template_bytes: int = setting(64 * 1024, range=Range(1, unit="byte"))
     request_chat_template_timeout: float = setting(2.0, range=Range(0, exclusive=True))
+    max_score_texts: int = setting(2048, range=Range(1))
 
 
 #: ``--store-url`` value that turns the store off (no stored responses, files or batches).

@@ -15,6 +15,7 @@ from tests.support.server_process import ServerProcess
 from tests.support.tiny_model import save_tiny_cross_encoder
 
 RERANKER, EMBEDDER, CHAT = "tiny-reranker", "minilm", "tiny-chat"
+MAX_TEXTS = 1000  # --max-score-texts
 QUERY = "What do cats eat?"
 DOCUMENTS = [
     "Cats are carnivores: they eat meat and fish.",
@@ -45,7 +46,8 @@ def server(
         args += ["--model", str(model), "--served-model-name", name]
     args += ["--model", str(tiny_model_dir), "--served-model-name", CHAT]
     log = tmp_path_factory.mktemp("rerank-server") / "server.log"
-    with ServerProcess([*args, "--max-model-len", "128"], log_path=log) as process:
+    args += ["--max-model-len", "128", "--max-score-texts", str(MAX_TEXTS)]
+    with ServerProcess(args, log_path=log) as process:
         yield process.url
     assert process.process is not None and process.process.returncode == 0, process.log()
 
@@ -154,7 +156,7 @@ def test_a_pair_longer_than_the_context_is_a_400_naming_the_field(server: str) -
 
 
 def test_a_rerank_of_100k_documents_is_refused_and_harms_nothing(server: str, predict) -> None:
-    """A hostile rerank (100,000 documents, past the 2,048 limit) is a 400 naming
+    """A hostile rerank (100,000 documents, past ``--max-score-texts``) is a 400 naming
     ``documents`` before any is tokenized; a request beside it is served right."""
     hostile = {"model": RERANKER, "query": QUERY, "documents": [f"doc {i}" for i in range(100_000)]}
     fine = {"model": RERANKER, "query": QUERY, "documents": DOCUMENTS[:2]}
@@ -164,11 +166,16 @@ def test_a_rerank_of_100k_documents_is_refused_and_harms_nothing(server: str, pr
     )
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
-    assert error["param"] == "documents" and "2048" in error["message"], error
+    assert error["param"] == "documents" and "limit of 1000" in error["message"], error
     assert served.status_code == 200, served.text
     got = sorted(served.json()["results"], key=lambda r: r["index"])
     want = predict([(QUERY, d) for d in DOCUMENTS[:2]])
     assert [r["relevance_score"] for r in got] == pytest.approx(want, abs=1e-5)
+    over = {"model": RERANKER, "text_1": QUERY, "text_2": ["x"] * (MAX_TEXTS + 1)}
+    refused = httpx.post(f"{server}/score", json=over, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "text_2"
+    at_limit = {"model": RERANKER, "text_1": QUERY, "text_2": ["x"] * MAX_TEXTS}
+    assert httpx.post(f"{server}/score", json=at_limit, timeout=300).status_code == 200
 
 
 def test_cohere_sdk_reranks_unchanged(server: str, predict) -> None:

@@ -41,7 +41,6 @@ from trio_llm.api.chat.request_body import Priority, RequestBody, Text
 from trio_llm.api.chat.run_choices import run_connected
 from trio_llm.api.chat.serving import ModelServing
 from trio_llm.api.embeddings import (
-    MAX_INPUTS,
     collect_embeddings,
     embedding_prompts,
     pooling_plan,
@@ -52,17 +51,13 @@ from trio_llm.errors import ContextLengthError, InvalidRequest
 from trio_llm.frontend.preprocess import InputPreprocessor
 from trio_llm.messages import SamplingParams, Scheduling
 
-#: Most documents of one rerank, and most texts on each side of one score request (the
-#: embeddings route's limit on inputs).
-MAX_DOCUMENTS = MAX_INPUTS
-
 #: Fields of vLLM's and Cohere's bodies that would change the scores and are not served.
 UNSERVED_FIELDS = ("truncate_prompt_tokens", "max_tokens_per_doc", "rank_fields")
 
 
-def _texts(value: str | list[str], param: str) -> list[str]:
+def _texts(value: str | list[str], param: str, limit: int) -> list[str]:
     """One side of the pairs as a list, checked: not empty, no empty text, at most
-    `MAX_DOCUMENTS`.
+    ``limit`` (``--max-score-texts``).
 
     Raises:
         APIError: 400 naming ``param``.
@@ -70,9 +65,10 @@ def _texts(value: str | list[str], param: str) -> list[str]:
     items = [value] if isinstance(value, str) else list(value)
     if not items:
         raise bad_request(f"{param} must not be empty", param)
-    if len(items) > MAX_DOCUMENTS:
+    if len(items) > limit:
         raise bad_request(
-            f"{len(items)} texts is more than the limit of {MAX_DOCUMENTS} per request", param
+            f"{len(items)} texts is more than the limit of {limit} per request (--max-score-texts)",
+            param,
         )
     if any(not item for item in items):
         raise bad_request(f"{param} must not contain an empty string", param)
@@ -103,14 +99,16 @@ class ScoreRequest(_ScoringBody):
     text_1: Text | list[Text]
     text_2: Text | list[Text]
 
-    def pairs(self) -> tuple[list[str], list[str], list[tuple[int, int]]]:
-        """The two sides and the pairs to score, as indices into them, in order.
+    def pairs(self, limit: int) -> tuple[list[str], list[str], list[tuple[int, int]]]:
+        """The two sides and the pairs to score, as indices into them, in order (at most
+        ``limit`` texts a side).
 
         Raises:
             APIError: 400: an empty side or text, too many, or lists of two lengths
                 (other than one against many).
         """
-        first, second = _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")
+        first = _texts(self.text_1, "text_1", limit)
+        second = _texts(self.text_2, "text_2", limit)
         if len(first) == 1:
             return first, second, [(0, j) for j in range(len(second))]
         if len(first) != len(second):
@@ -138,14 +136,14 @@ class RerankRequest(_ScoringBody):
     top_n: StrictInt = Field(default=0, ge=0)
     return_documents: StrictBool = True
 
-    def document_texts(self) -> list[str]:
-        """Each document's text, in order.
+    def document_texts(self, limit: int) -> list[str]:
+        """Each document's text, in order (at most ``limit``).
 
         Raises:
             APIError: 400 naming ``documents``: none, an empty one, or too many.
         """
         texts = [d if isinstance(d, str) else d.text for d in self.documents]
-        return _texts(texts, "documents")
+        return _texts(texts, "documents", limit)
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -306,7 +304,7 @@ class ScoringAPI:
         _check_scoring_model(serving, "/score", model)
         request.check_served()
         scheduling = request.scheduling(request.priority, serving.engine.info.scheduling_policy)
-        first, second, pairs = request.pairs()
+        first, second, pairs = request.pairs(serving.limits.max_score_texts)
         sides = ((first, "text_1"), (second, "text_2"))
         scored = await _scores(serving, model, sides, pairs, scheduling, receive)
         if scored is None:
@@ -335,7 +333,7 @@ class ScoringAPI:
         _check_scoring_model(serving, "/rerank", model)
         request.check_served()
         scheduling = request.scheduling(request.priority, serving.engine.info.scheduling_policy)
-        documents = request.document_texts()
+        documents = request.document_texts(serving.limits.max_score_texts)
         sides = (([request.query], "query"), (documents, "documents"))
         pairs = [(0, j) for j in range(len(documents))]
         scored = await _scores(serving, model, sides, pairs, scheduling, receive)

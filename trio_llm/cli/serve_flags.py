@@ -440,6 +440,11 @@ SERVE_FLAGS: dict[type, dict[str, Flag]] = {
             "take to render (default %(default)s)",
             **_SECONDS,
         ),
+        "max_score_texts": Flag(
+            "most texts on each side of a /score request and most documents of a /rerank "
+            "(default %(default)s)",
+            **_COUNT,
+        ),
     },
     ModelsConfig: {
         "models_dir": Flag(
