@@ -57,6 +57,10 @@ _REFUSED = {
 }
 
 
+#: The safetensors dtypes of adapter weights.
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
 class AdapterError(ValueError):
     """An adapter the server cannot serve right; the message names the problem, ``param``
     the request field at fault (``lora_path``, or ``lora_name`` for the name)."""
@@ -231,7 +235,10 @@ def _check_tensors(
                         f"{key!r}: the base model has {num_layers} layers (an adapter of "
                         "another base model?)"
                     )
-                shape = list(handle.get_slice(key).get_shape())
+                tensor = handle.get_slice(key)
+                if tensor.get_dtype() not in _FLOAT_DTYPES:
+                    raise AdapterError(f"{key!r} holds {tensor.get_dtype()}, not floats")
+                shape = list(tensor.get_shape())
                 found.setdefault((layer, match[3]), {})[match[4]] = (key, shape)
     except SafetensorError as exc:
         raise AdapterError(f"{ADAPTER_WEIGHTS} cannot be read: {exc}") from None

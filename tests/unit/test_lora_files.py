@@ -103,13 +103,17 @@ def test_an_adapter_of_another_base_model_is_refused(adapter: Path) -> None:
         ({"base_model.model.model.layers.0.mlp.q_proj.lora_A.weight": (4, 64)}, "not a module"),
         ({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (4, 64)}, "both"),
         ({}, "holds no LoRA weights"),
+        ({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": "i8"}, "not floats"),
     ],
 )
 def test_tensors_the_engine_cannot_apply_are_refused(
     adapter: Path, tmp_path: Path, tensors: dict, expected: str
 ) -> None:
     folder = _copy(adapter, tmp_path)
-    arrays = {key: np.zeros(shape, np.float32) for key, shape in tensors.items()}
+    arrays = {
+        key: np.zeros((4, 64), np.int8) if shape == "i8" else np.zeros(shape, np.float32)
+        for key, shape in tensors.items()
+    }
     save_file(arrays, folder / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match=expected):
         read_adapter(folder, BASE, 16)

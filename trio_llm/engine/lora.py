@@ -96,7 +96,7 @@ class LoraAdapter:
         self.name, self.digest = ref.name, ref.digest
         tensors = load_file(str(files.weights_file))
         found = {
-            (m.layer, m.module): (tensors[m.a_key], tensors[m.b_key] * files.scaling)
+            (m.layer, m.module): (tensors[m.a_key], tensors[m.b_key].float() * files.scaling)
             for m in files.modules
         }
         #: ``{(layer, product): (A, B)}`` (`_Product`).
