@@ -312,10 +312,9 @@ class ServerConfig(CheckedFields):
         store: the database of stored responses, conversations, files and batches.
         models: the models of a server of several (`ModelsConfig`); a server of one
             leaves it at its default.
-        lora_modules: ``(name, folder)`` of each LoRA adapter served over the (default)
-            model from the start (``--lora-modules``; needs ``engine.lora.enable_lora``).
-        allow_runtime_lora_updating: ``POST /v1/load_lora_adapter`` and
-            ``/v1/unload_lora_adapter`` are served; loads read only ``allowed_lora_dir``.
+        lora_modules: ``(name, folder)`` of the LoRA adapters served from the start.
+        allow_runtime_lora_updating: serve vLLM's adapter load and unload routes; loads
+            read only ``allowed_lora_dir`` (`trio_llm.frontend.lora_adapters`).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
