@@ -2,10 +2,13 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/lora_mix.py [--rank 16] [--clients 32]
 
-Three random adapters of every projection (peft, ``init_lora_weights=False``) are made for
-the default model. Two servers run in turn with the same flags (``--server-args``; the
+Three random adapters of every projection (peft, ``init_lora_weights=False``, ``lora_alpha``
+1: answers near the base model's, as a trained adapter's are, rather than random text that
+costs the server more to detokenize) are made for the default model. Two servers run with the same flags (``--server-args``; the
 default model as it serves by default): one without ``--enable-lora`` (the base model's
-figure), one with ``--enable-lora --max-loras 3`` and the adapters as ``--lora-modules``.
+figure), one with ``--enable-lora --max-loras 3`` and the adapters as ``--lora-modules``;
+both run at once, and ``--rounds`` rounds of every load in turn are measured (the host's
+noise falls on all loads alike; the median round of each is shown).
 Against the second, ``--num-prompts`` streamed completions (token-id prompts of
 ``--input-len``, ``--output-len`` tokens each, ``ignore_eos``) with ``--clients`` at once
 name: the base model only (0 adapters: the cost of the hooks alone), one adapter, or the
@@ -78,7 +81,7 @@ def make_adapters(folder: Path, rank: int) -> list[Path]:
     """Three random adapters of every projection of the default model."""
     model_dir = resolve_model_dir(DEFAULT_MODEL, default_cache_dir())
     return [
-        save_adapter(model_dir, folder / f"bench-lora-{i}", seed=i, rank=rank, alpha=rank)
+        save_adapter(model_dir, folder / f"bench-lora-{i}", seed=i, rank=rank, alpha=1)
         for i in range(3)
     ]
 
@@ -90,32 +93,39 @@ def measure(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     lora_flags = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", str(args.rank)]
     lora_flags += ["--lora-modules", *(f"{n}={p}" for n, p in zip(names, adapters, strict=True))]
     loads = [
-        ("base model, no --enable-lora", [], [DEFAULT_MODEL]),
-        ("--enable-lora, 0 adapters", lora_flags, [DEFAULT_MODEL]),
-        ("1 adapter", lora_flags, names[:1]),
-        ("3 adapters mixed", lora_flags, names),
+        ("base model, no --enable-lora", 0, [DEFAULT_MODEL]),
+        ("--enable-lora, 0 adapters", 1, [DEFAULT_MODEL]),
+        ("1 adapter", 1, names[:1]),
+        ("3 adapters mixed", 1, names),
     ]
-    rows = []
-    server: ServerProcess | None = None
-    for i, (label, flags, models) in enumerate(loads):
-        if i < 2:  # a server per flag set, kept for the loads after it
-            if server is not None:
-                server.close()
-            server_args = [*args.server_args.split(), *flags]
-            server = ServerProcess(server_args, log_path=workdir / f"{i}.log")
+    servers = [
+        ServerProcess([*args.server_args.split(), *flags], log_path=workdir / f"{i}.log")
+        for i, flags in enumerate([[], lora_flags])
+    ]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in loads}
+    try:
+        for server in servers:
             server.start()
-        assert server is not None
-        trio.run(run_load, server.url, models, prompts[:8], args)  # warm-up
-        result = trio.run(run_load, server.url, models, prompts, args)
-        rows.append({"load": label, **result})
-    if server is not None:
-        server.close()
+            trio.run(run_load, server.url, [DEFAULT_MODEL], prompts[:8], args)  # warm-up
+        # Rounds of every load in turn: the host's own noise falls on all of them alike.
+        for _ in range(args.rounds):
+            for label, server_index, models in loads:
+                url = servers[server_index].url
+                runs[label].append(trio.run(run_load, url, models, prompts, args))
+    finally:
+        for server in servers:
+            server.close()
+    rows = []
+    for label, results in runs.items():
+        best = sorted(results, key=lambda r: r["output_tok_per_s"])[len(results) // 2]
+        rows.append({"load": label, **best, "rounds": results})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="each load's median is shown")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
