@@ -4,11 +4,12 @@
 
 Three random adapters of every projection (peft, ``init_lora_weights=False``, ``lora_alpha``
 1: answers near the base model's, as a trained adapter's are, rather than random text that
-costs the server more to detokenize) are made for the default model. Two servers run with the same flags (``--server-args``; the
-default model as it serves by default): one without ``--enable-lora`` (the base model's
-figure), one with ``--enable-lora --max-loras 3`` and the adapters as ``--lora-modules``;
-both run at once, and ``--rounds`` rounds of every load in turn are measured (the host's
-noise falls on all loads alike; the median round of each is shown).
+costs the server more to detokenize) are made for the default model. Two servers run with
+the same flags (``--server-args``; the default model as it serves by default): one without
+``--enable-lora`` (the base model's figure), one with ``--enable-lora --max-loras 3`` and
+the adapters as ``--lora-modules``; both run at once, and ``--rounds`` rounds of every load
+in turn are measured (the host's noise falls on all loads alike; the median round of each
+is shown).
 Against the second, ``--num-prompts`` streamed completions (token-id prompts of
 ``--input-len``, ``--output-len`` tokens each, ``ignore_eos``) with ``--clients`` at once
 name: the base model only (0 adapters: the cost of the hooks alone), one adapter, or the
