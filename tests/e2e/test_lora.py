@@ -19,7 +19,10 @@ from tests.e2e.conftest import parallel
 from tests.support.lora import greedy_reference, merged_model, save_adapter
 from tests.support.server_process import SMALL_SERVER_ARGS, ServerProcess, serve_until_it_exits
 from tests.support.tiny_model import save_tiny_model
-from trio_llm.config import DEFAULT_MODEL
+from trio_llm.config import DEFAULT_MODEL, engine_config
+from trio_llm.errors import EngineStartupError
+from trio_llm.server.engine_fleet import open_adapters
+from trio_llm.server_config import ServerConfig
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 5549, 30]  # token ids: no tokenizer round trip
 MAX_TOKENS = 8
@@ -157,12 +160,14 @@ def test_hostile_loads_are_400s_naming_the_field(
     assert _complete(server, "sql").status_code == 200  # the server serves on
 
 
-def test_a_bad_lora_module_stops_the_start(adapters: dict) -> None:
-    ended = serve_until_it_exits(
-        *("--dtype", "float32", "--quantization", "none", "--enable-lora"),
-        *("--lora-modules", f"big={adapters['big']}"),
-    )
-    assert ended.returncode != 0
-    assert "--lora-modules big=" in ended.stderr and "--max-lora-rank 16" in ended.stderr
+def test_a_bad_lora_module_stops_the_start(adapters: dict, real_model_dir: Path) -> None:
+    """``open_adapters`` (what the server runs before it serves) refuses a bad
+    ``--lora-modules`` with the reason; the config refuses one without ``--enable-lora``."""
+    lora = engine_config(enable_lora=True)
+    config = ServerConfig(engine=lora, lora_modules=(("big", str(adapters["big"])),))
+    with pytest.raises(EngineStartupError, match=r"--lora-modules big=.*--max-lora-rank 16"):
+        open_adapters(str(real_model_dir), config)
+    with pytest.raises(ValueError, match="need --enable-lora"):
+        ServerConfig(lora_modules=(("sql", str(adapters["sql"])),))
     refused = serve_until_it_exits("--lora-modules", f"sql={adapters['sql']}")
     assert refused.returncode != 0 and "need --enable-lora" in refused.stderr

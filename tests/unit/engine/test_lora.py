@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 #: Largest |logprob difference| from peft's merged model: the engine adds ``x A^T B^T``
 #: to the base product where peft merged ``B A`` into the weight (float32 rounding only).
 LOGPROB_TOL = 1e-4
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 #: Prompts of 9, 12, 30 and 45 tokens (the last continues the third: a cached prefix).
 PROMPTS = [
     [1, 504, 3458, 282, 4649, 314, 253, 5549, 30],
@@ -100,7 +100,7 @@ def _assert_as_peft(model_dir: Path, requests: list, results: dict[str, tuple]) 
 def test_adapters_and_the_base_model_mixed_in_one_batch_equal_peft(
     real_model_dir: Path, smol_adapters: list[LoraRef], tight: bool
 ) -> None:
-    cache = {"num_kv_blocks": 12, "max_num_batched_tokens": 16, "max_model_len": 128}
+    cache = {"num_kv_blocks": 8, "max_num_batched_tokens": 16, "max_model_len": 128}
     cache = cache if tight else {}
     config = engine_config(
         str(real_model_dir),
@@ -116,7 +116,8 @@ def test_adapters_and_the_base_model_mixed_in_one_batch_equal_peft(
     adapters: list[LoraRef | None] = [None, *smol_adapters]
     # Every prompt under every adapter (the same prompt under two adapters must not share
     # cached blocks), in an order that mixes them in each step.
-    requests = [(p, adapters[(i + j) % 4]) for i, p in enumerate(PROMPTS) for j in range(4)]
+    prompts = PROMPTS[1:]  # 12, 30 and 45 tokens: chunks of 16, a cached prefix
+    requests = [(p, adapters[(i + j) % 4]) for i, p in enumerate(prompts) for j in range(4)]
     preemptions = 0
     original_step = core.step
 

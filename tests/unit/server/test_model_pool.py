@@ -62,6 +62,7 @@ class FakeServing:
         self.name = name
         self.engine = FakeEngine()
         self.store = None
+        self.adapters = None  # no LoRA adapters
 
 
 class FakeStarter:
