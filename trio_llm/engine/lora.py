@@ -158,6 +158,12 @@ class _Stack:
         ]
         if not found:
             return None
+        if len(found) == 1:  # one adapter: its own matrices, no copy
+            i, (a, b) = found[0]
+            owners = (i,) * a.shape[0]
+            if owners not in self._owners:
+                self._owners[owners] = torch.full((a.shape[0],), i, device=a.device)
+            return a, b, b.shape[0], self._owners[owners]
         a = torch.cat([a for _, (a, _) in found])
         width = max(b.shape[0] for _, (_, b) in found)
         b_all = a.new_zeros(width, a.shape[0])
@@ -223,7 +229,7 @@ class LoraAdapters:
         when no request has an adapter."""
         adapters: dict[str, int] = {}
         found: list[LoraAdapter] = []
-        owner: list[int] = []
+        indices: list[tuple[int, int]] = []  # (adapter index or -1, new tokens) a request
         for request, count in scheduled:
             adapter = adapter_of(request)
             index = -1
@@ -231,17 +237,18 @@ class LoraAdapters:
                 index = adapters.setdefault(adapter.digest, len(found))
                 if index == len(found):
                     found.append(adapter)
-            owner += [index] * count
-        if not found:
+            indices.append((index, count))
+        if not found:  # a step of the base model alone: no per-row work
             return None
         key = tuple(adapters)
         stack = self._stacks.pop(key, None) or _Stack(found)
         self._stacks[key] = stack
         while len(self._stacks) > STACKS_KEPT:
             self._stacks.popitem(last=False)
-        every = len(found) == 1 and -1 not in owner
-        rows = None if every else torch.tensor(owner, dtype=torch.int64, device=self.device)
-        return LoraBatch(stack, rows)
+        if len(found) == 1 and all(index == 0 for index, _ in indices):
+            return LoraBatch(stack, None)
+        owner = [index for index, count in indices for _ in range(count)]
+        return LoraBatch(stack, torch.tensor(owner, dtype=torch.int64, device=self.device))
 
 
 class LoraBatch:
