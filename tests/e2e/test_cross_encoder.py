@@ -111,8 +111,10 @@ def test_the_reranker_sits_beside_an_embedder_and_a_chat_model(server: str) -> N
     refuses, naming ``model``, the ones that do not."""
     cards = httpx.get(f"{server}/v1/models").json()["data"]
     assert {card["id"] for card in cards} == {RERANKER, EMBEDDER, CHAT}
-    embedded = httpx.post(
-        f"{server}/v1/rerank", json={"model": EMBEDDER, "query": QUERY, "documents": DOCUMENTS}
+    embedded = httpx.post(  # the embedding model loads on demand too
+        f"{server}/v1/rerank",
+        json={"model": EMBEDDER, "query": QUERY, "documents": DOCUMENTS},
+        timeout=120,
     )
     assert embedded.status_code == 200, embedded.text
     chat = httpx.post(  # the chat model may start on demand
