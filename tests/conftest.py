@@ -32,15 +32,22 @@ from trio_llm.model_files.loader import resolve_model_dir
 SLOW_DIRS = ("e2e", "chaos", "fuzz")
 
 TESTS = Path(__file__).parent
+#: Set to run the tests marked ``long`` (``make test-long``): each starts several servers
+#: or restarts engines and servers again and again (replicas, chaos samples, restarts).
+LONG_ENV = "TRIO_LLM_LONG"
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> Generator[None, None, None]:
-    """Mark everything under `SLOW_DIRS` slow (before ``-m`` selects), then run the fast
-    tier first (after pytest's own reordering; the order within each tier is kept)."""
+    """Mark everything under `SLOW_DIRS` slow (before ``-m`` selects), skip the ``long``
+    tests unless `LONG_ENV` is set, then run the fast tier first (after pytest's own
+    reordering; the order within each tier is kept)."""
+    run_long = bool(os.environ.get(LONG_ENV))
     for item in items:
+        if item.get_closest_marker("long") is not None and not run_long:
+            item.add_marker(pytest.mark.skip(reason=f"opt-in long test: set {LONG_ENV}=1"))
         relative = item.path.relative_to(TESTS) if item.path.is_relative_to(TESTS) else None
         if relative is not None and relative.parts[0] in SLOW_DIRS:
             item.add_marker(pytest.mark.slow)

@@ -63,6 +63,7 @@ def _data_parallel_sample() -> TrialSpec:
     return next(spec for spec in plan if spec.engine_fails and spec.fault not in taken)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     "spec",
     [*_sample(), _data_parallel_sample()],

@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.e2e.conftest import MODEL
@@ -76,6 +77,7 @@ async def _streams(client: httpx.AsyncClient, count: int, fault=None) -> list[st
     return outcomes
 
 
+@pytest.mark.long
 async def test_two_engines_serve_fail_alone_and_die_with_the_server(
     tmp_path: Path, real_model_dir: Path
 ) -> None:

@@ -24,6 +24,7 @@ psycopg = pytest.importorskip("psycopg")
 ARGS = [*SMALL_SERVER_ARGS, "--dtype", "float32", "--num-threads", "1"]
 
 
+@pytest.mark.long
 def test_two_servers_on_one_postgresql_store_migrate_once_and_serve(
     postgres_store_url: str, tmp_path: Path, real_model_dir: Path
 ) -> None:

@@ -115,6 +115,7 @@ def test_two_servers_on_one_folder_share_what_either_computed(tmp_path: Path) ->
             second.close()
 
 
+@pytest.mark.long
 def test_the_other_engine_a_reloaded_model_and_a_restarted_server_read_the_blocks(
     tmp_path: Path,
 ) -> None:

@@ -244,6 +244,7 @@ async def _drain_two_busy_models(server: ServerProcess, client: httpx.AsyncClien
     assert "stopped (received SIGTERM)" in server.log()
 
 
+@pytest.mark.long
 async def test_one_model_at_a_time(tmp_path: Path, tiny_model_dir: Path, minilm_dir: Path) -> None:
     models = _models((str(tiny_model_dir), TINY), (str(minilm_dir), EMBED))
     args = [*ARGS, *models, "--max-loaded-models", "1"]

@@ -269,6 +269,7 @@ def test_a_store_url_under_a_file_stops_the_start_with_one_line(tmp_path: Path) 
     )
 
 
+@pytest.mark.long
 def test_stored_responses_survive_a_restart(
     client: OpenAI,
     first_server: ServerProcess,
