@@ -3,13 +3,17 @@
 A request runs with at most one adapter (`SamplingParams.lora`); one step mixes requests
 of several adapters and of the base model. The base product ``y = x @ W.T`` runs once over
 every packed row, then each adapted product adds ``((x @ A_S.T) * M) @ B_S.T``: ``A_S``
-and ``B_S`` hold the step's adapters' matrices side by side (each adapter its own rank
-columns; ``B`` scaled by ``lora_alpha / r`` when the adapter loads), and the mask ``M``
-zeroes, in each row, the columns of the adapters it does not run with (all of them for a
-base-model row). Two products and a mask per projection whatever the number of adapters:
-never a forward pass per adapter, and no gather or scatter of rows (the rank columns a row
-does not use cost less than moving the rows would at these ranks). `_Stack` builds the
-side-by-side matrices once per set of adapters and keeps them for the next steps.
+holds the step's adapters' ``A`` side by side (each adapter its own rank columns), the
+mask ``M`` zeroes, in each row, the columns of the adapters it does not run with (all of
+them for a base-model row), and ``B_S`` (scaled by ``lora_alpha / r`` when the adapter
+loads) is applied module by module: the rank columns of one module (the q of every
+adapter, then the k, ...) are contiguous, and each module's output columns get one
+``addmm_`` with that module's ``B`` of every adapter side by side, never the zero blocks
+of the other modules. One product, a mask and an ``addmm_`` per module, whatever the
+number of adapters: never a forward pass per adapter, and no gather or scatter of rows
+(the rank columns a row does not use cost less than moving the rows would at these
+ranks). `_Stack` builds the side-by-side matrices once per set of adapters and keeps them
+for the next steps.
 
 Where the products are:
 
@@ -44,10 +48,13 @@ from trio_llm.messages import LoraRef
 #: Where each module's output columns start in a product: ``{product: [(module, first
 #: column)]}`` (`LoraAdapter`). Per module (transformers' modules) each is a product.
 Layout = dict[str, list[tuple[str, int]]]
-#: One product of one adapter: ``A`` of its modules concatenated ``[R, in]``, and ``s B``
-#: ``[width, R]``: each module's ``B`` at its output columns and rank rows, zero elsewhere
-#: (``width``: up to the last adapted column).
-_Product = tuple[torch.Tensor, torch.Tensor]
+#: One product of one adapter: ``A`` of its modules concatenated ``[R, in]`` (in the
+#: layout's module order), and per module ``(first output column, its rank, s B
+#: [module width, rank])``.
+_Product = tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]
+#: One module's share of a stacked product: ``(first output column, first and last + 1
+#: rank column, B [module width, its rank columns])``.
+_Segment = tuple[int, int, int, torch.Tensor]
 #: How many sets of a step's adapters keep their products stacked (`_Stack`).
 STACKS_KEPT = 8
 
@@ -120,22 +127,20 @@ def _stack(
     dtype: torch.dtype,
     device: torch.device,
 ) -> _Product:
-    """One product's ``A`` rows concatenated and its ``B`` placed at each module's
-    columns (`_Product`)."""
+    """One product's ``A`` rows concatenated and each module's ``B`` with its output
+    column (`_Product`)."""
     a = torch.cat([a for (a, _), _ in parts]).to(device=device, dtype=dtype).contiguous()
-    width = max(column + b.shape[0] for (_, b), column in parts)
-    b_all = torch.zeros(width, a.shape[0], dtype=dtype, device=device)
-    rank_row = 0
-    for (a_part, b), column in parts:
-        rank = a_part.shape[0]
-        b_all[column : column + b.shape[0], rank_row : rank_row + rank] = b
-        rank_row += rank
-    return a, b_all
+    modules = [
+        (column, a_part.shape[0], b.to(device=device, dtype=dtype).contiguous())
+        for (a_part, b), column in parts
+    ]
+    return a, modules
 
 
 class _Stack:
     """The products of a set of adapters side by side: for each ``(layer, product)``,
-    ``A`` ``[R, in]`` of every adapter having it, ``B`` ``[width, R]`` and which adapter
+    ``A`` ``[R, in]`` of every adapter having it (grouped by module: every adapter's q
+    rows, then every adapter's k rows, ...), each module's `_Segment`, and which adapter
     (its index in the set) each of the ``R`` rank columns belongs to. Built on first use."""
 
     def __init__(self, adapters: list[LoraAdapter]) -> None:
@@ -144,8 +149,8 @@ class _Stack:
         self._owners: dict[tuple[int, ...], torch.Tensor] = {}
 
     def get(self, key: tuple[int, str]) -> tuple | None:
-        """``(A, B, width, column owners)`` of product ``key``, or None (no adapter of the
-        set adapts it)."""
+        """``(A, segments, column owners)`` of product ``key``, or None (no adapter of
+        the set adapts it)."""
         if key not in self._products:
             self._products[key] = self._build(key)
         return self._products[key]
@@ -159,21 +164,35 @@ class _Stack:
         if not found:
             return None
         if len(found) == 1:  # one adapter: its own matrices, no copy
-            i, (a, b) = found[0]
-            owners = (i,) * a.shape[0]
-            if owners not in self._owners:
-                self._owners[owners] = torch.full((a.shape[0],), i, device=a.device)
-            return a, b, b.shape[0], self._owners[owners]
-        a = torch.cat([a for _, (a, _) in found])
-        width = max(b.shape[0] for _, (_, b) in found)
-        b_all = a.new_zeros(width, a.shape[0])
-        owners: list[int] = []
-        for i, (a_part, b) in found:
-            b_all[: b.shape[0], len(owners) : len(owners) + a_part.shape[0]] = b
-            owners += [i] * a_part.shape[0]
-        # One owners tensor per pattern: a step builds one mask per pattern, not per layer.
-        owner = self._owners.setdefault(tuple(owners), torch.tensor(owners, device=a.device))
-        return a, b_all, width, owner
+            i, (a, modules) = found[0]
+            segments, first = [], 0
+            for column, rank, b in modules:
+                segments.append((column, first, first + rank, b))
+                first += rank
+            return a, segments, self._owner((i,) * a.shape[0], a.device)
+        by_column: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for i, (a, modules) in found:
+            first = 0
+            for column, rank, b in modules:
+                by_column.setdefault(column, []).append((i, a[first : first + rank], b))
+                first += rank
+        rows, owners, segments = [], [], []
+        for column in sorted(by_column):
+            start = len(owners)
+            for i, a_part, _ in by_column[column]:
+                rows.append(a_part)
+                owners += [i] * a_part.shape[0]
+            b = torch.cat([b for _, _, b in by_column[column]], dim=1)
+            segments.append((column, start, len(owners), b))
+        a = torch.cat(rows).contiguous()
+        return a, segments, self._owner(tuple(owners), a.device)
+
+    def _owner(self, owners: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """One owners tensor per pattern: a step builds one mask per pattern, not per
+        layer."""
+        if owners not in self._owners:
+            self._owners[owners] = torch.tensor(owners, device=device)
+        return self._owners[owners]
 
 
 class LoraAdapters:
@@ -268,12 +287,13 @@ class LoraBatch:
     def apply(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the adapters' terms of product ``key`` to ``y`` (``[..., T, out]``, in
         place) from its input ``x`` (``[..., T, in]``): ``(x A^T)`` with each row's
-        columns of other adapters zeroed, times ``B^T``: three products and a mask, for
-        any number of adapters."""
+        columns of other adapters zeroed, then each module's columns of ``y`` plus that
+        times its ``B^T``: one product, a mask and an ``addmm_`` per module, for any
+        number of adapters."""
         found = self.stack.get(key)
         if found is None:
             return
-        a, b, width, owners = found
+        a, segments, owners = found
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
         low = x2 @ a.t()  # [T, R]
@@ -283,7 +303,8 @@ class LoraBatch:
                 mask = (self.owner[:, None] == owners[None, :]).to(low.dtype)
                 self._masks[id(owners)] = mask
             low.mul_(mask)
-        y2[:, :width].addmm_(low, b.t())
+        for column, first, last, b in segments:
+            y2[:, column : column + b.shape[0]].addmm_(low[:, first:last], b.t())
 
 
 _CURRENT: contextvars.ContextVar[LoraBatch | None] = contextvars.ContextVar(
